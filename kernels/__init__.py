@@ -1,0 +1,37 @@
+"""fastddp.kernels: fused gradient pack/unpack.
+
+``pack(srcs, dst, offsets=None, scale=1.0, divide=None)`` gathers many
+separate tensors into one flat buffer, scales and casts them, in one launch
+per source dtype.  ``unpack(src, dsts, offsets=None, scale=1.0, divide=None,
+accumulate=False)`` does the reverse in one launch per destination dtype.
+
+Backends (chosen by :mod:`fastddp.kernels._backend`, once, cached):
+
+* ``triton``: compiled Triton kernels, for CUDA tensors;
+* ``interpret``: the same kernel source under the Triton interpreter, for CPU
+  tensors when ``TRITON_INTERPRET=1`` was set before import (how CI tests the
+  kernels);
+* ``reference``: the plain-torch twin (:mod:`fastddp.kernels.reference`), for
+  CPU tensors otherwise and for non-contiguous tensors.
+
+The arithmetic contract is written in :mod:`fastddp.kernels.reference`.
+"""
+
+from __future__ import annotations
+
+from ._backend import backend, reset_backend
+from ._counters import launch_count, reset_launch_count, stats
+from ._ops import Layout, pack, unpack
+from . import reference
+
+__all__ = [
+    "Layout",
+    "backend",
+    "launch_count",
+    "pack",
+    "reference",
+    "reset_backend",
+    "reset_launch_count",
+    "stats",
+    "unpack",
+]

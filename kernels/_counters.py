@@ -1,0 +1,33 @@
+"""Launch counters: how tests prove "one launch per bucket" on any backend."""
+
+from __future__ import annotations
+
+import threading
+
+_lock = threading.Lock()
+_counts = {"launches": 0, "pack_calls": 0, "unpack_calls": 0, "reference_calls": 0}
+
+
+def _bump(key: str, n: int = 1) -> None:
+    with _lock:
+        _counts[key] += n
+
+
+def launch_count() -> int:
+    """Triton kernel launches (compiled or interpreted) since the last reset."""
+    return _counts["launches"]
+
+
+def reset_launch_count() -> None:
+    """Zero every counter (tests call this before the step they measure)."""
+    with _lock:
+        for k in _counts:
+            _counts[k] = 0
+
+
+def stats() -> dict[str, int]:
+    """A copy of all counters: Triton ``launches``, ``pack_calls`` and
+    ``unpack_calls`` (one per public call, any backend) and
+    ``reference_calls`` (calls served by the plain-torch twin)."""
+    with _lock:
+        return dict(_counts)

@@ -1,0 +1,133 @@
+"""The ops the reducer calls: argument checks, backend dispatch, layout cache."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import reference
+from ._backend import backend
+from ._counters import _bump
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class Layout:
+    """The fixed layout of one bucket: the shapes of its tensors and their
+    element offsets inside a flat buffer.
+
+    Build it once per bucket and pass it to every :func:`pack` / :func:`unpack`
+    of that bucket: it caches the views of each flat buffer it has met (the
+    CPU path) and the backends' chunk tables (Triton), so a step only refreshes
+    the tensors' addresses.  It holds views of at most the few buffers a
+    bucket owns (its flat bucket, its wire buffer).
+    """
+
+    __slots__ = ("shapes", "numels", "offsets", "total", "_views", "cache")
+
+    def __init__(self, shapes: Sequence[Sequence[int]], offsets: Sequence[int] | None = None):
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.numels = [s.numel() for s in self.shapes]
+        self.offsets = reference.default_offsets(self.numels) if offsets is None else [int(o) for o in offsets]
+        if len(self.offsets) != len(self.numels):
+            raise ValueError(f"Layout: {len(self.numels)} shapes but {len(self.offsets)} offsets")
+        self.total = max((o + n for o, n in zip(self.offsets, self.numels)), default=0)
+        self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
+        self.cache: dict = {}  # backend-private (chunk tables, pointer buffers)
+
+    @classmethod
+    def for_tensors(cls, tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None) -> "Layout":
+        return cls([t.shape for t in tensors], offsets)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like the layout's tensors (cached per buffer)."""
+        key = (flat.data_ptr(), flat.dtype, flat.numel())
+        v = self._views.get(key)
+        if v is None:
+            if flat.numel() < self.total:
+                raise ValueError(f"Layout needs a flat buffer of >= {self.total} elements, got {flat.numel()}")
+            v = [flat.narrow(0, o, n).view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+            if len(self._views) >= 8:  # a bucket owns a handful of buffers; never grow unbounded
+                self._views.clear()
+            self._views[key] = v
+        return v
+
+
+def _check_common(op: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale, divide) -> None:
+    reference._check_scaling(scale, divide)
+    if flat.dim() != 1:
+        raise ValueError(f"{op}: the flat buffer must be 1-D, got shape {tuple(flat.shape)}")
+    if flat.dtype not in _FLOATS:
+        raise TypeError(f"{op}: flat buffer dtype {flat.dtype} is not one of fp32/fp16/bf16/fp64")
+    if not flat.is_contiguous():
+        raise ValueError(f"{op}: the flat buffer must be contiguous")
+    for i, t in enumerate(tensors):
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{op}: tensor {i} has dtype {t.dtype}; supported: fp32, fp16, bf16, fp64")
+        if t.device != flat.device:
+            raise ValueError(f"{op}: tensor {i} is on {t.device} but the flat buffer is on {flat.device}")
+
+
+def _resolve_layout(op: str, tensors, flat, offsets, layout) -> Layout:
+    if layout is not None:
+        if offsets is not None:
+            raise ValueError(f"{op}: pass offsets or layout, not both")
+        if len(layout.numels) != len(tensors):
+            raise ValueError(f"{op}: layout has {len(layout.numels)} tensors, got {len(tensors)}")
+        return layout
+    lay = Layout.for_tensors(tensors, offsets)
+    reference._check_layout(lay.numels, lay.offsets, flat.numel(), op)
+    return lay
+
+
+def _use_triton(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> str | None:
+    name = backend(flat.device)
+    if name == "reference":
+        return None
+    if not all(t.is_contiguous() for t in tensors):
+        return None  # documented fallback: the kernels read/write flat memory
+    return name
+
+
+def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int] | None = None,
+         scale: float = 1.0, divide: float | None = None, *, layout: Layout | None = None) -> torch.Tensor:
+    """Gather ``srcs`` into the flat ``dst`` at element ``offsets`` (default: back to
+    back), multiplied by ``scale`` (or divided by ``divide``) and cast to
+    ``dst.dtype``; one launch per source dtype.  Returns ``dst``."""
+    _check_common("pack", dst, srcs, scale, divide)
+    lay = _resolve_layout("pack", srcs, dst, offsets, layout)
+    _bump("pack_calls")
+    if not srcs:
+        return dst
+    mode = _use_triton(dst, srcs)
+    if mode is None:
+        _bump("reference_calls")
+        reference.pack_views(srcs, lay.views(dst), scale, divide)
+        return dst
+    from .pack import pack_triton
+
+    pack_triton(srcs, dst, lay, scale, divide)
+    return dst
+
+
+def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int] | None = None,
+           scale: float = 1.0, divide: float | None = None, accumulate: bool = False,
+           *, layout: Layout | None = None) -> Sequence[torch.Tensor]:
+    """Scatter the flat ``src`` into ``dsts``: each slice multiplied by ``scale`` (or
+    divided by ``divide``), cast to its destination's dtype and stored (or added,
+    with ``accumulate=True``); one launch per destination dtype.  Returns ``dsts``."""
+    _check_common("unpack", src, dsts, scale, divide)
+    lay = _resolve_layout("unpack", dsts, src, offsets, layout)
+    _bump("unpack_calls")
+    if not dsts:
+        return dsts
+    mode = _use_triton(src, dsts)
+    if mode is None:
+        _bump("reference_calls")
+        reference.unpack_views(lay.views(src), dsts, scale, divide, accumulate)
+        return dsts
+    from .unpack import unpack_triton
+
+    unpack_triton(src, dsts, lay, scale, divide, accumulate)
+    return dsts

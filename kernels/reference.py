@@ -1,0 +1,140 @@
+"""Plain-torch twin of the fused pack/unpack kernels.
+
+One implementation serves three roles (see STYLE.md, "the reference lives in
+the package"): the CPU path of the reducer, the oracle of the kernel tests and
+the baseline of the benchmarks.  Never copy it into tests or benches.
+
+Arithmetic contract (the Triton kernels match it bit for bit):
+
+* compute dtype ``C`` is float64 when the source or the destination is
+  float64, float32 otherwise;
+* ``pack``:   ``dst[o:o+n] = cast_dst( src.to(C) * C(scale) )``
+  or, with ``divide``, ``cast_dst( src.to(C) / C(divide) )``;
+* ``unpack``: ``v = src[o:o+n].to(C) * C(scale)`` (or ``/ C(divide)``),
+  ``dst = cast_dst(dst.to(C) + v)`` when ``accumulate`` else ``cast_dst(v)``;
+* casts round to nearest even like ``Tensor.to``; a scale of exactly 1.0 with
+  no divide is a pure cast (a copy when the dtypes agree).
+
+Torch's own rules for DDP follow from this: the default reducer multiplies
+each gradient by ``fp32(1/W)``; ``batched_grad_copy`` and ``allreduce_hook``
+divide by ``W``.  On CUDA, torch's ``div`` by a CPU scalar multiplies by the
+reciprocal instead; the CUDA launcher mirrors that, so each device matches
+torch on that device.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["compute_dtype", "default_offsets", "pack", "unpack", "pack_views", "unpack_views"]
+
+
+def compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The dtype the arithmetic of one (source, destination) pair runs in."""
+    return torch.float64 if torch.float64 in (a, b) else torch.float32
+
+
+def default_offsets(numels: Sequence[int]) -> list[int]:
+    """Offsets that pack tensors back to back, in order."""
+    out, acc = [], 0
+    for n in numels:
+        out.append(acc)
+        acc += int(n)
+    return out
+
+
+def _scaled(x: torch.Tensor, scale: float, divide: float | None) -> torch.Tensor:
+    # ``x`` is already in the compute dtype; python scalars are converted to
+    # it by torch exactly as the kernels convert them.
+    if divide is not None:
+        return x / divide
+    if scale != 1.0:
+        return x * scale
+    return x
+
+
+def _check_scaling(scale: float, divide: float | None) -> None:
+    if divide is not None and scale != 1.0:
+        raise ValueError(
+            f"pass either scale={scale} or divide={divide}, not both: they are two "
+            "different rounding rules (torch multiplies by fp32(1/W) on its default "
+            "path and divides by W on batched_grad_copy)"
+        )
+    if divide is not None and divide == 0:
+        raise ValueError("divide=0: the divisor of the gradient average must be non-zero")
+
+
+def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
+               scale: float = 1.0, divide: float | None = None) -> None:
+    """Write each ``srcs[i]`` (any shape) into ``views[i]`` (a view of the flat
+    bucket with the same numel), scaled and cast.  The fast CPU path: for the
+    common case (same dtype, float32) it is one foreach copy plus one in-place
+    scale per distinct view run, with exactly the contract's arithmetic."""
+    for s, v in zip(srcs, views):
+        c = compute_dtype(s.dtype, v.dtype)
+        if s.dtype == v.dtype == c:
+            # Same dtype as compute: torch.mul/div(out=) is the contract exactly.
+            if divide is not None:
+                torch.div(s.reshape(v.shape), divide, out=v)
+            elif scale != 1.0:
+                torch.mul(s.reshape(v.shape), scale, out=v)
+            else:
+                v.copy_(s.reshape(v.shape))
+        else:
+            v.copy_(_scaled(s.reshape(v.shape).to(c), scale, divide))
+
+
+def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int] | None = None,
+         scale: float = 1.0, divide: float | None = None) -> torch.Tensor:
+    """Gather ``srcs`` into the flat ``dst`` at ``offsets``, scaled, cast to ``dst.dtype``."""
+    _check_scaling(scale, divide)
+    if dst.dim() != 1:
+        raise ValueError(f"pack: dst must be 1-D (a flat bucket), got shape {tuple(dst.shape)}")
+    numels = [s.numel() for s in srcs]
+    offs = default_offsets(numels) if offsets is None else [int(o) for o in offsets]
+    _check_layout(numels, offs, dst.numel(), "pack")
+    views = [dst.narrow(0, o, n) for o, n in zip(offs, numels)]
+    pack_views(srcs, views, scale, divide)
+    return dst
+
+
+def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
+                 scale: float = 1.0, divide: float | None = None, accumulate: bool = False) -> None:
+    """Reverse of :func:`pack_views`: ``dsts[i] (=|+=) cast(views[i] * scale)``."""
+    for v, d in zip(views, dsts):
+        c = compute_dtype(v.dtype, d.dtype)
+        v = v.reshape(d.shape)
+        if not accumulate and v.dtype == d.dtype == c and divide is None and scale == 1.0:
+            d.copy_(v)
+            continue
+        val = _scaled(v.to(c), scale, divide)
+        if accumulate:
+            val = d.to(c) + val
+        d.copy_(val)
+
+
+def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int] | None = None,
+           scale: float = 1.0, divide: float | None = None, accumulate: bool = False) -> Sequence[torch.Tensor]:
+    """Scatter slices of the flat ``src`` into ``dsts``, scaled and cast back."""
+    _check_scaling(scale, divide)
+    if src.dim() != 1:
+        raise ValueError(f"unpack: src must be 1-D (a flat bucket), got shape {tuple(src.shape)}")
+    numels = [d.numel() for d in dsts]
+    offs = default_offsets(numels) if offsets is None else [int(o) for o in offsets]
+    _check_layout(numels, offs, src.numel(), "unpack")
+    views = [src.narrow(0, o, n) for o, n in zip(offs, numels)]
+    unpack_views(views, dsts, scale, divide, accumulate)
+    return dsts
+
+
+def _check_layout(numels: Sequence[int], offsets: Sequence[int], total: int, op: str) -> None:
+    if len(offsets) != len(numels):
+        raise ValueError(f"{op}: {len(numels)} tensors but {len(offsets)} offsets")
+    for i, (o, n) in enumerate(zip(offsets, numels)):
+        if o < 0 or o + n > total:
+            raise ValueError(
+                f"{op}: tensor {i} (numel {n}) at offset {o} does not fit in the flat "
+                f"buffer of {total} elements"
+            )
