@@ -1,7 +1,15 @@
-"""fastddp: a drop-in, faster torch.nn.parallel.DistributedDataParallel."""
+"""fastddp: a drop-in, faster torch.nn.parallel.DistributedDataParallel.
+
+    from fastddp import DistributedDataParallel as DDP
+"""
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
 from . import kernels  # noqa: F401  (installed from the top-level kernels/ folder)
+from . import hooks
+from .ddp import DistributedDataParallel
+from .hooks import GradBucket
+
+__all__ = ["DistributedDataParallel", "GradBucket", "hooks", "kernels"]

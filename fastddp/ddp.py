@@ -1,0 +1,412 @@
+"""The ``nn.Module`` front: torch 2.13's DistributedDataParallel signature and
+semantics; all bucket logic lives in :mod:`fastddp.reducer`."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import planner, profiling
+from .reducer import Reducer, ReducerOptions
+
+__all__ = ["DistributedDataParallel"]
+
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
+
+
+class _Sink(torch.autograd.Function):
+    """Outputs pass through it (torch's ``_DDPSink``): with
+    find_unused_parameters, outputs left out of the loss still deliver
+    (undefined) gradients, so their params are marked ready; with static_graph
+    it queues the first iteration's delayed all-reduce."""
+
+    @staticmethod
+    def forward(ctx, ddp_ref, *inputs):
+        ctx.set_materialize_grads(False)
+        ctx.ddp_ref = ddp_ref
+        return tuple(t.clone() for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ddp = ctx.ddp_ref()
+        if ddp is not None and ddp.static_graph and not ddp._static_graph_delay_allreduce_enqueued:
+            torch.autograd.Variable._execution_engine.queue_callback(ddp.reducer.delay_all_reduce)
+            ddp._static_graph_delay_allreduce_enqueued = True
+        return (None, *grads)
+
+
+def _not_yet(arg: str, issue: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"fastddp.DistributedDataParallel: `{arg}` is not supported yet ({issue}). Remove the "
+        f"argument, or use torch.nn.parallel.DistributedDataParallel for this model for now.")
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Drop-in replacement for :class:`torch.nn.parallel.DistributedDataParallel`.
+
+    Same constructor, same semantics, same gradients (bit for bit where the
+    arithmetic allows: see README); the reducer packs each bucket's gradients
+    in one fused launch, overlaps its all-reduce with the rest of backward
+    and unpacks it in one fused launch.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        device_ids=None,
+        output_device=None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group=None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
+        device_mesh=None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list=None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+    ):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "fastddp.DistributedDataParallel: the default process group is not initialized. "
+                "Call torch.distributed.init_process_group(backend=...) first (torchrun sets the "
+                "environment it needs), then wrap the model.")
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
+                             "need to be set at the same time.")
+        if delay_all_reduce_named_params is not None:
+            raise _not_yet("delay_all_reduce_named_params / param_to_hook_all_reduce", "issue 6")
+        if mixed_precision is not None:
+            raise _not_yet("mixed_precision", "issue 6")
+        if process_group is not None and device_mesh is not None:
+            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+        if device_mesh is not None:
+            raise _not_yet("device_mesh", "issue 6")
+        self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+
+        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.parameters_to_ignore = ignore
+        module_params = [p for n, p in module.named_parameters() if n not in ignore]
+        if not any(p.requires_grad for p in module_params):
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter "
+                "that requires a gradient.")
+        for n, p in module.named_parameters():
+            if isinstance(p, torch.nn.parameter.UninitializedParameter):
+                raise RuntimeError(
+                    f"Modules with uninitialized parameters can't be used with DistributedDataParallel "
+                    f"(parameter {n!r}). Run a dummy forward pass to initialize the module first.")
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError("device_ids can only be None or contain a single element.")
+        device_types = {p.device.type for p in module_params}
+        if len(device_types) != 1:
+            raise ValueError(
+                "DistributedDataParallel's input module must be on the same type of devices, but "
+                f"input module parameters locate in {device_types}.")
+        self.device_type = next(iter(device_types))
+        self.is_multi_device_module = len({p.device for p in module_params}) > 1
+        if not device_ids or self.device_type == "cpu" or self.is_multi_device_module:
+            if device_ids or output_device:
+                raise ValueError(
+                    "DistributedDataParallel device_ids and output_device arguments only work with "
+                    "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                    f"{device_ids}, output_device {output_device}, and module parameters "
+                    f"{ {p.device for p in module_params} }.")
+            self.device_ids = None
+            self.output_device = None
+        else:
+            from torch._utils import _get_device_index
+
+            self.device_ids = [_get_device_index(x, True) for x in device_ids]
+            self.output_device = _get_device_index(output_device if output_device is not None else device_ids[0], True)
+
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
+                          "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
+        if broadcast_buffers is not None:
+            warnings.warn(
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                "`broadcast_buffers` is deprecated and its value is ignored when "
+                "`forward_sync_buffers` is provided." if forward_sync_buffers is not None else
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: "
+                "unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers "
+                "at init.", FutureWarning, stacklevel=2)
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers = bool(forward_sync_buffers)
+            init_sync_buffers = True
+        else:
+            self.forward_sync_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+            init_sync_buffers = self.forward_sync_buffers
+
+        self.module = module
+        self.dim = dim
+        self.device = module_params[0].device
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.mixed_precision = None
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.static_graph = False
+        self._static_graph_delay_allreduce_enqueued = False
+        self.broadcast_bucket_size = _BROADCAST_BUCKET_BYTES
+        self._bucket_args = (bucket_cap_mb, tuple(bucket_cap_mb_list) if bucket_cap_mb_list else None)
+        self._comm_hooks: list[tuple[Callable, object]] = []
+
+        parameters, names = self._build_params_for_reducer()
+        if init_sync:
+            self._verify_params_across_ranks(parameters, names)
+            from torch.distributed.utils import _sync_module_states
+
+            _sync_module_states(module=self.module, process_group=self.process_group,
+                                broadcast_bucket_size=self.broadcast_bucket_size, src=0,
+                                params_and_buffers_to_ignore=self.parameters_to_ignore,
+                                broadcast_buffers=init_sync_buffers)
+        self._static_graph_arg = static_graph
+        self._build_reducer(parameters, names, static_graph)
+        if static_graph:
+            self._set_static_graph()
+
+    # ---------------------------------------------------------- construction
+    def _build_params_for_reducer(self):
+        pairs = [
+            (module, f"{mname}.{pname}" if mname else pname, p)
+            for mname, module in self.module.named_modules()
+            for pname, p in module.named_parameters(recurse=False)
+            if p.requires_grad and (f"{mname}.{pname}" if mname else pname) not in self.parameters_to_ignore
+        ]
+        memo, params, names = set(), [], []
+        for module, name, p in pairs:
+            if p in memo:
+                continue
+            memo.add(p)
+            if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+                raise NotImplementedError(
+                    f"fastddp: parameter {name!r} belongs to {type(module).__name__}(sparse=True), whose "
+                    "gradients are sparse; fastddp reduces dense gradients only. Use sparse=False, list "
+                    "the parameter in module._ddp_params_and_buffers_to_ignore and reduce it yourself, "
+                    "or use torch's DistributedDataParallel for this model.")
+            params.append(p)
+            names.append(name)
+        self._assign_modules_buffers()
+        return params, names
+
+    def _assign_modules_buffers(self):
+        named = [(n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+        self.modules_buffers = [b for _, b in named]
+        self.named_module_buffers = dict(named)
+
+    def _verify_params_across_ranks(self, params, names):
+        """Same count, shapes, dtypes and strides on every rank; the error
+        names the first mismatching parameter and the ranks."""
+        meta = [(n, tuple(p.shape), str(p.dtype), tuple(p.stride())) for n, p in zip(names, params)]
+        world = dist.get_world_size(self.process_group)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, meta, group=self.process_group)
+        ref = gathered[0]
+        for r in range(1, world):
+            other = gathered[r]
+            if len(other) != len(ref):
+                raise RuntimeError(
+                    f"fastddp: DDP expects the same model on every rank, but rank 0 has {len(ref)} "
+                    f"parameters that require grad and rank {r} has {len(other)}. Build the same "
+                    "model on every rank before wrapping it.")
+            for (n0, s0, d0, st0), (n1, s1, d1, st1) in zip(ref, other):
+                if (s0, d0, st0) != (s1, d1, st1) or n0 != n1:
+                    raise RuntimeError(
+                        f"fastddp: DDP expects the same model on every rank, but parameter {n0!r} on "
+                        f"rank 0 has shape {list(s0)}, dtype {d0}, strides {list(st0)} while "
+                        f"{n1!r} on rank {r} has shape {list(s1)}, dtype {d1}, strides {list(st1)}. "
+                        "Build the same model on every rank before wrapping it.")
+
+    def _bucket_config(self, static_graph: bool) -> planner.BucketConfig:
+        cap, cap_list = self._bucket_args
+        return planner.BucketConfig(bucket_cap_mb=cap, bucket_cap_mb_list=cap_list,
+                                    static_graph=static_graph,
+                                    find_unused_parameters=self.find_unused_parameters)
+
+    def _build_reducer(self, parameters, names, static_graph: bool) -> None:
+        opts = ReducerOptions(
+            bucket=self._bucket_config(static_graph),
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            batched_grad_copy=self.batched_grad_copy,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=static_graph,
+            skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
+        )
+        self.reducer = Reducer(parameters, names, self.process_group, opts)
+
+    def _set_static_graph(self) -> None:
+        """Declare the graph static (torch's private API, public in spirit)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self.reducer.num_iterations > 0:
+            raise RuntimeError("fastddp: _set_static_graph() must be called before the first forward.")
+        self.static_graph = True
+        self._static_graph_delay_allreduce_enqueued = False
+        if not self.reducer.opts.static_graph:
+            params, names = self.reducer.params, self.reducer.names
+            self.reducer.remove_hooks()
+            self._build_reducer(params, names, True)
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, "
+                "`_set_static_graph` will detect unused parameters automatically, so you do not need "
+                "to set find_unused_parameters=true, just be sure these unused parameters will not "
+                "change during training loop while calling `_set_static_graph`.", stacklevel=2)
+
+    # ---------------------------------------------------------------- pickling
+    def __getstate__(self):
+        attrs = dict(self.__dict__)
+        if self.process_group is not dist.distributed_c10d._get_default_group():
+            raise RuntimeError("fastddp: only a DDP model on the default process group can be pickled")
+        for k in ("process_group", "reducer"):
+            attrs.pop(k, None)
+        return attrs
+
+    def __setstate__(self, state):
+        self.process_group = dist.distributed_c10d._get_default_group()
+        super().__setstate__(state)
+        params, names = self._build_params_for_reducer()
+        self._build_reducer(params, names, self.static_graph)
+
+    # ----------------------------------------------------------------- forward
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def will_sync_module_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0
+
+    def _sync_buffers(self) -> None:
+        with torch.no_grad():
+            self._assign_modules_buffers()
+            with torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
+                dist._broadcast_coalesced(self.process_group, self.modules_buffers,
+                                          self.broadcast_bucket_size, 0)
+
+    def _pre_forward(self, *inputs, **kwargs):
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if grad_sync:
+            self.reducer.prepare_for_forward()
+        if torch.is_grad_enabled():
+            self.reducer.rebuild_buckets()
+        if self.will_sync_module_buffers():
+            self._sync_buffers()
+        if self.device_ids:
+            from torch.distributed.utils import _to_kwargs
+
+            moved_inputs, moved_kwargs = _to_kwargs(inputs, kwargs,
+                                                    torch.device(self.device_type, self.device_ids[0]), True)
+            return moved_inputs[0], moved_kwargs[0]
+        return inputs, kwargs
+
+    def _post_forward(self, output):
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            if self.find_unused_parameters and not self.static_graph:
+                leaves, _ = tree_flatten(output)
+                self.reducer.prepare_for_backward([t for t in leaves if isinstance(t, torch.Tensor)])
+            else:
+                self.reducer.prepare_for_backward([])
+        else:
+            self.require_forward_param_sync = False
+        if (self.find_unused_parameters and not self.static_graph) or (
+                self.static_graph and not self._static_graph_delay_allreduce_enqueued):
+            leaves, spec = tree_flatten(output)
+            idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            if idx and torch.is_grad_enabled():
+                passed = _Sink.apply(weakref.ref(self), *[leaves[i] for i in idx])
+                for i, t in zip(idx, passed):
+                    leaves[i] = t
+                output = tree_unflatten(leaves, spec)
+        return output
+
+    def forward(self, *inputs, **kwargs):
+        with profiling.range("fastddp/forward", self.device_type == "cuda"):
+            inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+            output = self.module(*inputs, **kwargs)
+            return self._post_forward(output)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        return self
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the first backward after the context
+        reduces what was accumulated (the forward must be inside the context)."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    # ------------------------------------------------------------------- hooks
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Register ``hook(state, bucket) -> Future[Tensor]`` for every bucket
+        (torch's contract: once, before the first backward)."""
+        self._check_comm_hook(hook)
+        if self.reducer.comm_hook is not None or self.reducer._fused_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if self.reducer.num_iterations > 0:
+            raise RuntimeError("fastddp: register_comm_hook must be called before the first forward/backward.")
+        self._comm_hooks.append((hook, state))
+        self.reducer.comm_hook = hook
+        self.reducer.comm_hook_state = state
+
+    @staticmethod
+    def _check_comm_hook(hook) -> None:
+        if not callable(hook):
+            raise TypeError(f"Communication hook must be callable, got {type(hook).__name__}.")
+        import inspect
+
+        try:
+            sig = inspect.signature(hook)
+        except (TypeError, ValueError):
+            return
+        params = [p for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(params) != 2 and not any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
+            raise TypeError(
+                f"Communication hook {getattr(hook, '__name__', hook)!r} must take exactly two "
+                f"arguments (state, bucket), got {len(params)}: {sig}.")
+
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
+            self.register_comm_hook(self.process_group, default_hooks.allreduce_hook)
+        elif comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
+            self.register_comm_hook(self.process_group, default_hooks.fp16_compress_hook)
+        else:
+            raise ValueError(f"Unknown built-in DDP comm hook type {comm_hook_type}.")
+
+    # -------------------------------------------------------------------- join
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        raise _not_yet("join()", "issue 6: uneven inputs")
+
+    def join_hook(self, **kwargs):
+        raise _not_yet("join_hook()", "issue 6: uneven inputs")

@@ -1,0 +1,532 @@
+"""The reducer: readiness hooks, the bucket state machine, pack -> collective
+-> unpack, end-of-backward finalize, unused parameters, rebuilds.
+
+It reproduces torch 2.13's C++ ``Reducer`` (``torch/csrc/distributed/c10d/
+reducer.cpp``) rule for rule where the rules decide gradients, and replaces its
+per-parameter work with one fused ``pack`` per bucket and one fused
+``unpack`` per bucket (``fastddp.kernels``).
+
+Per step, as data flows (see also the timeline in :mod:`fastddp.comm`)::
+
+    forward   prepare_for_backward(): arm hooks, reset countdowns, walk the graph
+              for unused params (find_unused_parameters)
+    backward  AccumulateGrad(p) -> post hook -> _autograd_hook(i) -> _mark_ready(i)
+              bucket b's countdown hits 0 -> PACK(b): ONE launch gathers the
+              grads into b's flat buffer, scaled by torch's rule
+              buckets are issued strictly in index order (every rank issues the
+              same collectives in the same order) -> async all-reduce(b)
+    end       engine callback _finalize(): wait(b) -> UNPACK(b): ONE launch
+              writes the averaged grads back into .grad (skipped while the
+              grads are views of the bucket)
+
+Scaling, exactly as torch (bit for bit):
+
+* default path: ``grad * fp32(1/W)`` while packing (torch's ``mul_out``);
+* ``batched_grad_copy``: ``grad / W`` (torch's foreach copy + flat ``div_``);
+* grads already aliasing the bucket (``gradient_as_bucket_view``): ``div_(W)``;
+* a registered comm hook: no scaling at all (the hook divides).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import kernels, planner, profiling
+from .comm import Comm, Pending
+
+__all__ = ["Reducer", "ReducerOptions"]
+
+
+@dataclass(frozen=True)
+class ReducerOptions:
+    """What the reducer does; resolved from the DDP constructor arguments."""
+
+    bucket: planner.BucketConfig
+    """Bucket sizing (caps, first-bucket rule, rebuild policy)."""
+    gradient_as_bucket_view: bool = False
+    """``.grad`` become views of the flat buckets (no copy in or out)."""
+    batched_grad_copy: bool = False
+    """torch's batched rule: divide by W (instead of multiplying by fp32(1/W))."""
+    find_unused_parameters: bool = False
+    """Walk the autograd graph from the outputs each step; unused params count as ready."""
+    static_graph: bool = False
+    """The set of used params is fixed: learnt in the first iteration."""
+    skip_all_reduce_unused_params: bool = False
+    """Do not reduce a bucket whose params were all unused on this rank."""
+
+
+class _Bucket:
+    """Runtime state of one bucket of the plan."""
+
+    __slots__ = ("index", "spec", "params", "indices", "layout", "flat", "views",
+                 "size", "pending", "work", "ready_event", "packed")
+
+    def __init__(self, spec: planner.Bucket, params: Sequence[torch.Tensor]):
+        self.index = spec.index
+        self.spec = spec
+        self.indices = list(spec.param_indices)
+        self.params = [params[i] for i in self.indices]
+        self.layout = kernels.Layout([p.shape for p in self.params], spec.offsets)
+        self.flat = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        self.views = self.layout.views(self.flat)
+        self.size = len(self.params)
+        self.pending = self.size
+        self.work: Pending | None = None
+        self.packed = False
+        self.ready_event = torch.cuda.Event() if spec.device.type == "cuda" else None
+
+
+class Reducer:
+    """Bucketed, overlapped gradient averaging for one DDP module."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 process_group, options: ReducerOptions):
+        if not params:
+            raise RuntimeError("fastddp: the reducer needs at least one parameter that requires grad")
+        self.params = list(params)
+        self.names = list(names)
+        self.opts = options
+        self.pg = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.device = self.params[0].device
+        self._comm = Comm(process_group, self.device)
+        self._lock = threading.Lock()
+
+        n = len(self.params)
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.comm_hook: Callable | None = None
+        self.comm_hook_state: Any = None
+        self._fused_hook = None  # set by fastddp.hooks for the fused compression paths
+
+        # Iteration state (torch's names where they exist).
+        self.num_iterations = 0
+        self._expect_hooks = False
+        self._require_finalize = False
+        self._next_bucket = 0
+        self._marked = bytearray(n)
+        self._marked_unused = False
+        self._unused: list[int] = []
+        self._static = options.static_graph
+        self._dynamic_find_unused = options.find_unused_parameters and not options.static_graph
+        self._local_used = bytearray(n)
+        self._global_used: list[int] | None = None
+        self._used_work = None
+        self._used_tensor: torch.Tensor | None = None
+        self._hook_counts = [0] * n          # static graph: hooks per param in iteration 1
+        self._per_iter_counts: list[int] = []
+        self._ready_order: list[int] = []
+        self._has_rebuilt = False
+        self._delay_all_reduce_queued = False
+        self.last_bucket_issue: list[float] = []
+
+        self.plan = planner.initial_plan(self.params, options.bucket)
+        self._install_plan(self.plan)
+
+        # Readiness: a post hook on each parameter's AccumulateGrad node (torch's
+        # own mechanism; it fires once per accumulation, after it).  The nodes
+        # are kept alive here, as torch's reducer keeps grad_accumulators_.
+        self._grad_accs = []
+        self._hook_handles = []
+        for i, p in enumerate(self.params):
+            acc = p.view_as(p).grad_fn.next_functions[0][0]
+            self._grad_accs.append(acc)
+            self._hook_handles.append(acc.register_hook(self._make_hook(i)))
+
+    # ------------------------------------------------------------------ plan
+    def _install_plan(self, plan: planner.BucketPlan) -> None:
+        old_views = getattr(self, "_buckets", None)
+        self.plan = plan
+        self._buckets = [_Bucket(spec, self.params) for spec in plan.buckets]
+        self._locate = [None] * len(self.params)
+        for b in self._buckets:
+            for pos, i in enumerate(b.indices):
+                self._locate[i] = (b, pos)
+        if self.opts.gradient_as_bucket_view and old_views is not None:
+            # As torch's initialize_bucket_views: live grads move into the new
+            # buckets and become views of them.
+            with torch.no_grad():
+                for b in self._buckets:
+                    for p, v in zip(b.params, b.views):
+                        if p.grad is not None and p.grad is not v:
+                            v.copy_(p.grad)
+                            p.grad = v
+
+    def _should_rebuild(self) -> bool:
+        return self.opts.bucket.should_rebuild and not self._has_rebuilt
+
+    def rebuild_buckets(self) -> bool:
+        """Called by the front before forward: rebuild the buckets once, in the
+        order gradients became ready (rank 0's order, broadcast), as torch."""
+        self.ensure_prior_reduction_finished()
+        if not self._should_rebuild() or not self._ready_order:
+            return False
+        n = len(self.params)
+        if len(self._ready_order) != n:
+            raise RuntimeError(
+                f"fastddp internal error: recorded {len(self._ready_order)} ready params of {n} "
+                "for the bucket rebuild")
+        order = torch.tensor(self._ready_order, dtype=torch.int64, device=self.device)
+        dist.broadcast(order, src=dist.get_global_rank(self.pg, 0) if self.pg is not None else 0,
+                       group=self.pg)
+        plan = planner.rebuilt_plan(self.params, order.tolist(), self.opts.bucket)
+        self._install_plan(plan)
+        self._has_rebuilt = True
+        self._ready_order = []
+        return True
+
+    # ----------------------------------------------------------- iteration
+    def prepare_for_forward(self) -> None:
+        self.num_iterations += 1
+
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Arm the hooks for the coming backward (the front calls it after a
+        forward that should synchronise)."""
+        self.ensure_prior_reduction_finished()
+        self._expect_hooks = True
+        self._next_bucket = 0
+        for b in self._buckets:
+            b.pending = b.size
+            b.work = None
+            b.packed = False
+        self._marked = bytearray(len(self.params))
+        self._marked_unused = False
+        if self._dynamic_find_unused:
+            self._global_used = None
+        if self._static and self.num_iterations > 1:
+            self._per_iter_counts = list(self._hook_counts)
+        if self._dynamic_find_unused:
+            self._unused = self._search_unused(outputs)
+
+    def _search_unused(self, outputs: Sequence[torch.Tensor]) -> list[int]:
+        """Params whose AccumulateGrad node is not reachable from the outputs."""
+        seen = set()
+        stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        reached = set()
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                i = self._index_of.get(id(var))
+                if i is not None:
+                    reached.add(i)
+            for nxt, _ in fn.next_functions:
+                if nxt is not None and nxt not in seen:
+                    stack.append(nxt)
+        return [i for i in range(len(self.params)) if i not in reached]
+
+    @property
+    def _static_first_iteration(self) -> bool:
+        return self._static and self.num_iterations == 1
+
+    @property
+    def _track_used(self) -> bool:
+        return self._dynamic_find_unused or self._static_first_iteration
+
+    # ------------------------------------------------------------ readiness
+    def _make_hook(self, index: int):
+        def hook(grad_inputs, grad_outputs):
+            self._autograd_hook(index)
+        return hook
+
+    def _autograd_hook(self, index: int) -> None:
+        with self._lock:
+            if self._track_used and self.params[index].grad is not None:
+                self._local_used[index] = 1
+            if self._static_first_iteration:
+                self._hook_counts[index] += 1
+                return
+            if not self._expect_hooks:
+                return  # no_sync(), eval, or a backward that DDP did not prepare
+            if not self._marked_unused:
+                self._marked_unused = True
+                for u in self._unused:
+                    self._mark_ready(u)
+            if self._static:
+                left = self._per_iter_counts[index]
+                if left <= 0:
+                    raise RuntimeError(
+                        f"fastddp: parameter {self.names[index]!r} produced a gradient it did not "
+                        "produce in the first iteration. Your training graph has changed in this "
+                        "iteration (e.g. a parameter unused in the first iteration is used now), "
+                        "which is not compatible with static_graph=True.")
+                self._per_iter_counts[index] = left - 1
+                if left > 1:
+                    return
+            if self._should_rebuild():
+                self._ready_order.append(index)
+            self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        if self._marked[index]:
+            raise RuntimeError(
+                f"fastddp: parameter {self.names[index]!r} (index {index}) was marked ready twice in "
+                "one iteration: several autograd hooks fired for it. This happens when a parameter "
+                "is used outside forward(), when parameters are shared across concurrent "
+                "forward/backward passes, or when reentrant backward passes (checkpoint with "
+                "use_reentrant=True) reuse it. If your graph does not change between iterations, "
+                "pass static_graph=True.")
+        self._marked[index] = 1
+        self._require_finalize = True
+        bucket, _ = self._locate[index]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._pack(bucket)
+            self._launch_ready()
+        if self._next_bucket == len(self._buckets):
+            self._all_buckets_issued()
+
+    def _all_buckets_issued(self) -> None:
+        if self._dynamic_find_unused:
+            self._all_reduce_used_map()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _all_reduce_used_map(self) -> None:
+        self._used_tensor = torch.tensor(list(self._local_used), dtype=torch.int32, device=self.device)
+        self._used_work = dist.all_reduce(self._used_tensor, group=self.pg, async_op=True)
+
+    # ------------------------------------------------------------------ pack
+    def _pack(self, bucket: _Bucket) -> None:
+        """Fill bucket's flat buffer from its params' grads (torch's
+        mark_variable_ready_dense + flush_deferred_copies, fused)."""
+        grads = [p.grad for p in bucket.params]
+        view_mode = self.opts.gradient_as_bucket_view
+        hook = self.comm_hook is not None and self._fused_hook is None
+        batched = self.opts.batched_grad_copy
+        with profiling.range(f"fastddp/pack[{bucket.index}]", self._comm.cuda), \
+                self._comm.pack_context(bucket.ready_event), torch.no_grad():
+            bucket.packed = True
+            if self._fused_hook is not None:
+                self._fused_hook.pack(self, bucket, grads)
+                return
+            has_none = any(g is None for g in grads)
+            n_alias = sum(1 for g, v in zip(grads, bucket.views) if g is v) if view_mode else 0
+            if not has_none and n_alias == 0:
+                if hook:
+                    kernels.pack(grads, bucket.flat, layout=bucket.layout)
+                elif batched:
+                    kernels.pack(grads, bucket.flat, layout=bucket.layout, divide=self.world)
+                else:
+                    kernels.pack(grads, bucket.flat, layout=bucket.layout, scale=1.0 / self.world)
+                if view_mode:
+                    for p, v in zip(bucket.params, bucket.views):
+                        p.grad = v
+                return
+            if not has_none and n_alias == bucket.size:
+                if not hook:
+                    bucket.flat.div_(self.world)
+                return
+            self._pack_mixed(bucket, grads, hook, batched, view_mode)
+
+    def _pack_mixed(self, bucket: _Bucket, grads, hook: bool, batched: bool, view_mode: bool) -> None:
+        """Some grads missing or already aliased: torch's per-parameter rules."""
+        deferred_src, deferred_dst, deferred_params = [], [], []
+        for p, g, v in zip(bucket.params, grads, bucket.views):
+            if g is None:
+                v.zero_()
+            elif g is v:
+                if not hook and not batched:
+                    v.div_(self.world)
+            else:
+                if g.layout != torch.strided:
+                    raise RuntimeError(
+                        f"fastddp: parameter {self.names[self._index_of[id(p)]]!r} has a "
+                        f"{g.layout} gradient; fastddp reduces dense gradients only (modules with "
+                        "sparse gradients, e.g. nn.Embedding(sparse=True), are not supported)")
+                if batched and not g.requires_grad:
+                    deferred_src.append(g)
+                    deferred_dst.append(v)
+                    deferred_params.append(p)
+                    continue
+                if hook:
+                    v.copy_(g)
+                else:
+                    torch.mul(g, 1.0 / self.world, out=v)
+                if view_mode:
+                    p.grad = v
+        if batched:
+            if deferred_src:
+                torch._foreach_copy_(deferred_dst, deferred_src)
+                if view_mode:
+                    for p, v in zip(deferred_params, deferred_dst):
+                        p.grad = v
+            if not hook:
+                bucket.flat.div_(self.world)
+
+    # ---------------------------------------------------------------- launch
+    def _launch_ready(self) -> None:
+        """Issue collectives strictly in bucket order (same order on every rank)."""
+        buckets = self._buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            self._launch(buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _is_unused_bucket(self, bucket: _Bucket) -> bool:
+        unused = set(self._unused)
+        return all(i in unused for i in bucket.indices)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.opts.skip_all_reduce_unused_params and self._is_unused_bucket(bucket):
+            bucket.work = None
+            return
+        with profiling.range(f"fastddp/allreduce[{bucket.index}]", self._comm.cuda), \
+                self._comm.comm_context():
+            if self._fused_hook is not None:
+                bucket.work = self._fused_hook.launch(self, bucket)
+            elif self.comm_hook is not None:
+                from .hooks import GradBucket
+
+                gb = GradBucket(bucket.index, len(self._buckets), bucket.flat, bucket.params,
+                                bucket.views, bucket.layout)
+                fut = self.comm_hook(self.comm_hook_state, gb)
+                if not isinstance(fut, torch.futures.Future):
+                    raise TypeError(
+                        f"fastddp: the comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} "
+                        f"returned {type(fut).__name__} for bucket {bucket.index}; it must return a "
+                        "torch.futures.Future whose value is the reduced bucket tensor")
+                bucket.work = self._comm.hook(fut, bucket.flat.numel() * bucket.flat.element_size())
+            else:
+                bucket.work = self._comm.all_reduce(bucket.flat)
+
+    # -------------------------------------------------------------- finalize
+    def delay_all_reduce(self) -> None:
+        """static_graph, first iteration: nothing was reduced during backward;
+        learn the unused params, then reduce every bucket now (torch's
+        ``_delay_all_reduce``)."""
+        with self._lock:
+            self._all_reduce_used_map()
+            self._unused = [i for i, c in enumerate(self._hook_counts) if c == 0]
+            self._require_finalize = True
+            for b in self._buckets:
+                self._pack(b)
+                self._launch(b)
+            self._next_bucket = len(self._buckets)
+            self._expect_hooks = True
+        self._finalize()
+
+    def _global_unused(self, index: int) -> bool:
+        """torch's lazy rule: a param used locally is used globally; otherwise
+        wait for the all-reduced used-map (once) and look there.  With
+        static_graph the map of the first iteration holds for good."""
+        if self._local_used[index]:
+            return False
+        if self._global_used is None:
+            if self._used_work is None:
+                return False  # no map was reduced: nothing is known to be unused
+            self._used_work.wait()
+            self._used_work = None
+            self._global_used = self._used_tensor.tolist()
+        return self._global_used[index] == 0
+
+    def _finalize(self) -> None:
+        with profiling.range("fastddp/finalize", self._comm.cuda):
+            if not self._expect_hooks:
+                raise RuntimeError("fastddp internal error: finalize ran without a prepared backward")
+            if self._next_bucket != len(self._buckets):
+                raise RuntimeError(
+                    f"fastddp internal error: finalize before all buckets were issued "
+                    f"({self._next_bucket} of {len(self._buckets)})")
+            self._expect_hooks = False
+            self._require_finalize = False
+            track = self._static or self.opts.find_unused_parameters
+            with self._comm.comm_context(), torch.no_grad():
+                for bucket in self._buckets:
+                    if bucket.work is None:
+                        continue  # skipped (skip_all_reduce_unused_params)
+                    with profiling.range(f"fastddp/wait[{bucket.index}]", self._comm.cuda):
+                        result = self._comm.wait(bucket.work)
+                    bucket.work = None
+                    with profiling.range(f"fastddp/unpack[{bucket.index}]", self._comm.cuda):
+                        if self._fused_hook is not None:
+                            self._fused_hook.unpack(self, bucket, track)
+                        else:
+                            src = bucket.flat if self.comm_hook is None else self._hook_result(bucket, result)
+                            self._unpack(bucket, src, track)
+            self._comm.join_compute_stream()
+            if self._used_work is not None:
+                # Never let the next iteration's map race this one.
+                self._used_work.wait()
+                self._used_work = None
+                self._global_used = self._used_tensor.tolist()
+            if self._dynamic_find_unused:
+                self._local_used = bytearray(len(self.params))
+                self._global_used = None
+            if self._static and self.num_iterations > 1 and self._should_rebuild():
+                for u in self._unused:
+                    self._ready_order.append(u)
+
+    def _hook_result(self, bucket: _Bucket, result) -> torch.Tensor:
+        if isinstance(result, (list, tuple)):
+            result = result[0] if result else None
+        if not isinstance(result, torch.Tensor):
+            raise TypeError(
+                f"fastddp: the comm hook's Future for bucket {bucket.index} resolved to "
+                f"{type(result).__name__}; it must hold one tensor (the reduced bucket)")
+        if result.numel() != bucket.flat.numel():
+            raise ValueError(
+                f"fastddp: the comm hook returned {result.numel()} elements for bucket "
+                f"{bucket.index}, which holds {bucket.flat.numel()}; a hook must return a tensor "
+                "with the bucket's numel")
+        return result.reshape(-1)
+
+    def _unpack(self, bucket: _Bucket, src: torch.Tensor, track_unused: bool) -> None:
+        """Write the reduced bucket back into .grad (torch's finalize_bucket_dense)."""
+        if self.opts.gradient_as_bucket_view:
+            if src is not bucket.flat:
+                bucket.flat.copy_(src)
+            for i, p, v in zip(bucket.indices, bucket.params, bucket.views):
+                if track_unused and self._global_unused(i):
+                    continue
+                g = p.grad
+                if g is None:
+                    p.grad = v
+                elif g is not v:
+                    raise RuntimeError(
+                        f"fastddp: the gradient of {self.names[i]!r} is not the expected bucket view "
+                        "with gradient_as_bucket_view=True (was .grad replaced during backward?)")
+            return
+        grads = [p.grad for p in bucket.params]
+        unused = any(self._global_unused(i) for i in bucket.indices) if track_unused else False
+        if not unused and all(g is not None for g in grads):
+            kernels.unpack(src, grads, layout=bucket.layout)
+            return
+        views = bucket.layout.views(src)
+        for i, p, g, v in zip(bucket.indices, bucket.params, grads, views):
+            if track_unused and self._global_unused(i):
+                continue  # globally unused: .grad untouched, as torch
+            if g is None:
+                p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(v)
+            else:
+                g.copy_(v)
+
+    # ---------------------------------------------------------------- errors
+    def ensure_prior_reduction_finished(self) -> None:
+        if not self._require_finalize:
+            return
+        missing = [i for i in range(len(self.params)) if not self._marked[i]]
+        names = ", ".join(f"{self.names[i]!r} (index {i})" for i in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        # Reset so the error is not raised forever after a user catches it.
+        self._require_finalize = False
+        self._expect_hooks = False
+        raise RuntimeError(
+            "Expected to have finished reduction in the prior iteration before starting a new one. "
+            "This error indicates that your module has parameters that were not used in producing "
+            "loss. You can enable unused parameter detection by passing the keyword argument "
+            "`find_unused_parameters=True` to `fastddp.DistributedDataParallel` (as with torch's "
+            "DDP), and by making sure all `forward` function outputs participate in calculating "
+            f"loss. Parameters that did not receive a gradient on rank {self.rank}: {names}{more}.")
+
+    # ----------------------------------------------------------------- stats
+    def remove_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
