@@ -372,9 +372,18 @@ class DistributedDataParallel(torch.nn.Module):
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         if self.reducer.num_iterations > 0:
             raise RuntimeError("fastddp: register_comm_hook must be called before the first forward/backward.")
+        from .hooks import FusedPath
+
+        fused = FusedPath.for_hook(hook, state)
+        if fused is not None and fused.group(self.reducer) is not self.process_group:
+            if fused.error_feedback:
+                raise ValueError("fastddp: CompressionState.process_group must be None or the DDP "
+                                 "module's process group")
+            fused = None  # another group: run the hook as an ordinary callback
         self._comm_hooks.append((hook, state))
         self.reducer.comm_hook = hook
         self.reducer.comm_hook_state = state
+        self.reducer._fused_hook = fused
 
     @staticmethod
     def _check_comm_hook(hook) -> None:

@@ -64,7 +64,7 @@ class _Bucket:
     """Runtime state of one bucket of the plan."""
 
     __slots__ = ("index", "spec", "params", "indices", "layout", "flat", "views",
-                 "size", "pending", "work", "ready_event", "packed")
+                 "size", "pending", "work", "ready_event", "flat_layout", "wire", "residual")
 
     def __init__(self, spec: planner.Bucket, params: Sequence[torch.Tensor]):
         self.index = spec.index
@@ -77,7 +77,9 @@ class _Bucket:
         self.size = len(self.params)
         self.pending = self.size
         self.work: Pending | None = None
-        self.packed = False
+        self.flat_layout = kernels.Layout([self.flat.shape])  # the flat bucket as one tensor
+        self.wire: torch.Tensor | None = None       # fused compression: the 16-bit wire buffer
+        self.residual: torch.Tensor | None = None   # fused compression: error-feedback residual
         self.ready_event = torch.cuda.Event() if spec.device.type == "cuda" else None
 
 
@@ -123,6 +125,9 @@ class Reducer:
         self._ready_order: list[int] = []
         self._has_rebuilt = False
         self._delay_all_reduce_queued = False
+        self._fast_hooks = False       # see _make_hook
+        self._collect_order = False
+        self._num_buckets = 0
         self.last_bucket_issue: list[float] = []
 
         self.plan = planner.initial_plan(self.params, options.bucket)
@@ -193,7 +198,6 @@ class Reducer:
         for b in self._buckets:
             b.pending = b.size
             b.work = None
-            b.packed = False
         self._marked = bytearray(len(self.params))
         self._marked_unused = False
         if self._dynamic_find_unused:
@@ -202,6 +206,9 @@ class Reducer:
             self._per_iter_counts = list(self._hook_counts)
         if self._dynamic_find_unused:
             self._unused = self._search_unused(outputs)
+        self._collect_order = self._should_rebuild()
+        self._num_buckets = len(self._buckets)
+        self._fast_hooks = not (self._track_used or self._static or self._unused)
 
     def _search_unused(self, outputs: Sequence[torch.Tensor]) -> list[int]:
         """Params whose AccumulateGrad node is not reachable from the outputs."""
@@ -234,7 +241,25 @@ class Reducer:
     # ------------------------------------------------------------ readiness
     def _make_hook(self, index: int):
         def hook(grad_inputs, grad_outputs):
-            self._autograd_hook(index)
+            if self._fast_hooks:
+                # The common case (hooks armed; no unused-param tracking, no
+                # static-graph counting), kept lean: it runs once per param.
+                if self._marked[index]:
+                    self._mark_ready(index)  # raises the marked-twice error
+                if self._collect_order:
+                    self._ready_order.append(index)
+                with self._lock:
+                    self._marked[index] = 1
+                    self._require_finalize = True
+                    bucket = self._locate[index][0]
+                    bucket.pending -= 1
+                    if bucket.pending == 0:
+                        self._pack(bucket)
+                        self._launch_ready()
+                        if self._next_bucket == self._num_buckets:
+                            self._all_buckets_issued()
+            else:
+                self._autograd_hook(index)
         return hook
 
     def _autograd_hook(self, index: int) -> None:
@@ -295,45 +320,66 @@ class Reducer:
 
     # ------------------------------------------------------------------ pack
     def _pack(self, bucket: _Bucket) -> None:
-        """Fill bucket's flat buffer from its params' grads (torch's
-        mark_variable_ready_dense + flush_deferred_copies, fused)."""
+        """Fill the bucket's flat buffer (or a fused hook's wire buffer) from its
+        params' grads: torch's mark_variable_ready_dense + flush_deferred_copies
+        in one launch."""
         grads = [p.grad for p in bucket.params]
-        view_mode = self.opts.gradient_as_bucket_view
-        hook = self.comm_hook is not None and self._fused_hook is None
-        batched = self.opts.batched_grad_copy
         with profiling.range(f"fastddp/pack[{bucket.index}]", self._comm.cuda), \
                 self._comm.pack_context(bucket.ready_event), torch.no_grad():
-            bucket.packed = True
             if self._fused_hook is not None:
                 self._fused_hook.pack(self, bucket, grads)
-                return
-            has_none = any(g is None for g in grads)
-            n_alias = sum(1 for g, v in zip(grads, bucket.views) if g is v) if view_mode else 0
-            if not has_none and n_alias == 0:
-                if hook:
-                    kernels.pack(grads, bucket.flat, layout=bucket.layout)
-                elif batched:
-                    kernels.pack(grads, bucket.flat, layout=bucket.layout, divide=self.world)
-                else:
-                    kernels.pack(grads, bucket.flat, layout=bucket.layout, scale=1.0 / self.world)
-                if view_mode:
-                    for p, v in zip(bucket.params, bucket.views):
-                        p.grad = v
-                return
-            if not has_none and n_alias == bucket.size:
-                if not hook:
-                    bucket.flat.div_(self.world)
-                return
-            self._pack_mixed(bucket, grads, hook, batched, view_mode)
+            elif self.comm_hook is not None:
+                self.fill_flat(bucket, grads, None)
+            elif self.opts.batched_grad_copy:
+                self.fill_flat(bucket, grads, "div")
+            else:
+                self.fill_flat(bucket, grads, "mul")
 
-    def _pack_mixed(self, bucket: _Bucket, grads, hook: bool, batched: bool, view_mode: bool) -> None:
+    def plain_grads(self, bucket: _Bucket, grads) -> bool:
+        """True when every grad exists and none aliases the bucket yet: the
+        case one fused pack serves directly from the separate grads."""
+        if any(g is None for g in grads):
+            return False
+        if self.opts.gradient_as_bucket_view:
+            return not any(g is v for g, v in zip(grads, bucket.views))
+        return True
+
+    def alias_views(self, bucket: _Bucket) -> None:
+        """gradient_as_bucket_view: the grads become views of the bucket."""
+        if self.opts.gradient_as_bucket_view:
+            for p, v in zip(bucket.params, bucket.views):
+                p.grad = v
+
+    def fill_flat(self, bucket: _Bucket, grads, scaling: str | None) -> None:
+        """Write grads into ``bucket.flat``; ``scaling`` is ``"mul"`` (torch's
+        default: * fp32(1/W)), ``"div"`` (batched_grad_copy: / W) or None (a
+        comm hook divides itself)."""
+        W = self.world
+        if self.plain_grads(bucket, grads):
+            if scaling == "mul":
+                kernels.pack(grads, bucket.flat, layout=bucket.layout, scale=1.0 / W)
+            elif scaling == "div":
+                kernels.pack(grads, bucket.flat, layout=bucket.layout, divide=W)
+            else:
+                kernels.pack(grads, bucket.flat, layout=bucket.layout)
+            self.alias_views(bucket)
+            return
+        if self.opts.gradient_as_bucket_view and all(g is v for g, v in zip(grads, bucket.views)):
+            if scaling is not None:
+                bucket.flat.div_(W)  # torch: per-view div_ (aliased) / flat div_ (batched)
+            return
+        self._fill_flat_mixed(bucket, grads, scaling)
+
+    def _fill_flat_mixed(self, bucket: _Bucket, grads, scaling: str | None) -> None:
         """Some grads missing or already aliased: torch's per-parameter rules."""
+        view_mode = self.opts.gradient_as_bucket_view
+        batched = scaling == "div"
         deferred_src, deferred_dst, deferred_params = [], [], []
         for p, g, v in zip(bucket.params, grads, bucket.views):
             if g is None:
                 v.zero_()
             elif g is v:
-                if not hook and not batched:
+                if scaling == "mul":
                     v.div_(self.world)
             else:
                 if g.layout != torch.strided:
@@ -346,7 +392,7 @@ class Reducer:
                     deferred_dst.append(v)
                     deferred_params.append(p)
                     continue
-                if hook:
+                if scaling is None:
                     v.copy_(g)
                 else:
                     torch.mul(g, 1.0 / self.world, out=v)
@@ -358,8 +404,7 @@ class Reducer:
                 if view_mode:
                     for p, v in zip(deferred_params, deferred_dst):
                         p.grad = v
-            if not hook:
-                bucket.flat.div_(self.world)
+            bucket.flat.div_(self.world)
 
     # ---------------------------------------------------------------- launch
     def _launch_ready(self) -> None:
@@ -387,7 +432,7 @@ class Reducer:
                 gb = GradBucket(bucket.index, len(self._buckets), bucket.flat, bucket.params,
                                 bucket.views, bucket.layout)
                 fut = self.comm_hook(self.comm_hook_state, gb)
-                if not isinstance(fut, torch.futures.Future):
+                if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
                     raise TypeError(
                         f"fastddp: the comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} "
                         f"returned {type(fut).__name__} for bucket {bucket.index}; it must return a "
@@ -435,6 +480,7 @@ class Reducer:
                     f"fastddp internal error: finalize before all buckets were issued "
                     f"({self._next_bucket} of {len(self._buckets)})")
             self._expect_hooks = False
+            self._fast_hooks = False
             self._require_finalize = False
             track = self._static or self.opts.find_unused_parameters
             with self._comm.comm_context(), torch.no_grad():
@@ -481,7 +527,7 @@ class Reducer:
         """Write the reduced bucket back into .grad (torch's finalize_bucket_dense)."""
         if self.opts.gradient_as_bucket_view:
             if src is not bucket.flat:
-                bucket.flat.copy_(src)
+                kernels.unpack(src, [bucket.flat], layout=bucket.flat_layout)  # one launch, casts back
             for i, p, v in zip(bucket.indices, bucket.params, bucket.views):
                 if track_unused and self._global_unused(i):
                     continue
@@ -517,6 +563,7 @@ class Reducer:
         # Reset so the error is not raised forever after a user catches it.
         self._require_finalize = False
         self._expect_hooks = False
+        self._fast_hooks = False
         raise RuntimeError(
             "Expected to have finished reduction in the prior iteration before starting a new one. "
             "This error indicates that your module has parameters that were not used in producing "

@@ -91,24 +91,57 @@ def _use_triton(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> str | No
 
 
 def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int] | None = None,
-         scale: float = 1.0, divide: float | None = None, *, layout: Layout | None = None) -> torch.Tensor:
+         scale: float = 1.0, divide: float | None = None, *, layout: Layout | None = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """Gather ``srcs`` into the flat ``dst`` at element ``offsets`` (default: back to
     back), multiplied by ``scale`` (or divided by ``divide``) and cast to
-    ``dst.dtype``; one launch per source dtype.  Returns ``dst``."""
-    _check_common("pack", dst, srcs, scale, divide)
+    ``dst.dtype``; one launch per source dtype.  With ``residual`` (a flat
+    float32 tensor indexed like ``dst``) the launch also applies error
+    feedback: ``x = src*scale + residual; dst = cast(x); residual = x - dst``.
+    Returns ``dst``."""
+    # With a Layout the caller (the reducer) vouches for the tensors: only the
+    # counts are checked, keeping the per-step host cost O(1) in Python.
+    _check_common("pack", dst, srcs if layout is None else (), scale, divide)
     lay = _resolve_layout("pack", srcs, dst, offsets, layout)
+    if residual is not None:
+        _check_residual(residual, dst, lay)
     _bump("pack_calls")
     if not srcs:
         return dst
     mode = _use_triton(dst, srcs)
+    if mode is not None and residual is not None and not _triton_has_residual():
+        mode = None
     if mode is None:
         _bump("reference_calls")
-        reference.pack_views(srcs, lay.views(dst), scale, divide)
+        res_views = lay.views(residual) if residual is not None else None
+        reference.pack_views(srcs, lay.views(dst), scale, divide, res_views)
         return dst
     from .pack import pack_triton
 
-    pack_triton(srcs, dst, lay, scale, divide)
+    if residual is not None:
+        pack_triton(srcs, dst, lay, scale, divide, residual=residual)
+    else:
+        pack_triton(srcs, dst, lay, scale, divide)
     return dst
+
+
+def _check_residual(residual: torch.Tensor, dst: torch.Tensor, lay: Layout) -> None:
+    if residual.dim() != 1 or not residual.is_contiguous():
+        raise ValueError("pack: residual must be a contiguous 1-D tensor indexed like dst")
+    if residual.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"pack: residual must be float32 (or float64), got {residual.dtype}")
+    if residual.device != dst.device:
+        raise ValueError(f"pack: residual is on {residual.device} but dst is on {dst.device}")
+    if residual.numel() < lay.total:
+        raise ValueError(f"pack: residual has {residual.numel()} elements; the layout needs {lay.total}")
+
+
+def _triton_has_residual() -> bool:
+    """Whether the Triton pack kernel implements error feedback (else the
+    reference serves those calls)."""
+    from . import pack as _pack
+
+    return bool(getattr(_pack, "SUPPORTS_RESIDUAL", False))
 
 
 def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int] | None = None,
@@ -117,7 +150,7 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[in
     """Scatter the flat ``src`` into ``dsts``: each slice multiplied by ``scale`` (or
     divided by ``divide``), cast to its destination's dtype and stored (or added,
     with ``accumulate=True``); one launch per destination dtype.  Returns ``dsts``."""
-    _check_common("unpack", src, dsts, scale, divide)
+    _check_common("unpack", src, dsts if layout is None else (), scale, divide)
     lay = _resolve_layout("unpack", dsts, src, offsets, layout)
     _bump("unpack_calls")
     if not dsts:

@@ -67,23 +67,43 @@ def _check_scaling(scale: float, divide: float | None) -> None:
 
 
 def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
-               scale: float = 1.0, divide: float | None = None) -> None:
-    """Write each ``srcs[i]`` (any shape) into ``views[i]`` (a view of the flat
-    bucket with the same numel), scaled and cast.  The fast CPU path: for the
-    common case (same dtype, float32) it is one foreach copy plus one in-place
-    scale per distinct view run, with exactly the contract's arithmetic."""
+               scale: float = 1.0, divide: float | None = None,
+               residuals: Sequence[torch.Tensor] | None = None) -> None:
+    """Write each ``srcs[i]`` into ``views[i]`` (a view of the flat bucket shaped
+    like ``srcs[i]``), scaled and cast.  The CPU path of the reducer: where
+    source, view and compute dtype agree (the common case) it is one
+    ``_foreach_copy_`` plus one ``_foreach_mul_``/``_foreach_div_``, whose
+    per-element arithmetic is the contract's (``x * C(scale)`` rounded once)."""
+    if residuals is not None:
+        for s, v, r in zip(srcs, views, residuals):
+            _pack_error_feedback(s, v, r, scale, divide)
+        return
+    fast_s, fast_v, slow = [], [], []
     for s, v in zip(srcs, views):
-        c = compute_dtype(s.dtype, v.dtype)
-        if s.dtype == v.dtype == c:
-            # Same dtype as compute: torch.mul/div(out=) is the contract exactly.
-            if divide is not None:
-                torch.div(s.reshape(v.shape), divide, out=v)
-            elif scale != 1.0:
-                torch.mul(s.reshape(v.shape), scale, out=v)
-            else:
-                v.copy_(s.reshape(v.shape))
+        if s.dtype == v.dtype and s.shape == v.shape:
+            fast_s.append(s)
+            fast_v.append(v)
         else:
-            v.copy_(_scaled(s.reshape(v.shape).to(c), scale, divide))
+            slow.append((s, v))
+    if fast_v:
+        torch._foreach_copy_(fast_v, fast_s)
+        if divide is not None:
+            torch._foreach_div_(fast_v, divide)
+        elif scale != 1.0:
+            torch._foreach_mul_(fast_v, scale)
+    for s, v in slow:
+        c = compute_dtype(s.dtype, v.dtype)
+        v.copy_(_scaled(s.reshape(v.shape).to(c), scale, divide))
+
+
+def _pack_error_feedback(s: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
+                         scale: float, divide: float | None) -> None:
+    """``x = s*scale + r; v = cast(x); r = x - upcast(v)`` in the residual's dtype."""
+    c = r.dtype
+    x = _scaled(s.reshape(v.shape).to(c), scale, divide)
+    x = x + r.view(v.shape)
+    v.copy_(x)
+    r.view(v.shape).copy_(x - v.to(c))
 
 
 def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int] | None = None,
@@ -103,13 +123,19 @@ def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
 def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
                  scale: float = 1.0, divide: float | None = None, accumulate: bool = False) -> None:
     """Reverse of :func:`pack_views`: ``dsts[i] (=|+=) cast(views[i] * scale)``."""
+    plain = not accumulate and divide is None and scale == 1.0
+    fast_d, fast_v, slow = [], [], []
     for v, d in zip(views, dsts):
+        if plain and v.dtype == d.dtype and v.shape == d.shape:
+            fast_d.append(d)
+            fast_v.append(v)
+        else:
+            slow.append((v, d))
+    if fast_d:
+        torch._foreach_copy_(fast_d, fast_v)
+    for v, d in slow:
         c = compute_dtype(v.dtype, d.dtype)
-        v = v.reshape(d.shape)
-        if not accumulate and v.dtype == d.dtype == c and divide is None and scale == 1.0:
-            d.copy_(v)
-            continue
-        val = _scaled(v.to(c), scale, divide)
+        val = _scaled(v.reshape(d.shape).to(c), scale, divide)
         if accumulate:
             val = d.to(c) + val
         d.copy_(val)
