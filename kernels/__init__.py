@@ -19,8 +19,22 @@ The arithmetic contract is written in :mod:`fastddp.kernels.reference`.
 
 from __future__ import annotations
 
-from ._backend import backend, reset_backend
+from ._backend import backend, reset_backend, triton_available as _triton_available
 from ._counters import launch_count, reset_launch_count, stats
+
+if _triton_available():
+    # Import the kernel modules *before* binding the functions ``pack`` and
+    # ``unpack``: the first import of a submodule sets it as an attribute of
+    # this package, which would shadow the functions of the same name.  This
+    # is also when TRITON_INTERPRET is read (by @triton.jit).
+    try:
+        from . import pack as _pack_module, unpack as _unpack_module  # noqa: F401
+    except Exception as _exc:  # a broken Triton must not take the reference path down
+        import warnings
+
+        warnings.warn(f"fastddp.kernels: Triton kernels unavailable ({_exc!r}); "
+                      "CPU calls use the reference, kernel calls will raise", RuntimeWarning)
+
 from ._ops import Layout, pack, unpack
 from . import reference
 

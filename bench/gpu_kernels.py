@@ -1,0 +1,380 @@
+"""GPU measurement of fastddp's pack/unpack kernels (bench/gpu_check.sh runs it).
+
+    python bench/gpu_kernels.py [--out reports] [--quick]
+    python bench/gpu_kernels.py --cpu-smoke     # exercise this script on CPU (no figures worth keeping)
+
+For each bucket shape and wire dtype, fastddp's kernels and the ways torch
+does it today (per-tensor ``copy_`` + ``mul_``; ``_foreach_copy_`` + one
+``mul_``; ``torch.cat`` + ``mul_``) are timed three ways (STYLE.md):
+
+* **device time** per call: a ``torch.cuda._sleep`` holds the stream while the
+  host queues R calls, then CUDA events bracket them, so host overhead is
+  hidden and the figure is the GPU's own time (kernels + gaps between them);
+* **synchronised call**: wall time of one call followed by a synchronize;
+* **host overhead**: wall time of the Python call alone (the GPU busy).
+
+plus achieved GB/s (bytes read + written / device time) against the device's
+measured copy bandwidth (a large ``Tensor.copy_`` timed with CUDA events),
+launches per call (fastddp's counter, and CUDA kernels seen by
+``torch.profiler``), a bit-exact check against ``fastddp.kernels.reference``,
+and a sweep of the kernels' BLOCK.  Writes ``reports/<gpu-slug>/kernels.md``
+and ``kernels.json`` (with torch / triton / CUDA versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SCALE = float(np.float32(1 / 8))  # fp32(1/W) for W = 8
+SHAPES = {
+    "many_small": (600, 4096),      # launch / overhead bound: 2.4M elements
+    "bucket_25mb": (100, 65536),    # a torch-default-sized bucket of mid tensors
+    "few_large": (4, 4 << 20),      # bandwidth bound: 16M elements
+}
+WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def slugify(name: str) -> str:
+    """The folder name of a device (the same rule as bench/report.py)."""
+    s = re.sub(r"\((r|tm|c)\)", "", name.lower())
+    s = re.sub(r"[^a-z0-9]+", "-", s).strip("-")
+    return s or "unknown-device"
+
+
+# ---------------------------------------------------------------- timing
+class Clock:
+    """Device time, synchronised wall time and host overhead of a callable."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._cycles_per_us = None
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _sleep_us(self, us: float):
+        if not self.cuda:
+            return
+        if self._cycles_per_us is None:  # calibrate torch.cuda._sleep once
+            self.sync()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(10_000_000)
+            b.record()
+            b.synchronize()
+            self._cycles_per_us = 10_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
+        torch.cuda._sleep(int(us * self._cycles_per_us))
+
+    def host_us(self, fn, reps: int) -> float:
+        """Median wall time of ``fn()`` alone (no synchronize in between)."""
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        self.sync()
+        return statistics.median(times) * 1e6
+
+    def synced_us(self, fn, reps: int) -> float:
+        times = []
+        for _ in range(reps):
+            self.sync()
+            t = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e6
+
+    def device_us(self, fn, reps: int, host_us: float, trials: int = 3) -> float:
+        """GPU time per call with the host's enqueue cost hidden behind a sleep."""
+        if not self.cuda:
+            return self.synced_us(fn, reps)
+        out = []
+        for _ in range(trials):
+            self.sync()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._sleep_us(host_us * reps * 1.5 + 200)
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) * 1e3 / reps)
+        return min(out)
+
+
+def copy_bandwidth_gbs(clock: Clock, nbytes: int = 1 << 30) -> float:
+    """Read + write GB/s of a large same-dtype ``Tensor.copy_``."""
+    n = nbytes // 4
+    x = torch.randn(n, device=clock.device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    us = clock.device_us(lambda: y.copy_(x), reps=10, host_us=20)
+    del x, y
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def kernels_per_call(fn, device: torch.device, calls: int = 3) -> tuple[float | None, float | None]:
+    """(CUDA kernels, memcpys) per call, as torch.profiler sees them."""
+    if device.type != "cuda":
+        return None, None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = memcpy = 0
+    for e in prof.events():
+        if getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
+            continue
+        name = e.name.lower()
+        if "memcpy" in name or "memset" in name:
+            memcpy += 1
+        else:
+            kernels += 1
+    return kernels / calls, memcpy / calls
+
+
+# ------------------------------------------------------------- the methods
+def make_bucket(shape: str, wire: str, device: torch.device, seed: int = 0):
+    import fastddp.kernels as K
+
+    n_t, n = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=gen).to(device) for _ in range(n_t)]
+    flat = torch.empty(n_t * n, dtype=WIRE[wire], device=device)
+    lay = K.Layout.for_tensors(grads)
+    return grads, flat, lay, lay.views(flat)
+
+
+def pack_methods(grads, flat, lay, views):
+    import fastddp.kernels as K
+
+    def fastddp():
+        K.pack(grads, flat, layout=lay, scale=SCALE)
+
+    def loop():
+        for g, v in zip(grads, views):
+            v.copy_(g)
+            v.mul_(SCALE)
+
+    def foreach():
+        torch._foreach_copy_(views, grads)
+        flat.mul_(SCALE)
+
+    def cat():
+        if flat.dtype == grads[0].dtype:
+            torch.cat(grads, out=flat)
+            flat.mul_(SCALE)
+        else:
+            flat.copy_(torch.cat(grads).mul_(SCALE))
+
+    return {"fastddp": fastddp, "loop": loop, "foreach": foreach, "cat": cat}
+
+
+def unpack_methods(grads, flat, lay, views, accumulate: bool):
+    import fastddp.kernels as K
+
+    def fastddp():
+        K.unpack(flat, grads, layout=lay, scale=SCALE, accumulate=accumulate)
+
+    def loop():
+        for g, v in zip(grads, views):
+            if accumulate:
+                g.add_(v.float().mul(SCALE))  # out of place: never scale the bucket itself
+            else:
+                g.copy_(v)
+                g.mul_(SCALE)
+
+    def foreach():
+        if accumulate:
+            torch._foreach_add_(grads, torch._foreach_mul(list(views) if views[0].dtype == grads[0].dtype
+                                                          else [v.float() for v in views], SCALE))
+        else:
+            torch._foreach_copy_(grads, views)
+            torch._foreach_mul_(grads, SCALE)
+
+    return {"fastddp": fastddp, "loop": loop, "foreach": foreach}
+
+
+def check_exact(op: str, grads, flat, lay, accumulate: bool = False) -> bool:
+    """fastddp's result equals the reference's, bit for bit (NaN as NaN)."""
+    import fastddp.kernels as K
+    from fastddp.kernels import reference
+
+    def same(a, b):
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+        an, bn = a.isnan(), b.isnan()
+        eq = a.view(ints[a.element_size()]) == b.view(ints[b.element_size()])
+        return bool(torch.equal(an, bn) and (eq | an).all())
+
+    if op == "pack":
+        got, want = torch.empty_like(flat), torch.empty_like(flat)
+        K.pack(grads, got, layout=lay, scale=SCALE)
+        reference.pack(grads, want, scale=SCALE)
+        return same(got, want)
+    got = [g.clone() for g in grads]
+    want = [g.clone() for g in grads]
+    K.unpack(flat, got, layout=lay, scale=SCALE, accumulate=accumulate)
+    reference.unpack(flat, want, scale=SCALE, accumulate=accumulate)
+    return all(same(a, b) for a, b in zip(got, want))
+
+
+def measure(clock: Clock, fn, nbytes: int, reps: int) -> dict:
+    import fastddp.kernels as K
+
+    for _ in range(3):  # warm up: compile, plans, allocator
+        fn()
+    clock.sync()
+    K.reset_launch_count()
+    fn()
+    launches = K.launch_count()
+    clock.sync()
+    host = clock.host_us(fn, reps)
+    synced = clock.synced_us(fn, reps)
+    dev = clock.device_us(fn, reps, host)
+    kern, memcpy = kernels_per_call(fn, clock.device)
+    return {
+        "device_us": round(dev, 2), "synced_us": round(synced, 2), "host_us": round(host, 2),
+        "GB/s": round(nbytes / (dev * 1e-6) / 1e9, 1), "triton_launches": launches,
+        "cuda_kernels": kern, "memcpys": memcpy,
+    }
+
+
+def run(args) -> dict:
+    import triton
+
+    import fastddp.kernels as K
+    from fastddp.kernels import _triton_common as TC
+
+    device = torch.device("cuda" if not args.cpu_smoke else "cpu")
+    clock = Clock(device)
+    reps = 5 if args.cpu_smoke else 20
+    shapes = ["many_small"] if args.cpu_smoke else list(SHAPES)
+    name = torch.cuda.get_device_name(device) if clock.cuda else f"cpu-smoke-{platform.machine()}"
+    meta = {
+        "device": name, "date": _dt.date.today().isoformat(), "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "backend": K.backend(device), "scale": SCALE, "block": TC.BLOCK_GPU, "num_warps": TC.NUM_WARPS_GPU,
+    }
+    print(f"[gpu_kernels] {name}: torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    meta["copy_GB/s"] = round(copy_bandwidth_gbs(clock, (64 << 20) if args.cpu_smoke else (1 << 30)), 1)
+    print(f"[gpu_kernels] copy bandwidth {meta['copy_GB/s']} GB/s (read + write)", flush=True)
+
+    rows = []
+    cases = [("pack", w, False) for w in ("fp32", "bf16", "fp16")] + \
+            [("unpack", w, acc) for w in ("fp32", "bf16") for acc in (False, True)]
+    if args.quick:
+        cases = [("pack", "fp32", False), ("pack", "bf16", False), ("unpack", "bf16", True)]
+    for shape in shapes:
+        for op, wire, acc in cases:
+            grads, flat, lay, views = make_bucket(shape, wire, device)
+            nbytes = sum(g.numel() for g in grads) * (4 + flat.element_size()) + \
+                (sum(g.numel() for g in grads) * 4 if acc else 0)  # acc also reads the grads
+            if op == "pack":
+                flat.zero_()
+                methods = pack_methods(grads, flat, lay, views)
+            else:
+                flat.copy_(torch.randn(flat.numel(), device=device).to(flat.dtype))
+                methods = unpack_methods(grads, flat, lay, views, acc)
+            exact = check_exact(op, grads, flat, lay, acc)
+            for method, fn in methods.items():
+                r = measure(clock, fn, nbytes, reps)
+                r.update(op=op + ("+acc" if acc else ""), shape=shape, wire=wire, method=method,
+                         tensors=len(grads), elements=sum(g.numel() for g in grads), bytes=nbytes,
+                         pct_copy=round(100 * r["GB/s"] / meta["copy_GB/s"], 1))
+                if method == "fastddp":
+                    r["bit_exact"] = exact
+                rows.append(r)
+                print(f"  {r['op']:<11}{shape:<12}{wire:<5}{method:<8} dev {r['device_us']:9.1f} us  "
+                      f"{r['GB/s']:7.1f} GB/s ({r['pct_copy']:5.1f}%)  host {r['host_us']:7.1f} us  "
+                      f"launches {r['triton_launches']} kernels {r['cuda_kernels']}", flush=True)
+            del grads, flat, lay, views, methods
+
+    sweep = []
+    if clock.cuda and not args.quick:
+        saved = TC.BLOCK_GPU
+        try:
+            for shape in ("many_small", "few_large"):
+                grads, flat, lay, views = make_bucket(shape, "bf16", device)
+                nbytes = sum(g.numel() for g in grads) * 6
+                for block in (1024, 2048, 4096, 8192):
+                    TC.BLOCK_GPU = block  # plans are keyed by BLOCK: a new one is built
+                    fn = pack_methods(grads, flat, lay, views)["fastddp"]
+                    r = measure(clock, fn, nbytes, reps)
+                    sweep.append({"shape": shape, "op": "pack fp32->bf16", "block": block,
+                                  "device_us": r["device_us"], "GB/s": r["GB/s"]})
+                    print(f"  sweep {shape:<12} BLOCK {block:5d}: {r['device_us']:8.1f} us {r['GB/s']:7.1f} GB/s",
+                          flush=True)
+                del grads, flat, lay, views
+        finally:
+            TC.BLOCK_GPU = saved
+    return {"meta": meta, "rows": rows, "block_sweep": sweep}
+
+
+def to_markdown(res: dict) -> str:
+    m = res["meta"]
+    out = [f"# fastddp kernels on {m['device']}", "",
+           f"{m['date']} - torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, python {m['python']}; "
+           f"BLOCK {m['block']}, {m['num_warps']} warps; scale fp32(1/8).", "",
+           f"Device copy bandwidth (large `copy_`, read + write): **{m['copy_GB/s']} GB/s**.", "",
+           "device us: GPU time per call (host hidden); synced us: one call + synchronize; host us: the "
+           "Python call alone. GB/s = bytes read + written / device time. launches: Triton launches "
+           "(fastddp counter); kernels / memcpys: as torch.profiler sees them, per call.", "",
+           "| op | shape | wire | method | device us | GB/s | % of copy | synced us | host us | launches | kernels | memcpys | exact |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        out.append(f"| {r['op']} | {r['shape']} ({r['tensors']}x{r['elements'] // r['tensors']}) | {r['wire']} | "
+                   f"{r['method']} | {r['device_us']} | {r['GB/s']} | {r['pct_copy']} | {r['synced_us']} | "
+                   f"{r['host_us']} | {r['triton_launches']} | {r['cuda_kernels']} | {r['memcpys']} | "
+                   f"{r.get('bit_exact', '')} |")
+    if res["block_sweep"]:
+        out += ["", "BLOCK sweep (pack fp32 -> bf16, fastddp):", "", "| shape | BLOCK | device us | GB/s |",
+                "|---|---:|---:|---:|"]
+        out += [f"| {s['shape']} | {s['block']} | {s['device_us']} | {s['GB/s']} |" for s in res["block_sweep"]]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="reports", help="reports folder (default: reports)")
+    ap.add_argument("--quick", action="store_true", help="fewer cases, no BLOCK sweep")
+    ap.add_argument("--cpu-smoke", action="store_true", help="run the script's logic on CPU (figures meaningless)")
+    args = ap.parse_args(argv)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("gpu_kernels.py: no CUDA device visible (torch.cuda.is_available() is False); "
+              "nothing measured. Run it on a GPU machine (bench/gpu_check.sh), or pass --cpu-smoke "
+              "to exercise the script on CPU.", file=sys.stderr)
+        return 2
+    res = run(args)
+    folder = Path(args.out) / slugify(res["meta"]["device"])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kernels.json").write_text(json.dumps(res, indent=1) + "\n")
+    (folder / "kernels.md").write_text(to_markdown(res))
+    print(f"[gpu_kernels] wrote {folder / 'kernels.md'} and {folder / 'kernels.json'}")
+    bad = [r for r in res["rows"] if r.get("bit_exact") is False]
+    if bad:
+        print(f"[gpu_kernels] NOT bit-exact vs reference: {[(r['op'], r['shape'], r['wire']) for r in bad]}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Fused pack: gather many tensors into one flat buffer, scale, cast.
+
+Three layers (STYLE.md): the private ``@triton.jit`` :func:`_pack_kernel`, the
+typed launcher :func:`_pack_launch` (checks, tables, grid, one launch per
+source dtype) and the op :func:`pack_triton` that :func:`fastddp.kernels.pack`
+dispatches to.  The arithmetic is :func:`fastddp.kernels.reference.pack`'s,
+bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _triton_common as C
+from . import reference
+from ._counters import _bump
+
+__all__ = ["pack_triton"]
+
+
+@triton.jit
+def _pack_kernel(
+    ptr_table,  # *Pointer* to int64 [3 + n_tensors]: flat dst address, scale (fp64 bits; fp32 value as fp64 bits), source addresses
+    chunk_table,  # *Pointer* to int64 [n_chunks, 4] rows: (ptr-table slot, start in source, start in dst, length)
+    SRC_T: tl.constexpr,  # element type of this launch's sources (bf16 as tl.uint16 bits)
+    DST_T: tl.constexpr,  # element type of the flat destination (bf16 as tl.uint16 bits)
+    C_T: tl.constexpr,  # compute dtype: tl.float64 if source or destination is fp64, else tl.float32
+    MODE: tl.constexpr,  # 0 cast only, 1 multiply by the scale, 2 divide by it
+    RAW: tl.constexpr,  # same dtype and no scaling: copy the bits
+    SRC_ALIGNED: tl.constexpr,  # every source chunk starts on 16 bytes (vectorise loads)
+    DST_ALIGNED: tl.constexpr,  # every destination chunk starts on 16 bytes (vectorise stores)
+    BLOCK: tl.constexpr,  # elements per program
+):
+    i_c = tl.program_id(0)
+    p_row = chunk_table + i_c * 4
+    i_t = tl.load(p_row)
+    o_src = tl.load(p_row + 1)
+    o_dst = tl.load(p_row + 2)
+    n = tl.load(p_row + 3)
+    p_src = tl.load(ptr_table + i_t).to(tl.pointer_type(SRC_T)) + o_src
+    p_dst = tl.load(ptr_table).to(tl.pointer_type(DST_T)) + o_dst
+    if SRC_ALIGNED:
+        p_src = tl.multiple_of(p_src, 16)
+    if DST_ALIGNED:
+        p_dst = tl.multiple_of(p_dst, 16)
+    o = tl.arange(0, BLOCK)  # [BLOCK]
+    # a full chunk loads and stores unmasked, so aligned accesses vectorise
+    if n == BLOCK:
+        b_x = tl.load(p_src + o)  # [BLOCK]
+    else:
+        b_x = tl.load(p_src + o, mask=o < n)  # [BLOCK]
+    if RAW:
+        b_y = b_x
+    else:
+        # widen to the compute dtype (exact); bf16 arrives as its raw bits
+        if SRC_T == tl.uint16:
+            b_x = (b_x.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        b_x = b_x.to(C_T)
+        if MODE != 0:
+            if C_T == tl.float64:
+                b_s = tl.load(ptr_table + 1).to(tl.float64, bitcast=True)
+            else:  # an fp32 value widened to fp64: narrowing it back is exact
+                b_s = tl.load(ptr_table + 2).to(tl.float64, bitcast=True).to(tl.float32)
+            if MODE == 1:
+                b_x = b_x * b_s
+            elif C_T == tl.float64:
+                b_x = b_x / b_s
+            else:
+                b_x = tl.math.div_rn(b_x, b_s)  # IEEE division; fp32 `/` may be approximate
+        # narrow to the destination, round to nearest even; fp64 -> fp16/bf16
+        # goes through fp32 as torch does (c10::Half/BFloat16 take a float)
+        if DST_T == tl.uint16:
+            b_u = b_x.to(tl.float32).to(tl.uint32, bitcast=True)  # [BLOCK]
+            b_r = (b_u + ((b_u >> 16) & 1) + 0x7FFF) >> 16
+            m_nan = (b_u & 0x7FFFFFFF) > 0x7F800000
+            b_y = tl.where(m_nan, (b_u >> 16) | 0x40, b_r).to(tl.uint16)
+        elif DST_T == tl.float16:
+            b_y = b_x.to(tl.float32).to(tl.float16)
+        else:
+            b_y = b_x.to(DST_T)
+    if n == BLOCK:
+        tl.store(p_dst + o, b_y)
+    else:
+        tl.store(p_dst + o, b_y, mask=o < n)
+
+
+_INTERPRETED = C.is_interpreted(_pack_kernel)
+
+
+def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float,
+                 divide: float | None) -> int:
+    """Check the inputs, refresh the plan's pointer table and launch one grid of
+    ``n_chunks`` programs per source dtype.  Returns the number of launches."""
+    C.check_tensors("pack", dst, srcs, layout)
+    plan = C.get_plan("pack", layout, srcs, dst, C.block_for(_INTERPRETED))
+    mode, s64, s32 = C.scale_slots(scale, divide, dst.device)
+    launches = 0
+    with plan.lock:
+        table = plan.refresh(dst, srcs, s64, s32)
+        for gi, g in enumerate(plan.groups):
+            if g.n_chunks == 0:
+                continue  # only empty tensors of this dtype
+            src_aligned, dst_aligned = plan.aligned(gi)
+            _pack_kernel[(g.n_chunks,)](
+                table, g.chunks,
+                SRC_T=C.STORAGE[g.kind], DST_T=C.STORAGE[plan.flat_kind],
+                C_T=C.compute_type(g.kind, plan.flat_kind),
+                MODE=mode, RAW=(mode == C.MODE_CAST and g.kind == plan.flat_kind),
+                SRC_ALIGNED=src_aligned, DST_ALIGNED=dst_aligned,
+                BLOCK=plan.block, num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
+            )
+            _bump("launches")
+            launches += 1
+        plan.after_launch()
+    return launches
+
+
+def pack_triton(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float = 1.0,
+                divide: float | None = None) -> torch.Tensor:
+    """``dst[o_i : o_i + n_i] = cast(srcs[i] * scale)`` (or ``/ divide``) for every i,
+    one launch per source dtype.  ``srcs`` contiguous, on ``dst``'s device."""
+    if C.needs_reference(_INTERPRETED, dst.device):
+        _bump("reference_calls")
+        reference.pack_views(srcs, layout.views(dst), scale, divide)
+    elif _INTERPRETED:
+        with C.INTERPRET_LOCK:
+            _pack_launch(srcs, dst, layout, scale, divide)
+    elif dst.device.index != torch.cuda.current_device():
+        with torch.cuda.device(dst.device):
+            _pack_launch(srcs, dst, layout, scale, divide)
+    else:
+        _pack_launch(srcs, dst, layout, scale, divide)
+    return dst
