@@ -171,9 +171,9 @@ def allgather_then_aggregate_hook(process_group, bucket):
     fut = dist.all_gather(gathered, tensor, group=group, async_op=True).get_future()
 
     def aggregate(fut):
-        out = fut.value()[0]
-        total = out[0].clone()
-        for t in out[1:]:
+        fut.wait()
+        total = gathered[0].clone()  # rank order: the same sum on every rank
+        for t in gathered[1:]:
             total.add_(t)
         return total.div_(world)
 
@@ -259,7 +259,7 @@ class FusedPath:
     def _wire(self, bucket) -> torch.Tensor:
         if bucket.wire is None:  # allocated once per bucket (a rebuild makes new buckets)
             bucket.wire = torch.empty(bucket.flat.numel(), dtype=self.dtype, device=bucket.flat.device)
-            if self.error_feedback:
+            if self.error_feedback and bucket.residual is None:
                 bucket.residual = torch.zeros(bucket.flat.numel(), dtype=torch.float32,
                                               device=bucket.flat.device)
         return bucket.wire

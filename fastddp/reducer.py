@@ -145,14 +145,24 @@ class Reducer:
 
     # ------------------------------------------------------------------ plan
     def _install_plan(self, plan: planner.BucketPlan) -> None:
-        old_views = getattr(self, "_buckets", None)
+        old_buckets = getattr(self, "_buckets", None)
+        old_locate = getattr(self, "_locate", None)
         self.plan = plan
         self._buckets = [_Bucket(spec, self.params) for spec in plan.buckets]
         self._locate = [None] * len(self.params)
         for b in self._buckets:
             for pos, i in enumerate(b.indices):
                 self._locate[i] = (b, pos)
-        if self.opts.gradient_as_bucket_view and old_views is not None:
+        if old_buckets is not None and any(b.residual is not None for b in old_buckets):
+            # Error-feedback residuals belong to parameters: carry them over.
+            for b in self._buckets:
+                b.residual = torch.zeros(b.flat.numel(), dtype=torch.float32, device=b.flat.device)
+                new_views = b.layout.views(b.residual)
+                for pos, i in enumerate(b.indices):
+                    ob, opos = old_locate[i]
+                    if ob.residual is not None:
+                        new_views[pos].copy_(ob.layout.views(ob.residual)[opos])
+        if self.opts.gradient_as_bucket_view and old_buckets is not None:
             # As torch's initialize_bucket_views: live grads move into the new
             # buckets and become views of them.
             with torch.no_grad():
