@@ -139,9 +139,10 @@ def _check_residual(residual: torch.Tensor, dst: torch.Tensor, lay: Layout) -> N
 def _triton_has_residual() -> bool:
     """Whether the Triton pack kernel implements error feedback (else the
     reference serves those calls)."""
-    from . import pack as _pack
+    import importlib
 
-    return bool(getattr(_pack, "SUPPORTS_RESIDUAL", False))
+    # (``from . import pack`` would give the public function of that name)
+    return bool(getattr(importlib.import_module(__package__ + ".pack"), "SUPPORTS_RESIDUAL", False))
 
 
 def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int] | None = None,

@@ -80,7 +80,8 @@ def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
         return
     fast_s, fast_v, slow = [], [], []
     for s, v in zip(srcs, views):
-        if s.dtype == v.dtype and s.shape == v.shape:
+        if s.dtype == v.dtype and s.dtype in (torch.float32, torch.float64) and s.shape == v.shape:
+            # (fp16/bf16 excluded: _foreach_mul_ on them rounds the scale to 16 bits)
             fast_s.append(s)
             fast_v.append(v)
         else:
