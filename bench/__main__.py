@@ -1,0 +1,117 @@
+"""``fastddp-bench`` / ``python -m fastddp.bench``: the end-to-end benchmark.
+
+Runs the model zoo under local (no DDP), torch DDP and fastddp side by side,
+interleaved, on 2 gloo ranks (CPU) or one NCCL rank per GPU, prints a table
+and writes ``<out>/<device>/<date>-<label>.md`` + ``.json`` + PNG charts.
+See reports/README.md for what every column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+
+def _names(values: list[str] | None) -> tuple[str, ...] | None:
+    """``["a,b", "c"]`` -> ``("a", "b", "c")``."""
+    if values is None:
+        return None
+    return tuple(x for v in values for x in v.split(",") if x)
+
+
+def _bandwidths(values: list[str] | None) -> tuple[float | None, ...]:
+    if not values:
+        return (None,)
+    out: list[float | None] = []
+    for x in _names(values) or ():
+        if x.lower() in ("none", "off", "inf"):
+            out.append(None)
+            continue
+        try:
+            out.append(float(x))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--simulate-bandwidth: {x!r} is not a number of GB/s") from None
+    return tuple(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .models import DEFAULT_MODELS, model_zoo
+    from .wrappers import DEFAULT_WRAPPERS, registry
+
+    p = argparse.ArgumentParser(
+        prog="fastddp-bench",
+        description="fastddp vs torch DDP, end to end: step time, overhead over no-DDP, ops or kernel "
+                    "launches, bytes on the wire, peak memory, exposed communication.",
+        epilog=f"models: {', '.join(model_zoo())} (default: {','.join(DEFAULT_MODELS)}); "
+               f"wrappers: {', '.join(registry())} (default: {','.join(DEFAULT_WRAPPERS)}, "
+               "+ torch-bf16 on CUDA). Lists take commas or spaces.")
+    p.add_argument("--label", help="report name suffix (default: 'full', or 'quick' with --quick)")
+    p.add_argument("--models", nargs="+", metavar="NAME", help="models to run")
+    p.add_argument("--wrappers", nargs="+", metavar="NAME", help="wrappers to compare")
+    p.add_argument("--world", type=int, help="ranks to spawn (default: 2 on CPU, all GPUs on CUDA; "
+                                             "ignored under torchrun)")
+    p.add_argument("--steps", type=int, help="timed steps per wrapper (default: per model)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per wrapper, >= 1 (default 3, quick 1)")
+    p.add_argument("--bucket-cap-mb", type=float, help="bucket_cap_mb for both DDPs (default: theirs, 25)")
+    p.add_argument("--out", default="reports", help="report folder (default: reports/)")
+    p.add_argument("--quick", action="store_true", help="few steps: a smoke run in under a minute")
+    p.add_argument("--trace", metavar="DIR", help="write a torch.profiler Chrome trace per wrapper (rank 0)")
+    p.add_argument("--simulate-bandwidth", nargs="+", metavar="GBPS",
+                   help="simulated serial interconnect in GB/s; a list (1,10) gives one section each; "
+                        "'none' adds a section without simulation")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--list", action="store_true", help="list models and wrappers, then exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .models import DEFAULT_MODELS, model_zoo
+    from .wrappers import registry
+    from . import report as R
+    from .runner import BenchConfig, run
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        for spec in model_zoo().values():
+            print(f"model    {spec.name:12s} {spec.description}")
+        for name, ws in registry().items():
+            print(f"wrapper  {name:16s} family={ws.family} option={ws.option}")
+        return 0
+    try:
+        bandwidths = _bandwidths(args.simulate_bandwidth)
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
+    cfg = BenchConfig(
+        models=_names(args.models) or DEFAULT_MODELS,
+        wrappers=_names(args.wrappers),
+        world=args.world, steps=args.steps, warmup=args.warmup,
+        bucket_cap_mb=args.bucket_cap_mb, out=args.out, label=args.label, quick=args.quick,
+        trace_dir=args.trace, bandwidths=bandwidths, threads=args.threads, cpu=args.cpu,
+        seed=args.seed, progress=not args.no_progress,
+        command=" ".join(shlex.quote(a) for a in ["fastddp-bench", *(sys.argv[1:] if argv is None else argv)]),
+    )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        parser.error(str(e))
+    result = run(cfg)
+    if result is None:  # a torchrun rank other than 0
+        return 0
+    report, paths = result
+    print(R.summary_text(report))
+    print(f"report: {paths['md']}")
+    print(f"json:   {paths['json']}")
+    for c in paths["charts"]:
+        print(f"chart:  {c}")
+    if cfg.trace_dir:
+        print(f"traces: {cfg.trace_dir}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

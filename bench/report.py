@@ -1,0 +1,502 @@
+"""Statistics and report writing for the end-to-end runner; pure.
+
+Nothing here starts processes or touches torch.distributed: the runner hands
+over per-step samples and per-wrapper measurements, and this module turns
+them into numbers (:func:`summarize`, :func:`derive`), a terminal table
+(:func:`format_table`), and the files under ``reports/<device>/``
+(:func:`write_report`: ``<date>-<label>.md``, ``.json`` and PNG charts).
+
+Data model: a :class:`Report` holds the run's metadata and one
+:class:`Section` per simulated bandwidth (a single section with
+``bandwidth_gbps=None`` when no bandwidth is simulated); a section holds one
+:class:`Row` per (model, wrapper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+__all__ = [
+    "Quantiles", "Row", "Section", "Report",
+    "quantile", "summarize", "derive", "format_table", "targets",
+    "to_markdown", "to_json", "from_json", "slugify", "write_report", "summary_text",
+    "TARGETS",
+]
+
+#: Issue 3's targets: fastddp's overhead over local as a fraction of torch
+#: DDP's, per model (other models: :data:`DEFAULT_TARGET`).
+TARGETS = {"small": 0.8}
+DEFAULT_TARGET = 1.0
+
+MiB = 1 << 20
+
+
+# -- statistics ----------------------------------------------------------------
+
+def quantile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``samples`` with linear interpolation
+    between closest ranks (numpy's default method)."""
+    if not samples:
+        raise ValueError("quantile of no samples")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile q must be in [0, 1], got {q}")
+    xs = sorted(samples)
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class Quantiles:
+    """p20 / median / p80 of a set of samples (same unit as the samples)."""
+
+    median: float
+    p20: float
+    p80: float
+
+
+def summarize(samples: Sequence[float]) -> Quantiles | None:
+    """Median, p20 and p80 of ``samples``; None when there are none."""
+    if not samples:
+        return None
+    return Quantiles(quantile(samples, 0.5), quantile(samples, 0.2), quantile(samples, 0.8))
+
+
+@dataclass
+class Row:
+    """One (model, wrapper) result."""
+
+    model: str
+    wrapper: str
+    status: str = "ok"
+    """``ok``, ``unavailable: <reason>`` (could not be built) or
+    ``failed: <reason>`` (raised while running)."""
+    note: str = ""
+    family: str = ""
+    """``local``, ``torch`` or ``fastddp``."""
+    baselines: list[str] = field(default_factory=list)
+    """Torch wrappers the overhead ratio may be taken against (first present)."""
+    step_ms: list[float] = field(default_factory=list)
+    """Per-step wall time, max over ranks, ms."""
+    exposed_ms: list[float] = field(default_factory=list)
+    """Per-step exposed communication, max over ranks, ms."""
+    ops_per_step: int | None = None
+    ops_kind: str = ""
+    """``aten ops`` (CPU: top-level aten ops) or ``kernel launches`` (CUDA)."""
+    wire_bytes: int | None = None
+    wire_source: str = ""
+    """``measured`` (read from a counter) or ``computed`` (from the params)."""
+    resident_bytes: int | None = None
+    """Net memory allocated by building the wrapper and running one step."""
+    step_peak_bytes: int | None = None
+    """Peak memory above the step's start during a steady-state step."""
+    # derived by derive()
+    step: Quantiles | None = None
+    exposed: Quantiles | None = None
+    overhead_ms: float | None = None
+    ratio: float | None = None
+    ratio_baseline: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def peak_bytes(self) -> int | None:
+        if self.resident_bytes is None or self.step_peak_bytes is None:
+            return None
+        return self.resident_bytes + self.step_peak_bytes
+
+
+@dataclass
+class Section:
+    """All rows measured under one simulated bandwidth (None: the real one)."""
+
+    bandwidth_gbps: float | None
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        if self.bandwidth_gbps is None:
+            return "Results"
+        return f"Simulated interconnect: {self.bandwidth_gbps:g} GB/s"
+
+    @property
+    def tag(self) -> str:
+        return "" if self.bandwidth_gbps is None else f"-bw{self.bandwidth_gbps:g}"
+
+
+@dataclass
+class Report:
+    meta: dict
+    sections: list[Section] = field(default_factory=list)
+
+
+def derive(section: Section) -> Section:
+    """Fill each row's quantiles, overhead over ``local`` (median minus the
+    local median of the same model) and overhead ratio against its torch
+    baseline (None when either overhead is missing or the baseline's is <= 0,
+    where a ratio means nothing).  Returns ``section`` (modified in place)."""
+    by_key = {(r.model, r.wrapper): r for r in section.rows}
+    for r in section.rows:
+        r.step = summarize(r.step_ms) if r.ok else None
+        r.exposed = summarize(r.exposed_ms) if r.ok else None
+    for r in section.rows:
+        r.overhead_ms = r.ratio = r.ratio_baseline = None
+        local = by_key.get((r.model, "local"))
+        if r.step is None or local is None or local.step is None:
+            continue
+        r.overhead_ms = r.step.median - local.step.median
+    for r in section.rows:
+        for b in r.baselines:
+            base = by_key.get((r.model, b))
+            if base is None or not base.ok:
+                continue
+            r.ratio_baseline = b
+            if r.overhead_ms is not None and base.overhead_ms is not None and base.overhead_ms > 0:
+                r.ratio = r.overhead_ms / base.overhead_ms
+            break
+    return section
+
+
+def targets(section: Section) -> list[dict]:
+    """Issue 3's check per (model, fastddp wrapper) that has a baseline:
+    ratio, target, and whether it is met (``ratio``/``met`` None when the
+    ratio is undefined, e.g. the torch overhead was <= 0)."""
+    out = []
+    for r in section.rows:
+        if r.family != "fastddp" or r.ratio_baseline is None or r.overhead_ms is None:
+            continue
+        target = TARGETS.get(r.model, DEFAULT_TARGET)
+        out.append({"model": r.model, "wrapper": r.wrapper, "baseline": r.ratio_baseline,
+                    "ratio": r.ratio, "target": target,
+                    "met": None if r.ratio is None else r.ratio <= target})
+    return out
+
+
+# -- formatting ----------------------------------------------------------------
+
+COLUMNS = ("model", "wrapper", "median ms", "p20", "p80", "overhead ms", "x torch",
+           "ops/step", "wire MB", "peak MiB", "exposed ms", "note")
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _size(x: float) -> str:
+    """Sizes in MB / MiB: 3 significant digits below 1, one decimal above."""
+    return f"{x:.3g}" if abs(x) < 1 else f"{x:.1f}"
+
+
+def _cells(r: Row) -> list[str]:
+    if not r.ok:
+        return [r.model, r.wrapper] + ["-"] * 9 + [r.status]
+    ratio = "-"
+    if r.ratio is not None:
+        ratio = f"{r.ratio:.2f}"
+    elif r.ratio_baseline is not None:
+        ratio = "n/a"
+    ops = "-" if r.ops_per_step is None else str(r.ops_per_step)
+    wire = "-" if r.wire_bytes is None else _size(r.wire_bytes / 1e6)
+    if r.wire_bytes is not None and r.wire_source == "computed":
+        wire += "*"
+    peak = "n/a" if r.peak_bytes is None else _size(r.peak_bytes / MiB)
+    return [
+        r.model, r.wrapper,
+        _f(r.step.median if r.step else None, 2),
+        _f(r.step.p20 if r.step else None, 2),
+        _f(r.step.p80 if r.step else None, 2),
+        _f(r.overhead_ms, 2),
+        ratio, ops, wire, peak,
+        _f(r.exposed.median if r.exposed else None, 2),
+        r.note,
+    ]
+
+
+def format_table(section: Section) -> str:
+    """A fixed-width text table of ``section`` (call :func:`derive` first)."""
+    rows = [list(COLUMNS)] + [_cells(r) for r in section.rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
+    lines = []
+    for k, row in enumerate(rows):
+        left = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
+        right = [row[i].rjust(widths[i]) for i in range(2, len(COLUMNS) - 1)]
+        lines.append("  ".join(left + right + [row[-1]]).rstrip())
+        if k == 0:
+            lines.append("-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _md_table(section: Section) -> str:
+    out = ["| " + " | ".join(COLUMNS) + " |",
+           "|" + "|".join(["---", "---"] + ["---:"] * (len(COLUMNS) - 3) + ["---"]) + "|"]
+    for r in section.rows:
+        cells = [c.replace("|", "\\|") for c in _cells(r)]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _md_targets(section: Section) -> str:
+    checks = targets(section)
+    if not any(c["ratio"] is not None for c in checks):
+        return ("No fastddp wrapper produced a ratio in this section (fastddp not built yet, "
+                "or a baseline's overhead was <= 0), so issue 3's targets cannot be checked.")
+    lines = ["| model | wrapper | vs | overhead ratio | target | met |", "|---|---|---|---:|---:|---|"]
+    for c in checks:
+        ratio = "n/a" if c["ratio"] is None else f"{c['ratio']:.2f}"
+        met = "n/a (torch overhead <= 0)" if c["met"] is None else ("yes" if c["met"] else "NO")
+        lines.append(f"| {c['model']} | {c['wrapper']} | {c['baseline']} | {ratio} | "
+                     f"<= {c['target']:.1f} | {met} |")
+    return "\n".join(lines)
+
+
+def _meta_lines(meta: Mapping) -> list[str]:
+    order = [
+        ("date", "date"), ("device", "device"), ("cpu", "CPU"), ("cores", "cores"),
+        ("gpus", "GPUs"), ("backend", "backend"), ("world_size", "world size"),
+        ("threads_per_rank", "threads per rank"), ("torch", "torch"), ("triton", "triton"),
+        ("nccl", "NCCL"), ("python", "python"), ("numpy", "numpy"), ("fastddp", "fastddp"),
+        ("git", "git commit"), ("models", "models"), ("wrappers", "wrappers"),
+        ("steps", "timed steps"), ("warmup", "warm-up steps"), ("bucket_cap_mb", "bucket_cap_mb"),
+        ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("quick", "quick"),
+        ("command", "command"), ("elapsed_s", "run time (s)"), ("elapsed_per_model_s", "per model (s)"),
+    ]
+    lines = ["| | |", "|---|---|"]
+    for key, label in order:
+        if key in meta and meta[key] not in (None, "", []):
+            v = meta[key]
+            if isinstance(v, (list, tuple)):
+                v = ", ".join(str(x) for x in v)
+            elif isinstance(v, dict):
+                v = ", ".join(f"{k}: {x}" for k, x in v.items())
+            text = str(v).replace("|", "\\|")
+            lines.append(f"| {label} | `{text}` |" if key in ("command", "git") else f"| {label} | {text} |")
+    return lines
+
+
+def to_markdown(report: Report, charts: Mapping[str, Sequence[str]] | None = None) -> str:
+    """The report as markdown; ``charts`` maps a section tag ("" or "-bwX",
+    or "bandwidth" for the cross-section chart) to image file names placed
+    next to the markdown file."""
+    charts = charts or {}
+    m = report.meta
+    out = [f"# fastddp-bench: {m.get('label', '')} on {m.get('device', '?')}", ""]
+    out += ["How this report is produced and what each column means: "
+            "[reports/README.md](../README.md).", ""]
+    out += ["## Setup", ""] + _meta_lines(m) + [""]
+    models = m.get("model_descriptions") or {}
+    if models:
+        out += ["Models:", ""] + [f"* `{k}`: {v}" for k, v in models.items()] + [""]
+    for section in report.sections:
+        out += [f"## {section.title}", "", _md_table(section), ""]
+        out += ["`*` computed from the parameters (numel x wire element size); "
+                "otherwise read from the wrapper's counter.", ""]
+        for name in charts.get(section.tag, ()):
+            out += [f"![{name}]({name})", ""]
+        out += ["### Issue 3 targets (fastddp overhead / torch overhead)", "", _md_targets(section), ""]
+    for name in charts.get("bandwidth", ()):
+        out += ["## Step time against simulated bandwidth", "", f"![{name}]({name})", ""]
+    notes = m.get("notes") or []
+    if notes:
+        out += ["## Notes", ""] + [f"* {n}" for n in notes] + [""]
+    return "\n".join(out)
+
+
+def _row_json(r: Row) -> dict:
+    d = dataclasses.asdict(r)
+    d["peak_bytes"] = r.peak_bytes
+    return d
+
+
+def to_json(report: Report) -> str:
+    doc = {"meta": report.meta,
+           "sections": [{"bandwidth_gbps": s.bandwidth_gbps, "rows": [_row_json(r) for r in s.rows]}
+                        for s in report.sections]}
+    return json.dumps(doc, indent=1, sort_keys=False)
+
+
+def from_json(text: str) -> Report:
+    """Inverse of :func:`to_json` (derived fields are recomputed)."""
+    doc = json.loads(text)
+    names = {f.name for f in dataclasses.fields(Row)} - {"step", "exposed", "overhead_ms", "ratio", "ratio_baseline"}
+    sections = []
+    for s in doc["sections"]:
+        rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in s["rows"]]
+        sections.append(derive(Section(s["bandwidth_gbps"], rows)))
+    return Report(doc["meta"], sections)
+
+
+# -- charts ----------------------------------------------------------------------
+
+_FAMILY_COLOR = {"local": "#888888", "torch": "#4c72b0", "fastddp": "#dd8452"}
+
+
+def _models(section: Section) -> list[str]:
+    seen: list[str] = []
+    for r in section.rows:
+        if r.model not in seen:
+            seen.append(r.model)
+    return seen
+
+
+def _chart_order(rows: list[Row]) -> list[Row]:
+    """Table order, but each fastddp row right after the torch row it is
+    compared with, so pairs sit side by side."""
+    out = [r for r in rows if r.family != "fastddp"]
+    for r in (r for r in rows if r.family == "fastddp"):
+        anchor = next((i for i, x in enumerate(out) if x.wrapper == r.ratio_baseline), None)
+        if anchor is None:
+            out.append(r)
+        else:
+            while anchor + 1 < len(out) and out[anchor + 1].family == "fastddp":
+                anchor += 1
+            out.insert(anchor + 1, r)
+    return out
+
+
+def _plot_bars(section: Section, path: Path, what: str) -> bool:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_model = {}
+    for model in _models(section):
+        rows = [r for r in section.rows if r.model == model and r.ok and r.step is not None]
+        if what == "overhead":
+            rows = [r for r in rows if r.family != "local" and r.overhead_ms is not None]
+        if rows:
+            per_model[model] = _chart_order(rows)
+    if not per_model:
+        return False
+    ncols = min(2, len(per_model))
+    nrows = math.ceil(len(per_model) / ncols)
+    tallest = max(len(v) for v in per_model.values())
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.4 * ncols, nrows * (0.3 * tallest + 1.3) + 0.5),
+                             squeeze=False)
+    for ax in axes.flat[len(per_model):]:
+        ax.set_visible(False)
+    for ax, (model, rows) in zip(axes.flat, per_model.items()):
+        ys = list(range(len(rows)))[::-1]
+        colors = [_FAMILY_COLOR.get(r.family, "#55a868") for r in rows]
+        if what == "step":
+            vals = [r.step.median for r in rows]
+            err = [[r.step.median - r.step.p20 for r in rows], [r.step.p80 - r.step.median for r in rows]]
+            ax.barh(ys, vals, xerr=err, color=colors, capsize=2, height=0.7)
+            ax.set_xlabel("ms: median step, whiskers p20-p80", fontsize=8)
+            local = next((r for r in rows if r.family == "local"), None)
+            if local is not None:
+                ax.axvline(local.step.median, color="#444444", linestyle="--", linewidth=1)
+        else:
+            vals = [r.overhead_ms for r in rows]
+            ax.barh(ys, vals, color=colors, height=0.7)
+            ax.axvline(0, color="#444444", linewidth=1)
+            ax.set_xlabel("ms: median step - local median step", fontsize=8)
+            for y, r in zip(ys, rows):
+                if r.ratio is not None:
+                    ax.annotate(f" x{r.ratio:.2f}", (max(r.overhead_ms, 0), y), va="center", fontsize=7)
+        ax.set_yticks(ys)
+        ax.set_yticklabels([r.wrapper for r in rows], fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.set_title(model, fontsize=10, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    head = "Step time (max over ranks)" if what == "step" else "Overhead over local (x: vs torch, same option)"
+    fig.suptitle(f"{head} - {section.title}", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_bandwidth(report: Report, path: Path) -> bool:
+    """Median step time (top) and overhead over local (bottom) against the
+    simulated bandwidth, one column per model, one line per wrapper."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sims = [s for s in report.sections if s.bandwidth_gbps is not None]
+    if len(sims) < 2:
+        return False
+    models = _models(sims[0])
+    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7.0), squeeze=False)
+    for col, model in enumerate(models):
+        rows = [r for r in sims[0].rows if r.model == model]
+        for top, value in ((True, lambda r: r.step.median if r.step else None),
+                           (False, lambda r: r.overhead_ms)):
+            ax = axes[0 if top else 1][col]
+            for i, first in enumerate(rows):
+                if not top and first.family == "local":
+                    continue
+                pts = [(s.bandwidth_gbps, value(r)) for s in sims for r in s.rows
+                       if r.model == model and r.wrapper == first.wrapper and value(r) is not None]
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), marker="o", label=first.wrapper, color=f"C{i % 10}",
+                            linestyle="--" if first.family == "torch" else "-")
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=8)
+            if top:
+                ax.set_title(model, fontsize=10)
+                ax.set_ylabel("median step, ms", fontsize=8)
+            else:
+                ax.set_ylabel("overhead over local, ms", fontsize=8)
+                ax.set_xlabel("simulated bandwidth, GB/s", fontsize=8)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Step time against simulated bandwidth (torch dashed)", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- files -------------------------------------------------------------------------
+
+def slugify(name: str) -> str:
+    """``"Intel(R) Xeon(R) Processor @ 2.80GHz"`` -> ``"intel-xeon-processor-2-80ghz"``."""
+    s = re.sub(r"\((r|tm|c)\)", "", name.lower())
+    s = re.sub(r"[^a-z0-9]+", "-", s).strip("-")
+    return s or "unknown-device"
+
+
+def write_report(report: Report, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``<out>/<device-slug>/<date>-<label>.md``, ``.json`` and the PNG
+    charts; returns ``{"md": ..., "json": ..., "charts": [...]}``."""
+    meta = report.meta
+    folder = Path(out_dir) / slugify(meta.get("device", ""))
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"{meta.get('date', 'undated')}-{slugify(meta.get('label', 'run'))}"
+    charts: dict[str, list[str]] = {}
+    written: list[Path] = []
+    for section in report.sections:
+        derive(section)
+        for what in ("step", "overhead"):
+            path = folder / f"{stem}{section.tag}-{what}.png"
+            if _plot_bars(section, path, what):
+                charts.setdefault(section.tag, []).append(path.name)
+                written.append(path)
+    bw_path = folder / f"{stem}-bandwidth.png"
+    if _plot_bandwidth(report, bw_path):
+        charts["bandwidth"] = [bw_path.name]
+        written.append(bw_path)
+    md = folder / f"{stem}.md"
+    md.write_text(to_markdown(report, charts))
+    js = folder / f"{stem}.json"
+    js.write_text(to_json(report))
+    return {"md": md, "json": js, "charts": written}
+
+
+def summary_text(report: Report) -> str:
+    """The terminal version: one table per section."""
+    parts = []
+    for s in report.sections:
+        derive(s)
+        parts += [f"== {s.title} ==", format_table(s), ""]
+    return "\n".join(parts)

@@ -1,0 +1,735 @@
+"""The end-to-end runner behind ``fastddp-bench``: rank workers and orchestration.
+
+One run (:func:`run`)::
+
+    parent: spawn W ranks (gloo on CPU; NCCL, one per GPU) -- or, under
+            torchrun, every process is a rank already
+    rank:   for each simulated bandwidth (section), for each model:
+              build the model once (seeded), then for each wrapper:
+                deepcopy -> last-grad hooks -> wrap -> SGD -> first step
+                (rank 0 measures the memory this leaves resident)
+              warm-up rounds, then timed rounds, interleaved:
+                round r: same batch for every wrapper, order rotated by r,
+                         a barrier before each step (not timed)
+              per wrapper: one profiled step (ops/launches, step peak
+                memory, bytes on the wire); --trace: a Chrome trace
+              all_reduce(MAX) of the per-step times -> rank 0
+    rank 0: the results -> parent: terminal table + reports/<device>/...
+
+A step, as timed (``time.perf_counter``; CUDA synchronised before and after)::
+
+    zero_grad(set_to_none=True) -> forward -> loss -> backward -> optimizer.step()
+
+Exposed communication of a step = ``t(backward returned) - t(last gradient
+accumulated)``: a ``register_post_accumulate_grad_hook`` on every parameter
+(registered before wrapping, so it runs before the wrappers' own hooks)
+stamps the time; both DDPs wait for their all-reduces before backward
+returns, so this is the communication backward failed to hide.  On CUDA the
+same is measured between CUDA events (on the last parameter seen in the first
+step, and after backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime as _dt
+import gc
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import report as R
+from .models import DEFAULT_MODELS, ModelSpec, model_zoo
+from .wrappers import (CUDA_EXTRA_WRAPPERS, DEFAULT_WRAPPERS, SIM_ENV, SimulatedWire, WrapperOptions,
+                       build_wrapper, computed_wire_bytes, registry, wire_bytes_counter)
+
+__all__ = ["BenchConfig", "run", "worker", "under_torchrun"]
+
+DEFAULT_WARMUP = 3
+QUICK_WARMUP = 1
+TRACE_STEPS = 3
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a run needs; built by ``__main__`` from the command line."""
+
+    models: tuple[str, ...] = DEFAULT_MODELS
+    wrappers: tuple[str, ...] | None = None
+    """None: :data:`DEFAULT_WRAPPERS` (+ torch-bf16 on CUDA)."""
+    world: int | None = None
+    """None: 2 on CPU, every visible GPU on CUDA; ignored under torchrun."""
+    steps: int | None = None
+    """Timed steps per wrapper; None: the model's default (quick or not)."""
+    warmup: int | None = None
+    """Warm-up steps per wrapper (>= 1); None: 3, or 1 with ``quick``."""
+    bucket_cap_mb: float | None = None
+    out: str = "reports"
+    label: str | None = None
+    quick: bool = False
+    trace_dir: str | None = None
+    bandwidths: tuple[float | None, ...] = (None,)
+    """One section per entry; None: no simulated interconnect."""
+    threads: int = 1
+    """torch.set_num_threads per rank."""
+    cpu: bool = False
+    """Force gloo on the CPU even when CUDA is available."""
+    seed: int = 0
+    timeout_s: float = 900.0
+    progress: bool = True
+    command: str = ""
+
+    def resolved_label(self) -> str:
+        if self.label:
+            return self.label
+        return "quick" if self.quick else "full"
+
+    def steps_for(self, spec: ModelSpec) -> int:
+        if self.steps is not None:
+            return self.steps
+        return spec.quick_steps if self.quick else spec.steps
+
+    def warmup_steps(self) -> int:
+        w = self.warmup if self.warmup is not None else (QUICK_WARMUP if self.quick else DEFAULT_WARMUP)
+        return max(1, w)
+
+    def wrapper_names(self, cuda: bool) -> tuple[str, ...]:
+        if self.wrappers is not None:
+            return self.wrappers
+        return DEFAULT_WRAPPERS + (CUDA_EXTRA_WRAPPERS if cuda else ())
+
+    def validate(self) -> None:
+        zoo, reg = model_zoo(), registry()
+        bad = [m for m in self.models if m not in zoo]
+        if bad:
+            raise ValueError(f"unknown model(s) {', '.join(bad)}; known: {', '.join(zoo)}")
+        bad = [w for w in (self.wrappers or ()) if w not in reg]
+        if bad:
+            raise ValueError(f"unknown wrapper(s) {', '.join(bad)}; known: {', '.join(reg)}")
+        for what, names in (("model", self.models), ("wrapper", self.wrappers or ())):
+            if len(set(names)) != len(names):
+                raise ValueError(f"a {what} is listed twice: {', '.join(names)}")
+        if not self.models:
+            raise ValueError("no model to run")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError("--steps must be >= 1")
+        if self.world is not None and self.world < 1:
+            raise ValueError("--world must be >= 1")
+        for bw in self.bandwidths:
+            if bw is not None and not bw > 0:
+                raise ValueError(f"--simulate-bandwidth values must be > 0 GB/s, got {bw}")
+
+
+# -- per-rank machinery -----------------------------------------------------------
+
+class _Ctx:
+    """One rank's view of the run."""
+
+    def __init__(self, cfg: BenchConfig, rank: int, world: int, local_rank: int, device: torch.device):
+        self.cfg, self.rank, self.world, self.local_rank, self.device = cfg, rank, world, local_rank, device
+        self.cuda = device.type == "cuda"
+        self.lead = rank == 0
+        self.elapsed: dict[str, float] = {}  # "<model><section tag>" -> seconds
+
+    def barrier(self) -> None:
+        if self.cuda:
+            dist.barrier(device_ids=[self.local_rank])
+            torch.cuda.synchronize(self.device)
+        else:
+            dist.barrier()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def agree_any(self, flags: list[bool]) -> list[bool]:
+        """Element-wise OR of ``flags`` over ranks."""
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64,
+                         device=self.device if self.cuda else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(x) for x in t.tolist()]
+
+
+class _GradClock:
+    """Stamps the time of the last gradient accumulated in a backward."""
+
+    def __init__(self, cuda: bool):
+        self.t = 0.0
+        self.last = -1
+        self.event_idx = -1  # CUDA: the parameter whose grad came last in the first step
+        self.event = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.bwd_event = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.handles = []
+
+    def attach(self, module: nn.Module) -> None:
+        for i, p in enumerate(p for p in module.parameters() if p.requires_grad):
+            self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+
+    def _hook(self, i: int):
+        def hook(_p):
+            self.t = time.perf_counter()
+            self.last = i
+            if i == self.event_idx:
+                self.event.record()
+        return hook
+
+    def pin_last(self) -> None:
+        """CUDA: remember which parameter's grad came last (after a step)."""
+        if self.event is not None:
+            self.event_idx = self.last
+
+
+@dataclass
+class _Entry:
+    """A built wrapper on this rank and what it has measured so far."""
+
+    name: str
+    module: nn.Module
+    opt: torch.optim.Optimizer
+    clock: _GradClock
+    row: R.Row
+    counter: object = None
+    step_ms: list[float] = field(default_factory=list)
+    exposed_ms: list[float] = field(default_factory=list)
+
+
+def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float]:
+    """One training step; returns (step ms, exposed communication ms)."""
+    x, y = batch
+    ctx.sync()
+    t0 = time.perf_counter()
+    e.opt.zero_grad(set_to_none=True)
+    loss = spec.loss(e.module(x), y)
+    loss.backward()
+    t_bwd = time.perf_counter()
+    if ctx.cuda:
+        e.clock.bwd_event.record()
+    e.opt.step()
+    ctx.sync()
+    t1 = time.perf_counter()
+    if ctx.cuda:
+        exposed = e.clock.event.elapsed_time(e.clock.bwd_event) if e.clock.event_idx >= 0 else float("nan")
+    else:
+        exposed = (t_bwd - e.clock.t) * 1e3
+    return (t1 - t0) * 1e3, exposed
+
+
+def _step_body(spec: ModelSpec, e: _Entry, batch) -> None:
+    x, y = batch
+    with torch.profiler.record_function("bench/forward"):
+        loss = spec.loss(e.module(x), y)
+    with torch.profiler.record_function("bench/backward"):
+        loss.backward()
+    with torch.profiler.record_function("bench/optimizer"):
+        e.opt.step()
+
+
+def _cpu_memory_events(prof) -> list[tuple[int, int]]:
+    """(time ns, signed bytes) of every CPU allocator event in ``prof``."""
+    out = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.name() == "[memory]" and ev.device_type() == torch.autograd.DeviceType.CPU:
+            out.append((ev.start_ns(), ev.nbytes()))
+    out.sort()
+    return out
+
+
+class _Memory:
+    """Rank 0's memory probes (None elsewhere, or where the probe fails).
+
+    * CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated``;
+    * CPU: allocator events recorded by ``torch.profiler(profile_memory=True)``
+      (only allocations made while the profiler runs, on threads it traces).
+    """
+
+    def __init__(self, ctx: _Ctx):
+        self.ctx = ctx
+
+    @contextlib.contextmanager
+    def net(self):
+        """Yields a dict; afterwards ``["bytes"]`` = net bytes allocated inside."""
+        out: dict = {"bytes": None}
+        if not self.ctx.lead:
+            yield out
+            return
+        if self.ctx.cuda:
+            self.ctx.sync()
+            before = torch.cuda.memory_allocated(self.ctx.device)
+            yield out
+            self.ctx.sync()
+            out["bytes"] = torch.cuda.memory_allocated(self.ctx.device) - before
+            return
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    profile_memory=True) as prof:
+            yield out
+        try:
+            out["bytes"] = sum(b for _, b in _cpu_memory_events(prof))
+        except Exception:  # noqa: BLE001 - private profiler API: report n/a
+            out["bytes"] = None
+
+
+def _count_ops(prof, cuda: bool) -> int:
+    """CPU: aten ops with no aten op around them (same thread); CUDA: kernels
+    (Memcpy/Memset excluded).  Reads the raw kineto events: building
+    ``prof.events()`` costs ~1 s per 10k events."""
+    events = prof.profiler.kineto_results.events()
+    if cuda:
+        return sum(1 for ev in events if ev.device_type() == torch.autograd.DeviceType.CUDA
+                   and not ev.name().startswith(("Memcpy", "Memset", "[memory]")))
+    spans = sorted((ev.start_thread_id(), ev.start_ns(), -ev.duration_ns()) for ev in events
+                   if ev.device_type() == torch.autograd.DeviceType.CPU and ev.name().startswith("aten::"))
+    count, thread, busy_until = 0, None, -1
+    for tid, start, neg_duration in spans:
+        if tid != thread:
+            thread, busy_until = tid, -1
+        if start >= busy_until:  # not inside the previous top-level op
+            count += 1
+            busy_until = start - neg_duration
+    return count
+
+
+def _profile_step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> None:
+    """One untimed step, profiled on rank 0: ops (CPU) or kernel launches
+    (CUDA), step peak memory, bytes on the wire."""
+    e.opt.zero_grad(set_to_none=True)
+    ctx.barrier()
+    wire0 = e.counter() if e.counter is not None else None
+    if not ctx.lead:
+        _step_body(spec, e, batch)
+        ctx.sync()
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if ctx.cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        base = torch.cuda.memory_allocated(ctx.device)
+    with torch.profiler.profile(activities=acts, profile_memory=not ctx.cuda) as prof:
+        _step_body(spec, e, batch)
+        ctx.sync()
+    e.row.ops_per_step = _count_ops(prof, ctx.cuda)
+    e.row.ops_kind = "kernel launches" if ctx.cuda else "aten ops"
+    if ctx.cuda:
+        e.row.step_peak_bytes = torch.cuda.max_memory_allocated(ctx.device) - base
+    else:
+        try:
+            run = peak = 0
+            for _, b in _cpu_memory_events(prof):
+                run += b
+                peak = max(peak, run)
+            e.row.step_peak_bytes = peak
+        except Exception:  # noqa: BLE001 - private profiler API: report n/a
+            e.row.step_peak_bytes = None
+    if e.counter is not None:
+        e.row.wire_bytes, e.row.wire_source = e.counter() - wire0, "measured"
+
+
+def _trace(ctx: _Ctx, spec: ModelSpec, e: _Entry, batches, tag: str) -> None:
+    """``--trace``: a Chrome trace of a few steps of one wrapper (rank 0)."""
+    ctx.barrier()
+    if not ctx.lead:
+        for b in batches:
+            e.opt.zero_grad(set_to_none=True)
+            _step_body(spec, e, b)
+        ctx.sync()
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if ctx.cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for i, b in enumerate(batches):
+            with torch.profiler.record_function(f"bench/step[{i}]"):
+                e.opt.zero_grad(set_to_none=True)
+                _step_body(spec, e, b)
+        ctx.sync()
+    folder = Path(ctx.cfg.trace_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(folder / f"{spec.name}{tag}-{e.name}.json"))
+
+
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _batch(ctx: _Ctx, spec: ModelSpec, index: int):
+    gen = torch.Generator().manual_seed(ctx.cfg.seed * 1_000_003 + ctx.rank * 10_007 + index + 1_000)
+    return spec.make_batch(gen, ctx.device)
+
+
+def _build(ctx: _Ctx, spec: ModelSpec, base: nn.Module, name: str, options: WrapperOptions,
+           first_batch) -> tuple[_Entry | None, R.Row]:
+    """Copy ``base``, attach the gradient clock, wrap it as ``name`` and run
+    its first step (rank 0 measures the memory this leaves resident).  The
+    ranks agree on failure; a failed wrapper comes back as ``(None, row)``."""
+    ws = registry()[name]
+    row = R.Row(spec.name, name, family=ws.family, baselines=list(ws.baselines))
+    entry, error = None, None
+    with _Memory(ctx).net() as resident:
+        try:
+            model = copy.deepcopy(base)
+            clock = _GradClock(ctx.cuda)
+            clock.attach(model)
+            module, row.note = build_wrapper(name, model, None, options)
+            opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+            entry = _Entry(name, module, opt, clock, row)
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            error = exc
+        if ctx.agree_any([error is not None])[0]:
+            row.status = f"unavailable: {_reason(error) if error else 'on another rank'}"
+            return None, row
+        try:
+            _step(ctx, spec, entry, first_batch)
+            entry.opt.zero_grad(set_to_none=True)
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            error = exc
+        if ctx.agree_any([error is not None])[0]:
+            row.status = f"failed: {_reason(error) if error else 'on another rank'}"
+            return None, row
+    entry.clock.pin_last()
+    row.resident_bytes = resident["bytes"]
+    row.wire_bytes, row.wire_source = computed_wire_bytes(ws, base.parameters()), "computed"
+    try:
+        entry.counter = wire_bytes_counter(ws, entry.module, options)
+    except Exception:  # noqa: BLE001 - keep the computed figure
+        entry.counter = None
+    return entry, row
+
+
+def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed: bool) -> None:
+    """One step of every live wrapper on the same batch, order rotated by
+    ``index``; a barrier (untimed) before each step."""
+    batch = _batch(ctx, spec, index)
+    live = [e for e in entries if e.row.ok]
+    if not live:
+        return
+    k = index % len(live)
+    errors: dict[int, BaseException] = {}
+    for e in live[k:] + live[:k]:
+        ctx.barrier()
+        try:
+            ms, exposed = _step(ctx, spec, e, batch)
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            errors[id(e)] = exc
+            continue
+        if timed:
+            e.step_ms.append(ms)
+            e.exposed_ms.append(exposed)
+    for e, bad in zip(live, ctx.agree_any([id(e) in errors for e in live])):
+        if bad:
+            exc = errors.get(id(e))
+            e.row.status = f"failed: {_reason(exc) if exc else 'on another rank'}"
+
+
+def _gather(ctx: _Ctx, entries: list[_Entry], steps: int) -> None:
+    """Replace every row's samples with the max over ranks, step by step."""
+    t = torch.full((max(len(entries), 1), steps, 2), -1.0, dtype=torch.float64)  # -1: missing
+    for i, e in enumerate(entries):
+        if e.row.ok and len(e.step_ms) == steps:
+            t[i, :, 0] = torch.tensor(e.step_ms, dtype=torch.float64)
+            t[i, :, 1] = torch.tensor(e.exposed_ms, dtype=torch.float64).nan_to_num(-1.0)
+    if ctx.cuda:
+        t = t.to(ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = t.cpu()
+    for i, e in enumerate(entries):
+        if e.row.ok:
+            e.row.step_ms = [x for x in t[i, :, 0].tolist() if x >= 0]
+            e.row.exposed_ms = [x for x in t[i, :, 1].tolist() if x >= 0]
+            if not e.row.step_ms:
+                e.row.status = "failed: missing step times on some rank"
+
+
+def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: WrapperOptions,
+                 tag: str, bar) -> list[R.Row]:
+    """Every wrapper on one model: build, warm up, time, profile, gather."""
+    torch.manual_seed(ctx.cfg.seed)
+    base = spec.build().to(ctx.device)
+    first = _batch(ctx, spec, -1)
+    rows, entries = [], []
+    for name in names:
+        entry, row = _build(ctx, spec, base, name, options, first)
+        rows.append(row)
+        if entry is not None:
+            entries.append(entry)
+
+    warmup, steps = ctx.cfg.warmup_steps(), ctx.cfg.steps_for(spec)
+    for i in range(warmup - 1):
+        _round(ctx, spec, entries, i, timed=False)
+        bar.update(1)
+    for i in range(steps):
+        _round(ctx, spec, entries, warmup + i, timed=True)
+        bar.update(1)
+
+    for e in entries:
+        if e.row.ok:
+            _profile_step(ctx, spec, e, _batch(ctx, spec, -2))
+    if ctx.cfg.trace_dir:
+        batches = [_batch(ctx, spec, -3 - i) for i in range(TRACE_STEPS)]
+        for e in entries:
+            if e.row.ok:
+                _trace(ctx, spec, e, batches, tag)
+    _gather(ctx, entries, steps)
+
+    for e in entries:
+        for h in e.clock.handles:
+            h.remove()
+    del entries, base
+    gc.collect()
+    return rows
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _section(ctx: _Ctx, bw: float | None, names: tuple[str, ...], bar) -> R.Section:
+    cfg = ctx.cfg
+    zoo = model_zoo()
+    section = R.Section(bw)
+    with contextlib.ExitStack() as stack:
+        wire = None
+        stack.enter_context(_env(SIM_ENV, None if bw is None else f"{bw:g}"))
+        if bw is not None:
+            wire = stack.enter_context(SimulatedWire(bw, ctx.device))
+        options = WrapperOptions(bucket_cap_mb=cfg.bucket_cap_mb,
+                                 device_ids=[ctx.local_rank] if ctx.cuda else None, wire=wire)
+        for m in cfg.models:
+            bar.set_description(f"{m}{section.tag}")
+            t0 = time.perf_counter()
+            section.rows += _bench_model(ctx, zoo[m], names, options, section.tag, bar)
+            ctx.elapsed[f"{m}{section.tag}"] = round(time.perf_counter() - t0, 1)
+    return section
+
+
+# -- metadata -------------------------------------------------------------------------
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _git() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not sha:
+        return None
+    return sha + (" (uncommitted changes)" if dirty else "")
+
+
+def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float) -> dict:
+    cfg = ctx.cfg
+    zoo = model_zoo()
+    try:
+        import triton
+        triton_v = triton.__version__
+    except Exception:  # noqa: BLE001 - not installed / broken: recorded as such
+        triton_v = None
+    nccl = None
+    if ctx.cuda:
+        try:
+            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001
+            nccl = "unknown"
+    try:
+        import numpy
+        numpy_v = numpy.__version__
+    except ImportError:
+        numpy_v = None
+    try:
+        import fastddp
+        fastddp_v = getattr(fastddp, "__version__", "?")
+    except Exception as exc:  # noqa: BLE001
+        fastddp_v = f"unavailable ({_reason(exc)})"
+    cpu = _cpu_model()
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    now = _dt.datetime.now()
+    meta = {
+        "label": cfg.resolved_label(),
+        "date": now.strftime("%Y-%m-%d"),
+        "timestamp": now.isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(ctx.device) if ctx.cuda else cpu,
+        "cpu": cpu,
+        "cores": f"{os.cpu_count()} logical, {affinity} usable",
+        "gpus": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                 if ctx.cuda else None),
+        "backend": "nccl" if ctx.cuda else "gloo",
+        "world_size": ctx.world,
+        "threads_per_rank": cfg.threads,
+        "torch": torch.__version__,
+        "triton": triton_v,
+        "nccl": nccl,
+        "python": platform.python_version(),
+        "numpy": numpy_v,
+        "fastddp": fastddp_v,
+        "git": _git(),
+        "models": list(cfg.models),
+        "model_descriptions": {m: zoo[m].description for m in cfg.models},
+        "wrappers": list(names),
+        "steps": {m: cfg.steps_for(zoo[m]) for m in cfg.models},
+        "warmup": cfg.warmup_steps(),
+        "bucket_cap_mb": cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else "default (25)",
+        "simulate_bandwidth_gbps": [b for b in cfg.bandwidths if b is not None] or None,
+        "quick": cfg.quick,
+        "command": cfg.command,
+        "elapsed_s": round(elapsed, 1),
+        "elapsed_per_model_s": dict(ctx.elapsed),
+        "config": {k: v for k, v in asdict(cfg).items() if k != "command"},
+    }
+    notes = [
+        "Step = zero_grad(set_to_none=True), forward, loss, backward, SGD step; each step timed "
+        "with time.perf_counter" + (" after torch.cuda.synchronize" if ctx.cuda else "")
+        + ", max over ranks; wrappers interleaved per round on the same batch (order rotated "
+        "each round), a barrier before every step.",
+        "Overhead = median step - local median step (same model, same run); x torch = that "
+        "overhead / the torch wrapper's with the same option (fastddp-bf16 vs torch-bf16 when "
+        "run, else torch-fp16); n/a where the torch overhead is <= 0.",
+    ]
+    if ctx.cuda:
+        notes.append("ops/step = CUDA kernels in a torch.profiler trace of one step on rank 0 "
+                     "(Memcpy/Memset excluded); peak = memory_allocated delta over building the "
+                     "wrapper and its first step + max_memory_allocated above the start of a "
+                     "steady-state step.")
+    else:
+        notes.append("ops/step = top-level aten ops in a torch.profiler trace of one step "
+                     "(forward, loss, backward, optimizer) on rank 0. Peak MiB (CPU) = net bytes "
+                     "the CPU allocator handed out while building the wrapper (model copy + DDP "
+                     "buffers) and running its first step, + the peak above the start of a "
+                     "steady-state step; from torch.profiler(profile_memory=True) on rank 0, "
+                     "so only allocations on threads the profiler traces.")
+    if any(b is not None for b in cfg.bandwidths):
+        notes.append("Simulated interconnect: torch wrappers run with a Python comm hook "
+                     "(divide by W, all-reduce SUM; the fp16 variant casts first) whose Future "
+                     "completes on a wire thread no earlier than max(issue, previous done) + "
+                     "bytes / bandwidth, instead of their built-in C++ all-reduce. fastddp rows "
+                     f"depend on fastddp's comm layer honouring {SIM_ENV} (the runner sets it; "
+                     "it does not verify it).")
+    meta["notes"] = notes
+    return meta
+
+
+# -- entry points -------------------------------------------------------------------------
+
+def under_torchrun() -> bool:
+    """True when launched by torchrun (or any env:// launcher setting these)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method: str,
+           result_path: str | None) -> R.Report | None:
+    """One rank's whole run; rank 0 returns the report (and writes it as JSON
+    to ``result_path`` when given), the others return None."""
+    t_start = time.perf_counter()
+    torch.set_num_threads(cfg.threads)
+    cuda = torch.cuda.is_available() and not cfg.cpu
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                            world_size=world, timeout=_dt.timedelta(seconds=cfg.timeout_s))
+    try:
+        ctx = _Ctx(cfg, rank, world, local_rank, device)
+        names = cfg.wrapper_names(cuda)
+        zoo = model_zoo()
+        rounds = sum(cfg.warmup_steps() - 1 + cfg.steps_for(zoo[m]) for m in cfg.models) * len(cfg.bandwidths)
+        bar = _progress(ctx, rounds)
+        try:
+            sections = [_section(ctx, bw, names, bar) for bw in cfg.bandwidths]
+        finally:
+            bar.close()
+        if not ctx.lead:
+            return None
+        report = R.Report(_meta(ctx, names, time.perf_counter() - t_start), sections)
+        for s in report.sections:
+            R.derive(s)
+        if result_path:
+            Path(result_path).write_text(R.to_json(report))
+        return report
+    finally:
+        dist.destroy_process_group()
+
+
+def _progress(ctx: _Ctx, total: int):
+    enabled = ctx.lead and ctx.cfg.progress
+    if enabled:
+        try:
+            from tqdm import tqdm
+            return tqdm(total=total, unit="round", file=sys.stderr, dynamic_ncols=True, leave=False)
+        except ImportError:
+            pass
+
+    class _Null:
+        def update(self, n=1): pass
+        def set_description(self, s): pass
+        def close(self): pass
+
+    return _Null()
+
+
+def _spawn_entry(rank: int, world: int, cfg: BenchConfig, init_method: str, result_path: str) -> None:
+    worker(rank, world, rank, cfg, init_method, result_path)
+
+
+def resolve_world(cfg: BenchConfig) -> int:
+    if cfg.world is not None:
+        return cfg.world
+    if torch.cuda.is_available() and not cfg.cpu:
+        return max(1, torch.cuda.device_count())
+    return 2
+
+
+def run(cfg: BenchConfig) -> tuple[R.Report, dict] | None:
+    """Run the benchmark and write the report; returns ``(report, paths)`` on
+    the process that holds rank 0's results (None on other torchrun ranks)."""
+    cfg.validate()
+    if under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        report = worker(rank, world, int(os.environ["LOCAL_RANK"]), cfg, "env://", None)
+        if report is None:
+            return None
+    else:
+        import torch.multiprocessing as mp
+
+        world = resolve_world(cfg)
+        with tempfile.TemporaryDirectory(prefix="fastddp-bench-") as tmp:
+            init = Path(tmp, "init").as_uri()
+            result = Path(tmp, "result.json")
+            mp.spawn(_spawn_entry, args=(world, cfg, init, str(result)), nprocs=world, join=True)
+            report = R.from_json(result.read_text())
+    paths = R.write_report(report, cfg.out)
+    return report, paths

@@ -1,0 +1,339 @@
+"""The wrappers the end-to-end runner compares, by name.
+
+A wrapper turns a plain model (already on its device, identical on every
+rank) into the thing the training step calls::
+
+    factory(model, process_group, options) -> (wrapped_model, note)
+
+``note`` is a short free-text remark for the report ("" when there is none).
+A factory raises (any exception) when the wrapper cannot be built here; the
+runner then reports the wrapper as ``unavailable: <reason>`` and carries on.
+
+=================  ===========================================================
+name               what
+=================  ===========================================================
+local              the model itself, no DDP: the floor
+torch              torch.nn.parallel.DistributedDataParallel, defaults
+torch-batched      ... batched_grad_copy=True
+torch-view         ... gradient_as_bucket_view=True
+torch-fp16         ... + default_hooks.fp16_compress_hook
+torch-bf16         ... + default_hooks.bf16_compress_hook (torch allows it on
+                   NCCL only; not in the CPU default set)
+fastddp            fastddp.DistributedDataParallel, defaults
+fastddp-batched    ... batched_grad_copy=True
+fastddp-view       ... gradient_as_bucket_view=True
+fastddp-fp16       ... + register_comm_hook(None, fastddp.hooks.fp16_compress_hook)
+fastddp-bf16       ... + register_comm_hook(None, fastddp.hooks.bf16_compress_hook)
+=================  ===========================================================
+
+Simulated interconnect (``--simulate-bandwidth``): :class:`SimulatedWire` is
+a serial wire of a given GB/s.  Torch wrappers get it through a Python comm
+hook (:func:`sim_allreduce_hook`, :func:`sim_compress_hook`) that issues the
+real all-reduce and returns a Future completed by the wire's thread no earlier
+than ``max(issue_i, done_{i-1}) + bytes_i / bandwidth``, sleeping, so it costs
+no compute.  fastddp reads ``FASTDDP_SIMULATE_BANDWIDTH_GBPS`` (same model,
+implemented in ``fastddp/comm.py``); the runner sets that variable.
+
+Nothing here runs at import: the registry is built by :func:`registry`.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "DEFAULT_WRAPPERS",
+    "SimulatedWire",
+    "WrapperOptions",
+    "WrapperSpec",
+    "build_wrapper",
+    "registry",
+    "sim_allreduce_hook",
+    "sim_compress_hook",
+    "wire_bytes_counter",
+]
+
+#: Wrappers a run without ``--wrappers`` compares, in table order.
+DEFAULT_WRAPPERS = (
+    "local",
+    "torch", "torch-batched", "torch-view", "torch-fp16",
+    "fastddp", "fastddp-batched", "fastddp-view", "fastddp-fp16", "fastddp-bf16",
+)
+
+#: Added to the default set on CUDA (torch refuses its bf16 hook off NCCL).
+CUDA_EXTRA_WRAPPERS = ("torch-bf16",)
+
+SIM_ENV = "FASTDDP_SIMULATE_BANDWIDTH_GBPS"
+
+
+@dataclass(frozen=True)
+class WrapperOptions:
+    """What every factory gets besides the model and the process group."""
+
+    bucket_cap_mb: float | None = None
+    """Passed to both DDPs (None: their default, 25 MiB)."""
+    device_ids: list[int] | None = None
+    """``[local_rank]`` on CUDA, None on CPU."""
+    wire: "SimulatedWire | None" = None
+    """The simulated interconnect, when ``--simulate-bandwidth`` is on."""
+
+
+Factory = Callable[[nn.Module, Any, WrapperOptions], "tuple[nn.Module, str]"]
+
+
+@dataclass(frozen=True)
+class WrapperSpec:
+    """A named wrapper and how it compares."""
+
+    name: str
+    family: str
+    """``local``, ``torch`` or ``fastddp``."""
+    option: str
+    """``default``, ``batched``, ``view``, ``fp16`` or ``bf16``."""
+    factory: Factory = field(repr=False)
+    baselines: tuple[str, ...] = ()
+    """Torch wrappers this one's overhead is divided by, first present wins."""
+    wire_itemsize: int | None = None
+    """Bytes per gradient element on the wire (None: the parameter's own)."""
+
+
+# -- simulated interconnect ---------------------------------------------------
+
+class SimulatedWire:
+    """A serial wire of ``gbps`` GB/s (1e9 bytes/s), served by one thread.
+
+    :meth:`transfer` is called when a bucket's real collective is issued; the
+    returned Future completes when both the collective has finished and the
+    simulated transfer is done: ``done_i = max(issue_i, done_{i-1}) +
+    bytes_i / bandwidth``.  The wire thread sleeps meanwhile (no compute).
+    """
+
+    def __init__(self, gbps: float, device: torch.device):
+        if not gbps > 0:
+            raise ValueError(f"simulated bandwidth must be > 0 GB/s, got {gbps!r}")
+        self.gbps = float(gbps)
+        self.device = device
+        self.bytes_sent = 0
+        self._free_at = 0.0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "SimulatedWire":
+        self._thread = threading.Thread(target=self._serve, name="fastddp-bench-wire", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def transfer(self, real: torch.futures.Future, nbytes: int,
+                 finish: Callable[[], torch.Tensor]) -> torch.futures.Future:
+        """Put ``nbytes`` on the wire behind the real collective ``real``;
+        ``finish()`` (run on the wire thread once both are done) gives the
+        result the returned Future carries."""
+        if self._thread is None:
+            raise RuntimeError("SimulatedWire used outside its `with` block")
+        start = max(time.perf_counter(), self._free_at)
+        self._free_at = deadline = start + nbytes / (self.gbps * 1e9)
+        self.bytes_sent += nbytes
+        cuda = self.device.type == "cuda"
+        out = torch.futures.Future(devices=[self.device]) if cuda else torch.futures.Future()
+        self._queue.put((real, deadline, finish, out))
+        return out
+
+    def _serve(self) -> None:
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            real, deadline, finish, out = item
+            try:
+                real.wait()
+                if cuda:  # NCCL futures complete at enqueue: wait for the GPU
+                    torch.cuda.current_stream(self.device).synchronize()
+                delay = deadline - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                out.set_result(finish())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                out.set_exception(e)
+
+
+def sim_allreduce_hook(wire: SimulatedWire):
+    """torch's ``allreduce_hook`` (divide by W, SUM) behind the simulated wire."""
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buf = bucket.buffer()
+        buf.div_(group.size())
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        return wire.transfer(work.get_future(), buf.numel() * buf.element_size(), lambda: buf)
+
+    hook.__name__ = hook.__qualname__ = "sim_allreduce_hook"
+    return hook
+
+
+def sim_compress_hook(wire: SimulatedWire, dtype: torch.dtype):
+    """torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` logic (cast,
+    divide by W, SUM in 16 bits, copy back) behind the simulated wire."""
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buf = bucket.buffer()
+        compressed = buf.to(dtype).div_(group.size())
+        work = dist.all_reduce(compressed, group=group, async_op=True)
+
+        def finish():
+            buf.copy_(compressed)
+            return buf
+
+        return wire.transfer(work.get_future(), compressed.numel() * compressed.element_size(), finish)
+
+    hook.__name__ = hook.__qualname__ = f"sim_{str(dtype).split('.')[-1]}_compress_hook"
+    return hook
+
+
+# -- factories -----------------------------------------------------------------
+
+def _local(model, process_group, options):
+    return model, "no DDP"
+
+
+def _torch(model, process_group, options, hook: str | None = None, **kwargs):
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = DistributedDataParallel(
+        model, device_ids=options.device_ids, process_group=process_group,
+        bucket_cap_mb=options.bucket_cap_mb, **kwargs)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(hook)
+    if options.wire is not None:
+        sim = sim_allreduce_hook(options.wire) if dtype is None else sim_compress_hook(options.wire, dtype)
+        ddp.register_comm_hook(process_group, sim)
+        return ddp, f"simulated wire via Python hook {sim.__name__}"
+    if hook is not None:
+        fn = getattr(default_hooks, f"{hook}_compress_hook")
+        ddp.register_comm_hook(process_group, fn)
+        return ddp, f"default_hooks.{fn.__name__}"
+    return ddp, ""
+
+
+def _fastddp(model, process_group, options, hook: str | None = None, **kwargs):
+    import fastddp  # noqa: F401 - ImportError means unavailable
+
+    cls = getattr(fastddp, "DistributedDataParallel", None)
+    if cls is None:
+        raise ImportError("fastddp has no DistributedDataParallel yet")
+    fn = None
+    if hook is not None:
+        from fastddp import hooks
+
+        fn = getattr(hooks, f"{hook}_compress_hook", None)
+        if fn is None:
+            raise ImportError(f"fastddp.hooks has no {hook}_compress_hook yet")
+    ddp = cls(model, device_ids=options.device_ids, process_group=process_group,
+              bucket_cap_mb=options.bucket_cap_mb, **kwargs)
+    notes = []
+    if fn is not None:
+        ddp.register_comm_hook(None, fn)
+        notes.append(f"hooks.{fn.__name__}")
+    if options.wire is not None:
+        notes.append(f"simulated wire via {SIM_ENV} (fastddp/comm.py)")
+    return ddp, "; ".join(notes)
+
+
+def registry() -> dict[str, WrapperSpec]:
+    """Every wrapper by name (a fresh dict on every call)."""
+    P = functools.partial
+    specs = [
+        WrapperSpec("local", "local", "default", _local),
+        WrapperSpec("torch", "torch", "default", _torch),
+        WrapperSpec("torch-batched", "torch", "batched", P(_torch, batched_grad_copy=True)),
+        WrapperSpec("torch-view", "torch", "view", P(_torch, gradient_as_bucket_view=True)),
+        WrapperSpec("torch-fp16", "torch", "fp16", P(_torch, hook="fp16"), wire_itemsize=2),
+        WrapperSpec("torch-bf16", "torch", "bf16", P(_torch, hook="bf16"), wire_itemsize=2),
+        WrapperSpec("fastddp", "fastddp", "default", _fastddp, baselines=("torch",)),
+        WrapperSpec("fastddp-batched", "fastddp", "batched", P(_fastddp, batched_grad_copy=True),
+                    baselines=("torch-batched",)),
+        WrapperSpec("fastddp-view", "fastddp", "view", P(_fastddp, gradient_as_bucket_view=True),
+                    baselines=("torch-view",)),
+        WrapperSpec("fastddp-fp16", "fastddp", "fp16", P(_fastddp, hook="fp16"),
+                    baselines=("torch-fp16",), wire_itemsize=2),
+        WrapperSpec("fastddp-bf16", "fastddp", "bf16", P(_fastddp, hook="bf16"),
+                    baselines=("torch-bf16", "torch-fp16"), wire_itemsize=2),
+    ]
+    return {s.name: s for s in specs}
+
+
+def build_wrapper(name: str, model: nn.Module, process_group, options: WrapperOptions) -> tuple[nn.Module, str]:
+    """Wrap ``model`` as wrapper ``name``; raises when it cannot be built."""
+    specs = registry()
+    if name not in specs:
+        raise KeyError(f"unknown wrapper {name!r}; known: {', '.join(specs)}")
+    return specs[name].factory(model, process_group, options)
+
+
+# -- bytes on the wire -----------------------------------------------------------
+
+_FASTDDP_COUNTER_PATHS = ("stats", "reducer._comm", "reducer.comm", "_reducer._comm", "_reducer.comm",
+                          "reducer", "_reducer", "_comm", "comm")
+
+
+def _read_bytes_on_wire(module: nn.Module, path: str) -> int | None:
+    obj: Any = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    if path == "stats" and callable(obj):
+        obj = obj()
+    value = obj.get("bytes_on_wire") if isinstance(obj, Mapping) else getattr(obj, "bytes_on_wire", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def wire_bytes_counter(spec: WrapperSpec, module: nn.Module, options: WrapperOptions) -> Callable[[], int] | None:
+    """A cumulative bytes-on-the-wire counter for a built wrapper, when one can
+    be read (the simulated wire's for torch wrappers under simulation;
+    fastddp's ``bytes_on_wire`` statistic); None: compute it from the params."""
+    if spec.family == "torch" and options.wire is not None:
+        wire = options.wire
+        return lambda: wire.bytes_sent
+    if spec.family == "fastddp":
+        for path in _FASTDDP_COUNTER_PATHS:
+            if _read_bytes_on_wire(module, path) is not None:
+                # re-read the path each time: a rebuilt reducer has a new counter
+                def count(path: str = path) -> int:
+                    return _read_bytes_on_wire(module, path) or 0
+                return count
+    return None
+
+
+def computed_wire_bytes(spec: WrapperSpec, params) -> int:
+    """Bytes one step all-reduces, from the parameters: numel of every param
+    requiring grad x the wire element size.  0 for ``local``."""
+    if spec.family == "local":
+        return 0
+    total = 0
+    for p in params:
+        if p.requires_grad:
+            total += p.numel() * (spec.wire_itemsize or p.element_size())
+    return total

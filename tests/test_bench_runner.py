@@ -1,0 +1,252 @@
+"""The end-to-end runner (``fastddp-bench``): statistics and report code as
+pure units, the simulated wire on its own, and one tiny 2-rank run through
+the command line (spawned once for the module)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from fastddp.bench import report as R
+from fastddp.bench.wrappers import (DEFAULT_WRAPPERS, SimulatedWire, computed_wire_bytes, registry)
+
+
+# -- statistics ------------------------------------------------------------------
+
+@pytest.mark.parametrize("xs", [[3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0], list(np.random.default_rng(0).random(17))])
+@pytest.mark.parametrize("q", [0.0, 0.2, 0.5, 0.8, 1.0])
+def test_quantile_matches_numpy_linear(xs, q):
+    assert R.quantile(xs, q) == pytest.approx(float(np.quantile(xs, q)), rel=0, abs=1e-12)
+
+
+def test_quantile_rejects_bad_input():
+    with pytest.raises(ValueError):
+        R.quantile([], 0.5)
+    with pytest.raises(ValueError):
+        R.quantile([1.0], 1.5)
+
+
+def test_summarize():
+    s = R.summarize([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
+    assert (s.median, s.p20, s.p80) == pytest.approx((35.0, 20.0, 50.0))
+    assert R.summarize([]) is None
+
+
+def _row(model, wrapper, steps, family=None, baselines=(), status="ok", **kw):
+    family = family or wrapper.split("-")[0]
+    return R.Row(model, wrapper, status=status, family=family, baselines=list(baselines),
+                 step_ms=list(steps), exposed_ms=[0.5] * len(steps), **kw)
+
+
+def _section(bw=None):
+    rows = [
+        _row("m", "local", [10, 10, 10]),
+        _row("m", "torch", [20, 20, 20]),
+        _row("m", "torch-batched", [9, 9, 9]),                       # overhead < 0
+        _row("m", "torch-fp16", [30, 30, 30]),
+        _row("m", "fastddp", [15, 15, 15], baselines=("torch",)),
+        _row("m", "fastddp-batched", [12, 12, 12], baselines=("torch-batched",)),
+        _row("m", "fastddp-bf16", [20, 20, 20], baselines=("torch-bf16", "torch-fp16")),
+        _row("m", "fastddp-view", [], baselines=("torch-view",), status="unavailable: not built"),
+        _row("small", "local", [100, 110, 120]),
+        _row("small", "torch", [150, 150, 150]),
+        _row("small", "fastddp", [145, 145, 145], baselines=("torch",)),
+    ]
+    return R.derive(R.Section(bw, rows))
+
+
+def test_derive_overhead_and_ratios():
+    s = _section()
+    r = {(x.model, x.wrapper): x for x in s.rows}
+    assert r["m", "local"].overhead_ms == 0
+    assert r["m", "torch"].overhead_ms == pytest.approx(10)
+    assert r["m", "fastddp"].ratio == pytest.approx(0.5) and r["m", "fastddp"].ratio_baseline == "torch"
+    # a baseline whose overhead is <= 0 gives no ratio, but is still named
+    assert r["m", "fastddp-batched"].ratio is None
+    assert r["m", "fastddp-batched"].ratio_baseline == "torch-batched"
+    # the first baseline present wins (no torch-bf16 here -> torch-fp16)
+    assert r["m", "fastddp-bf16"].ratio_baseline == "torch-fp16"
+    assert r["m", "fastddp-bf16"].ratio == pytest.approx(0.5)
+    assert r["m", "fastddp-view"].step is None and r["m", "fastddp-view"].overhead_ms is None
+    assert r["small", "fastddp"].ratio == pytest.approx(35 / 40)
+
+
+def test_targets():
+    checks = {(c["model"], c["wrapper"]): c for c in R.targets(_section())}
+    assert checks["m", "fastddp"]["target"] == R.DEFAULT_TARGET and checks["m", "fastddp"]["met"]
+    assert checks["small", "fastddp"]["target"] == 0.8 and not checks["small", "fastddp"]["met"]
+    # undefined ratio (torch overhead <= 0): listed, neither met nor missed
+    assert checks["m", "fastddp-batched"]["ratio"] is None and checks["m", "fastddp-batched"]["met"] is None
+    assert ("m", "fastddp-view") not in checks  # unavailable
+
+
+def test_format_table_rows_and_status():
+    text = R.format_table(_section())
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["model", "wrapper", "median"]
+    body = lines[2:]
+    assert len(body) == 11
+    view = next(line for line in body if " fastddp-view " in line)
+    assert "unavailable: not built" in view
+    fast = next(line for line in body if line.startswith("m ") and " fastddp " in line)
+    assert "0.50" in fast  # the ratio column
+
+
+def test_json_roundtrip_and_markdown():
+    rep = R.Report({"label": "t", "device": "Some CPU", "date": "2026-01-01", "notes": ["a note"]},
+                   [_section(), _section(1.0)])
+    back = R.from_json(R.to_json(rep))
+    assert back.meta == rep.meta
+    assert [(x.model, x.wrapper, x.status, x.step_ms) for x in back.sections[1].rows] == \
+           [(x.model, x.wrapper, x.status, x.step_ms) for x in rep.sections[1].rows]
+    assert back.sections[0].rows[4].ratio == pytest.approx(0.5)
+    md = R.to_markdown(rep, {"": ["x-step.png"]})
+    assert "## Results" in md and "## Simulated interconnect: 1 GB/s" in md
+    assert "![x-step.png](x-step.png)" in md and "unavailable: not built" in md
+    assert "* a note" in md
+
+
+def test_slugify():
+    assert R.slugify("Intel(R) Xeon(R) Processor @ 2.80GHz") == "intel-xeon-processor-2-80ghz"
+    assert R.slugify("NVIDIA H200") == "nvidia-h200"
+    assert R.slugify("") == "unknown-device"
+
+
+def test_write_report_files(tmp_path):
+    rep = R.Report({"label": "unit test", "device": "Unit CPU", "date": "2026-01-02"},
+                   [_section(1.0), _section(10.0)])
+    paths = R.write_report(rep, tmp_path)
+    folder = tmp_path / "unit-cpu"
+    assert paths["md"] == folder / "2026-01-02-unit-test.md" and paths["md"].exists()
+    assert json.loads(paths["json"].read_text())["meta"]["label"] == "unit test"
+    names = sorted(p.name for p in paths["charts"])
+    assert names == sorted(["2026-01-02-unit-test-bw1-step.png", "2026-01-02-unit-test-bw1-overhead.png",
+                            "2026-01-02-unit-test-bw10-step.png", "2026-01-02-unit-test-bw10-overhead.png",
+                            "2026-01-02-unit-test-bandwidth.png"])
+    for p in paths["charts"]:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- wrappers ----------------------------------------------------------------------
+
+def test_registry_covers_defaults():
+    reg = registry()
+    assert set(DEFAULT_WRAPPERS) <= set(reg)
+    for name, spec in reg.items():
+        if spec.family == "fastddp":
+            assert spec.baselines and all(reg[b].family == "torch" for b in spec.baselines)
+
+
+def test_computed_wire_bytes():
+    reg = registry()
+    params = [torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(3), requires_grad=False),
+              torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    assert computed_wire_bytes(reg["local"], params) == 0
+    assert computed_wire_bytes(reg["torch"], params) == 10 * 4 + 4 * 8
+    assert computed_wire_bytes(reg["fastddp-fp16"], params) == 14 * 2
+
+
+def test_simulated_wire_is_serial_and_sleeps():
+    gbps = 0.001  # 1 MB/s: 2000 bytes take 2 ms
+    done = torch.futures.Future()
+    done.set_result(None)
+    t0 = time.perf_counter()
+    with SimulatedWire(gbps, torch.device("cpu")) as wire:
+        futs = [wire.transfer(done, 2000, lambda i=i: torch.tensor(float(i))) for i in range(5)]
+        values = [f.wait().item() for f in futs]
+        elapsed = time.perf_counter() - t0
+        assert wire.bytes_sent == 10_000
+    assert values == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert elapsed >= 5 * 2000 / (gbps * 1e9) * 0.95
+
+
+def test_simulated_wire_waits_for_the_real_collective():
+    real = torch.futures.Future()
+    with SimulatedWire(1000.0, torch.device("cpu")) as wire:
+        out = wire.transfer(real, 8, lambda: torch.ones(1))
+        time.sleep(0.02)
+        assert not out.done()
+        real.set_result(None)
+        assert out.wait().item() == 1.0
+
+
+def test_simulated_wire_rejects_nonpositive():
+    with pytest.raises(ValueError):
+        SimulatedWire(0.0, torch.device("cpu"))
+
+
+# -- one tiny end-to-end run ------------------------------------------------------
+
+SIM_GBPS = 0.002  # 2 MB/s: the tiny model's 4.9 KB take ~2.4 ms on the wire
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from fastddp.bench.__main__ import main
+
+    out = tmp_path_factory.mktemp("reports")
+    traces = tmp_path_factory.mktemp("traces")
+    t0 = time.perf_counter()
+    rc = main(["--models", "tiny", "--steps", "2", "--warmup", "1", "--out", str(out), "--label", "ci",
+               "--no-progress", "--simulate-bandwidth", "none", str(SIM_GBPS), "--trace", str(traces)])
+    return rc, out, traces, time.perf_counter() - t0
+
+
+def test_tiny_run_writes_report(tiny_run):
+    rc, out, traces, elapsed = tiny_run
+    assert rc == 0
+    assert elapsed < 60, f"the tiny run took {elapsed:.0f} s"
+    (folder,) = out.iterdir()
+    md = list(folder.glob("*-ci.md"))
+    js = list(folder.glob("*-ci.json"))
+    assert len(md) == 1 and len(js) == 1
+    pngs = {p.name.split("-ci", 1)[1] for p in folder.glob("*.png")}
+    assert {"-step.png", "-overhead.png", f"-bw{SIM_GBPS:g}-step.png", f"-bw{SIM_GBPS:g}-overhead.png"} <= pngs
+    text = md[0].read_text()
+    assert "## Results" in text and f"## Simulated interconnect: {SIM_GBPS:g} GB/s" in text
+    for w in DEFAULT_WRAPPERS:
+        assert f"| tiny | {w} |" in text
+
+
+def test_tiny_run_rows(tiny_run):
+    _, out, _, _ = tiny_run
+    rep = R.from_json(next(out.glob("*/*-ci.json")).read_text())
+    assert rep.meta["world_size"] == 2 and rep.meta["backend"] == "gloo"
+    assert rep.meta["torch"] == torch.__version__
+    assert [s.bandwidth_gbps for s in rep.sections] == [None, SIM_GBPS]
+    for s in rep.sections:
+        assert [(r.model, r.wrapper) for r in s.rows] == [("tiny", w) for w in DEFAULT_WRAPPERS]
+        rows = {r.wrapper: r for r in s.rows}
+        for w in ("local", "torch", "torch-batched", "torch-view", "torch-fp16"):
+            r = rows[w]
+            assert r.ok, (w, r.status)
+            assert len(r.step_ms) == 2 and len(r.exposed_ms) == 2
+            assert r.step.p20 <= r.step.median <= r.step.p80
+            assert r.ops_per_step and r.ops_kind == "aten ops"
+            assert r.resident_bytes is not None and r.step_peak_bytes is not None
+        assert rows["local"].overhead_ms == 0 and rows["local"].wire_bytes == 0
+        nparams = 4 * (16 * 16 + 16 + 16 + 16)
+        assert rows["torch"].wire_bytes == 4 * nparams
+        assert rows["torch-fp16"].wire_bytes == 2 * nparams
+        for w in DEFAULT_WRAPPERS:
+            assert rows[w].ok or rows[w].status.startswith(("unavailable: ", "failed: ")), rows[w].status
+    # under simulation the torch rows go through the simulated wire (measured
+    # bytes) and backward waits for it: exposed >= bytes / bandwidth
+    sim = {r.wrapper: r for r in rep.sections[1].rows}
+    assert sim["torch"].wire_source == "measured"
+    wire_ms = sim["torch"].wire_bytes / (SIM_GBPS * 1e9) * 1e3
+    assert min(sim["torch"].exposed_ms) >= 0.9 * wire_ms
+
+
+def test_tiny_run_traces(tiny_run):
+    _, _, traces, _ = tiny_run
+    files = sorted(p.name for p in traces.iterdir())
+    assert "tiny-local.json" in files and "tiny-torch.json" in files
+    assert f"tiny-bw{SIM_GBPS:g}-torch.json" in files
+    doc = json.loads((traces / "tiny-torch.json").read_text())
+    names = {ev.get("name") for ev in doc["traceEvents"]}
+    assert "bench/step[0]" in names and "bench/backward" in names
