@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import planner, profiling
@@ -47,7 +48,7 @@ def _not_yet(arg: str, issue: str) -> NotImplementedError:
         f"argument, or use torch.nn.parallel.DistributedDataParallel for this model for now.")
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(torch.nn.Module, Joinable):
     """Drop-in replacement for :class:`torch.nn.parallel.DistributedDataParallel`.
 
     Same constructor, same semantics, same gradients (bit for bit where the
@@ -79,7 +80,9 @@ class DistributedDataParallel(torch.nn.Module):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
     ):
-        super().__init__()
+        torch.nn.Module.__init__(self)
+        Joinable.__init__(self)
+        self._divide_by_initial_world_size = True
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "fastddp.DistributedDataParallel: the default process group is not initialized. "
@@ -299,20 +302,47 @@ class DistributedDataParallel(torch.nn.Module):
         return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0
 
     def _sync_buffers(self) -> None:
+        # Under join() rank 0 may have joined with stale buffers: agree on a source.
+        src = (self._find_common_rank(dist.get_rank(self.process_group), True)
+               if self._join_config.enable else 0)
+        self._broadcast_buffers(src)
+
+    def _broadcast_buffers(self, src: int) -> None:
         with torch.no_grad():
             self._assign_modules_buffers()
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
                 dist._broadcast_coalesced(self.process_group, self.modules_buffers,
-                                          self.broadcast_bucket_size, 0)
+                                          self.broadcast_bucket_size,
+                                          dist.get_global_rank(self.process_group, src))
+
+    def _find_common_rank(self, input_rank: int, rank_cond: bool) -> int:
+        from .join import find_common_rank
+
+        return find_common_rank(self, input_rank, rank_cond)
+
+    def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool):
+        """join(): every rank learns whether this iteration's backward syncs."""
+        flag = torch.ones(1, device=self.device) if (not is_joined_rank and self.require_backward_grad_sync) \
+            else torch.zeros(1, device=self.device)
+        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
+        if is_joined_rank:
+            work.wait()
+            return flag.item() != 0
+        return None
 
     def _pre_forward(self, *inputs, **kwargs):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if grad_sync:
             self.reducer.prepare_for_forward()
+        work = Join.notify_join_context(self)
+        if work:
+            self.reducer.set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
         if torch.is_grad_enabled():
             self.reducer.rebuild_buckets()
         if self.will_sync_module_buffers():
             self._sync_buffers()
+        if self._join_config.enable:
+            self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         if self.device_ids:
             from torch.distributed.utils import _to_kwargs
 
@@ -415,7 +445,25 @@ class DistributedDataParallel(torch.nn.Module):
     # -------------------------------------------------------------------- join
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):
-        raise _not_yet("join()", "issue 6: uneven inputs")
+        """Context manager for uneven inputs (torch's ``DistributedDataParallel.join``):
+        ranks that run out of data shadow the collectives of those still
+        training; gradients are divided by the initial world size, or with
+        ``divide_by_initial_world_size=False`` by the number of ranks still
+        training; the final model is synced from the last rank to join."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs):
-        raise _not_yet("join_hook()", "issue 6: uneven inputs")
+        """The :class:`~torch.distributed.algorithms.join.JoinHook` for a
+        shared ``Join`` context (e.g. with ``ZeroRedundancyOptimizer``)."""
+        from .join import DDPJoinHook
+
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self):
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group

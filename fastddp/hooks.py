@@ -272,7 +272,7 @@ class FusedPath:
             reducer.fill_flat(bucket, grads, None)
             return
         wire = self._wire(bucket)
-        scale = 1.0 / reducer.world
+        scale = 1.0 / reducer.divide_factor()
         if reducer.plain_grads(bucket, grads):
             # ONE launch: separate grads -> scale in fp32 -> 16-bit wire (+ residual).
             kernels.pack(grads, wire, layout=bucket.layout, scale=scale, residual=bucket.residual)
@@ -292,6 +292,16 @@ class FusedPath:
                 raise ValueError("fastddp: allreduce_hook's process group must be the DDP module's group")
             return reducer._comm.all_reduce(bucket.flat)
         return reducer._comm.all_reduce(bucket.wire)
+
+    def shadow(self, reducer, bucket):
+        """join(): the same collective as launch(), on zeros."""
+        from .comm import Pending
+
+        if self.kind == "noop":
+            return Pending()
+        if self.kind == "allreduce":
+            return reducer._comm.all_reduce(torch.zeros_like(bucket.flat))
+        return reducer._comm.all_reduce(torch.zeros_like(self._wire(bucket)))
 
     # -- unpack ----------------------------------------------------------
     def unpack(self, reducer, bucket, track_unused: bool) -> None:

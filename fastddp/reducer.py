@@ -125,6 +125,9 @@ class Reducer:
         self._ready_order: list[int] = []
         self._has_rebuilt = False
         self._delay_all_reduce_queued = False
+        self._div_factor: int | None = None    # torch's div_factor_ (join may lower it)
+        self._fwd_work = None                  # join: all-reduce counting non-joined ranks
+        self._fwd_use_static_world = True
         self._fast_hooks = False       # see _make_hook
         self._collect_order = False
         self._num_buckets = 0
@@ -198,6 +201,25 @@ class Reducer:
     # ----------------------------------------------------------- iteration
     def prepare_for_forward(self) -> None:
         self.num_iterations += 1
+        self._fwd_work = None
+
+    def set_forward_pass_work_handle(self, work, use_static_world_size: bool) -> None:
+        """join(): the forward's all-reduce of ones counts the ranks still
+        training; unless ``use_static_world_size`` it becomes the divisor."""
+        self._fwd_work = work
+        self._fwd_use_static_world = use_static_world_size
+
+    def divide_factor(self) -> int:
+        """What gradients are averaged over this iteration (torch's
+        set_divide_factor): the world size, or under join(divide_by_initial_
+        world_size=False) the number of ranks that have not joined."""
+        if self._div_factor is None:
+            d = self.world
+            if self._fwd_work is not None and not self._fwd_use_static_world:
+                self._fwd_work.wait()
+                d = int(self._fwd_work.result()[0].item())
+            self._div_factor = d
+        return self._div_factor
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
         """Arm the hooks for the coming backward (the front calls it after a
@@ -364,7 +386,7 @@ class Reducer:
         """Write grads into ``bucket.flat``; ``scaling`` is ``"mul"`` (torch's
         default: * fp32(1/W)), ``"div"`` (batched_grad_copy: / W) or None (a
         comm hook divides itself)."""
-        W = self.world
+        W = self.divide_factor()
         if self.plain_grads(bucket, grads):
             if scaling == "mul":
                 kernels.pack(grads, bucket.flat, layout=bucket.layout, scale=1.0 / W)
@@ -378,9 +400,9 @@ class Reducer:
             if scaling is not None:
                 bucket.flat.div_(W)  # torch: per-view div_ (aliased) / flat div_ (batched)
             return
-        self._fill_flat_mixed(bucket, grads, scaling)
+        self._fill_flat_mixed(bucket, grads, scaling, W)
 
-    def _fill_flat_mixed(self, bucket: _Bucket, grads, scaling: str | None) -> None:
+    def _fill_flat_mixed(self, bucket: _Bucket, grads, scaling: str | None, W: int) -> None:
         """Some grads missing or already aliased: torch's per-parameter rules."""
         view_mode = self.opts.gradient_as_bucket_view
         batched = scaling == "div"
@@ -390,7 +412,7 @@ class Reducer:
                 v.zero_()
             elif g is v:
                 if scaling == "mul":
-                    v.div_(self.world)
+                    v.div_(W)
             else:
                 if g.layout != torch.strided:
                     raise RuntimeError(
@@ -405,7 +427,7 @@ class Reducer:
                 if scaling is None:
                     v.copy_(g)
                 else:
-                    torch.mul(g, 1.0 / self.world, out=v)
+                    torch.mul(g, 1.0 / W, out=v)
                 if view_mode:
                     p.grad = v
         if batched:
@@ -414,7 +436,7 @@ class Reducer:
                 if view_mode:
                     for p, v in zip(deferred_params, deferred_dst):
                         p.grad = v
-            bucket.flat.div_(self.world)
+            bucket.flat.div_(W)
 
     # ---------------------------------------------------------------- launch
     def _launch_ready(self) -> None:
@@ -492,6 +514,7 @@ class Reducer:
             self._expect_hooks = False
             self._fast_hooks = False
             self._require_finalize = False
+            self._div_factor = None  # join may change it by the next iteration
             track = self._static or self.opts.find_unused_parameters
             with self._comm.comm_context(), torch.no_grad():
                 for bucket in self._buckets:
@@ -562,6 +585,38 @@ class Reducer:
                 p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(v)
             else:
                 g.copy_(v)
+
+    # ------------------------------------------------------------------ join
+    def shadow_backward(self) -> None:
+        """A joined rank mirrors one backward of the ranks still training:
+        the same collectives, bucket by bucket in order, on zeros."""
+        with self._comm.comm_context(), torch.no_grad():
+            pending = []
+            for bucket in self._buckets:
+                pending.append(self._shadow_bucket(bucket))
+            for p in pending:
+                self._comm.wait(p)
+
+    def _shadow_bucket(self, bucket: _Bucket) -> Pending:
+        if self._fused_hook is not None:
+            return self._fused_hook.shadow(self, bucket)
+        if self.comm_hook is not None:
+            from .hooks import GradBucket
+
+            zeros = torch.zeros_like(bucket.flat)
+            gb = GradBucket(bucket.index, len(self._buckets), zeros, bucket.params, None, bucket.layout)
+            return self._comm.hook(self.comm_hook(self.comm_hook_state, gb), zeros.numel() * zeros.element_size())
+        return self._comm.all_reduce(torch.zeros_like(bucket.flat))
+
+    def shadow_used_map(self) -> None:
+        """A joined rank's part of the find_unused_parameters used-map all-reduce."""
+        dist.all_reduce(torch.zeros(len(self.params), dtype=torch.int32, device=self.device), group=self.pg)
+
+    def push_all_rebuilt_params(self) -> None:
+        """A joined rank that never ran a backward still takes part in the one
+        bucket rebuild (torch's _push_all_rebuilt_params)."""
+        if self._should_rebuild() and not self._ready_order:
+            self._ready_order = list(range(len(self.params)))
 
     # ---------------------------------------------------------------- errors
     def ensure_prior_reduction_finished(self) -> None:

@@ -70,28 +70,40 @@ def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
                scale: float = 1.0, divide: float | None = None,
                residuals: Sequence[torch.Tensor] | None = None) -> None:
     """Write each ``srcs[i]`` into ``views[i]`` (a view of the flat bucket shaped
-    like ``srcs[i]``), scaled and cast.  The CPU path of the reducer: where
-    source, view and compute dtype agree (the common case) it is one
-    ``_foreach_copy_`` plus one ``_foreach_mul_``/``_foreach_div_``, whose
-    per-element arithmetic is the contract's (``x * C(scale)`` rounded once)."""
+    like ``srcs[i]``), scaled and cast: the CPU path of the reducer.
+
+    Host cost is a handful of C++ calls per bucket, not per tensor: where the
+    source dtype is the compute dtype (fp32, or fp64) the scale runs as one
+    ``_foreach_*`` in that dtype (the contract's ``x * C(scale)``, rounded
+    once) and the cast as one ``_foreach_copy_`` (round to nearest even);
+    fp16/bf16 sources go tensor by tensor (``_foreach_mul_`` on 16-bit
+    tensors would round the scale itself to 16 bits)."""
     if residuals is not None:
         for s, v, r in zip(srcs, views, residuals):
             _pack_error_feedback(s, v, r, scale, divide)
         return
-    fast_s, fast_v, slow = [], [], []
+    same_s, same_v, cast_s, cast_v, slow = [], [], [], [], []
     for s, v in zip(srcs, views):
-        if s.dtype == v.dtype and s.dtype in (torch.float32, torch.float64) and s.shape == v.shape:
-            # (fp16/bf16 excluded: _foreach_mul_ on them rounds the scale to 16 bits)
-            fast_s.append(s)
-            fast_v.append(v)
-        else:
+        if s.shape != v.shape or compute_dtype(s.dtype, v.dtype) != s.dtype:
             slow.append((s, v))
-    if fast_v:
-        torch._foreach_copy_(fast_v, fast_s)
+        elif s.dtype == v.dtype:
+            same_s.append(s)
+            same_v.append(v)
+        else:
+            cast_s.append(s)
+            cast_v.append(v)
+    if same_v:
+        torch._foreach_copy_(same_v, same_s)
         if divide is not None:
-            torch._foreach_div_(fast_v, divide)
+            torch._foreach_div_(same_v, divide)
         elif scale != 1.0:
-            torch._foreach_mul_(fast_v, scale)
+            torch._foreach_mul_(same_v, scale)
+    if cast_v:
+        if divide is not None:
+            cast_s = torch._foreach_div(cast_s, divide)
+        elif scale != 1.0:
+            cast_s = torch._foreach_mul(cast_s, scale)
+        torch._foreach_copy_(cast_v, cast_s)
     for s, v in slow:
         c = compute_dtype(s.dtype, v.dtype)
         v.copy_(_scaled(s.reshape(v.shape).to(c), scale, divide))
@@ -123,11 +135,13 @@ def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
 
 def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
                  scale: float = 1.0, divide: float | None = None, accumulate: bool = False) -> None:
-    """Reverse of :func:`pack_views`: ``dsts[i] (=|+=) cast(views[i] * scale)``."""
+    """Reverse of :func:`pack_views`: ``dsts[i] (=|+=) cast(views[i] * scale)``.
+    A plain store (no scale, no accumulate) of any dtype pair is one
+    ``_foreach_copy_``: ``copy_`` casts exactly as ``.to`` does."""
     plain = not accumulate and divide is None and scale == 1.0
     fast_d, fast_v, slow = [], [], []
     for v, d in zip(views, dsts):
-        if plain and v.dtype == d.dtype and v.shape == d.shape:
+        if plain and v.shape == d.shape:
             fast_d.append(d)
             fast_v.append(v)
         else:
