@@ -91,20 +91,31 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
                              "need to be set at the same time.")
-        if delay_all_reduce_named_params is not None:
-            raise _not_yet("delay_all_reduce_named_params / param_to_hook_all_reduce", "issue 6")
         if mixed_precision is not None:
             raise _not_yet("mixed_precision", "issue 6")
         if process_group is not None and device_mesh is not None:
             raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
         if device_mesh is not None:
-            raise _not_yet("device_mesh", "issue 6")
+            if device_mesh.ndim != 1:
+                raise RuntimeError(
+                    f"Only 1D device mesh is supported, but got {device_mesh} ({device_mesh.ndim}-D); "
+                    "pass the data-parallel dimension, e.g. mesh['dp'].")
+            if device_mesh._get_root_mesh() != device_mesh:
+                raise _not_yet("a device_mesh that is a slice of a larger mesh (tensor-parallel "
+                               "DTensor modules)", "issue 6")
+            self.device_mesh = device_mesh
+            process_group = device_mesh.get_group(mesh_dim=0)
         self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._delay_all_reduce_params: list[torch.nn.Parameter] = []
+        if delay_all_reduce_named_params is not None:
+            for name, param in delay_all_reduce_named_params:
+                ignore.add(name)
+                self._delay_all_reduce_params.append(param)
         self.parameters_to_ignore = ignore
         module_params = [p for n, p in module.named_parameters() if n not in ignore]
-        if not any(p.requires_grad for p in module_params):
+        if not any(p.requires_grad for p in module_params) and not self._delay_all_reduce_params:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter "
                 "that requires a gradient.")
@@ -163,6 +174,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.batched_grad_copy = batched_grad_copy
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.mixed_precision = None
+        self.device_mesh = getattr(self, "device_mesh", None)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.static_graph = False
@@ -170,6 +182,17 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.broadcast_bucket_size = _BROADCAST_BUCKET_BYTES
         self._bucket_args = (bucket_cap_mb, tuple(bucket_cap_mb_list) if bucket_cap_mb_list else None)
         self._comm_hooks: list[tuple[Callable, object]] = []
+
+        self._delay_grad_buffer: torch.Tensor | None = None
+        self._delay_grad_views: list[torch.Tensor] = []
+        self._delay_work = None
+        self._delay_all_reduce_all_params = False
+        if self._delay_all_reduce_params:
+            self._register_delay_all_reduce_hook(param_to_hook_all_reduce)
+            if not any(p.requires_grad for p in module_params):
+                self._delay_all_reduce_all_params = True
+                self.reducer = None
+                return
 
         parameters, names = self._build_params_for_reducer()
         if init_sync:
@@ -374,9 +397,57 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def forward(self, *inputs, **kwargs):
         with profiling.range("fastddp/forward", self.device_type == "cuda"):
+            if self._delay_all_reduce_all_params:
+                output = self.module(*inputs, **kwargs)
+                self._clear_grad_buffer()
+                return output
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
             output = self.module(*inputs, **kwargs)
-            return self._post_forward(output)
+            output = self._post_forward(output)
+            self._clear_grad_buffer()
+            return output
+
+    # ------------------------------------------------- delayed all-reduce
+    def _register_delay_all_reduce_hook(self, param_to_hook_all_reduce) -> None:
+        """torch's delay_all_reduce_named_params: those params leave the
+        buckets; their grads live in one flat buffer that is averaged when
+        ``param_to_hook_all_reduce``'s gradient is computed."""
+        params = self._delay_all_reduce_params
+        device = params[0].device
+        self._delay_grad_buffer = torch.zeros(sum(p.numel() for p in params), device=device,
+                                              dtype=params[0].dtype)
+        dist._broadcast_coalesced(self.process_group, [p.detach() for p in params],
+                                  self.broadcast_bucket_size, 0)
+        param_to_hook_all_reduce.register_hook(self._delayed_all_reduce_hook)
+        offset = 0
+        for p in params:
+            self._delay_grad_views.append(self._delay_grad_buffer[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+
+    def _delayed_all_reduce_hook(self, grad):
+        self._delay_grad_buffer.div_(dist.get_world_size(self.process_group))
+        self._delay_work = dist.all_reduce(self._delay_grad_buffer, group=self.process_group, async_op=True)
+        # torch never waits for this work; fastddp waits at the end of backward,
+        # so the optimizer can never read a half-reduced buffer.
+        torch.autograd.Variable._execution_engine.queue_callback(self._wait_delayed_all_reduce)
+        return grad
+
+    def _wait_delayed_all_reduce(self) -> None:
+        if self._delay_work is not None:
+            self._delay_work.wait()
+            self._delay_work = None
+
+    def _clear_grad_buffer(self) -> None:
+        if self._delay_grad_buffer is None:
+            return
+        all_none = all(p.grad is None for p in self._delay_all_reduce_params)
+        for p, view in zip(self._delay_all_reduce_params, self._delay_grad_views):
+            if p.grad is None:
+                p.grad = view
+                if not all_none:
+                    p.grad.zero_()
+        if all_none:
+            self._delay_grad_buffer.zero_()
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -441,6 +512,35 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             self.register_comm_hook(self.process_group, default_hooks.fp16_compress_hook)
         else:
             raise ValueError(f"Unknown built-in DDP comm hook type {comm_hook_type}.")
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        """What the reducer did: buckets (dtype, size, params), collectives and
+        bytes handed to them, kernel counters, and the exposed communication
+        (host time from the last bucket's issue to all grads reduced) of the
+        last steps.  Plain data: print it, log it, json.dump it."""
+        from . import kernels
+
+        out = self.reducer.stats() if self.reducer is not None else {"buckets": []}
+        out["kernels"] = kernels.stats()
+        return out
+
+    def _get_ddp_logging_data(self) -> dict:
+        """A subset of torch's logging data with torch's key names."""
+        r = self.reducer
+        return {
+            "module_name": type(self.module).__name__,
+            "world_size": dist.get_world_size(self.process_group),
+            "rank": dist.get_rank(self.process_group),
+            "backend_name": dist.get_backend(self.process_group),
+            "bucket_cap_bytes": r.opts.bucket.bucket_bytes_cap if r else 0,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "has_rebuilt_buckets": int(r._has_rebuilt) if r else 0,
+            "bucket_sizes": [b.flat.numel() * b.flat.element_size() for b in r._buckets] if r else [],
+            "comm_hook": "" if r is None or r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),
+        }
 
     # -------------------------------------------------------------------- join
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,

@@ -29,7 +29,9 @@ Scaling, exactly as torch (bit for bit):
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -126,6 +128,9 @@ class Reducer:
         self._has_rebuilt = False
         self._delay_all_reduce_queued = False
         self._div_factor: int | None = None    # torch's div_factor_ (join may lower it)
+        self._t_all_issued = 0.0
+        self.exposed_comm_s: collections.deque = collections.deque(maxlen=32)
+        self.steps_reduced = 0
         self._fwd_work = None                  # join: all-reduce counting non-joined ranks
         self._fwd_use_static_world = True
         self._fast_hooks = False       # see _make_hook
@@ -342,6 +347,7 @@ class Reducer:
             self._all_buckets_issued()
 
     def _all_buckets_issued(self) -> None:
+        self._t_all_issued = time.perf_counter()
         if self._dynamic_find_unused:
             self._all_reduce_used_map()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
@@ -530,6 +536,11 @@ class Reducer:
                             src = bucket.flat if self.comm_hook is None else self._hook_result(bucket, result)
                             self._unpack(bucket, src, track)
             self._comm.join_compute_stream()
+            if self._t_all_issued:
+                # Host view of what backward failed to hide: from the last
+                # bucket's issue (~ the last gradient) to all buckets reduced.
+                self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
+            self.steps_reduced += 1
             if self._used_work is not None:
                 # Never let the next iteration's map race this one.
                 self._used_work.wait()
@@ -638,6 +649,28 @@ class Reducer:
             f"loss. Parameters that did not receive a gradient on rank {self.rank}: {names}{more}.")
 
     # ----------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        fused = self._fused_hook
+        hook = self.comm_hook
+        return {
+            "world_size": self.world,
+            "iterations": self.num_iterations,
+            "steps_reduced": self.steps_reduced,
+            "has_rebuilt_buckets": self._has_rebuilt,
+            "kernel_backend": kernels.backend(self.device),
+            "comm_hook": None if hook is None else getattr(hook, "__name__", repr(hook)),
+            "fused_path": None if fused is None else (fused.kind, str(fused.dtype) if fused.dtype else None),
+            "collectives": self._comm.collectives,
+            "bytes_on_wire": self._comm.bytes_on_wire,
+            "exposed_comm_ms_last": [round(t * 1e3, 3) for t in self.exposed_comm_s],
+            "buckets": [
+                {"index": b.index, "dtype": str(b.flat.dtype), "device": str(b.flat.device),
+                 "numel": b.flat.numel(), "bytes": b.flat.numel() * b.flat.element_size(),
+                 "params": [self.names[i] for i in b.indices]}
+                for b in self._buckets
+            ],
+        }
+
     def remove_hooks(self) -> None:
         for h in self._hook_handles:
             h.remove()
