@@ -4,17 +4,22 @@ host-side plan (chunk table + pointer table) a
 
 Tables (both int64, on the tensors' device)::
 
-    ptr table   [3 + n_tensors]   0: data_ptr() of the flat buffer
+    ptr table   [4 + n_tensors]   0: data_ptr() of the flat buffer
                                   1: the scale as fp64 bits        (fp64 math)
                                   2: fp32(scale) as fp64 bits      (fp32 math)
-                                  3 + i: data_ptr() of tensor i
+                                  3: data_ptr() of pack's error-feedback
+                                     residual (indexed like the flat
+                                     buffer), 0 when there is none
+                                  4 + i: data_ptr() of tensor i
     chunk table [n_chunks, 4]     (ptr-table slot of the tensor, start in the
                                    tensor, start in the flat buffer, length)
 
 The chunk table depends only on (numels, offsets, dtypes, BLOCK): it is built
-once per plan.  The pointer table is rewritten only when a pointer or the
-scale changed since the plan's last call.  On CUDA it is written into a pinned
-host buffer and copied with ``non_blocking=True``; the plan keeps two
+once per plan (the residual, indexed like the flat buffer, reuses the rows'
+flat starts).  The pointer table is rewritten only when a pointer (the
+residual's included) or the scale changed since the plan's last call.  On
+CUDA it is written into a pinned host buffer and copied with
+``non_blocking=True``; the plan keeps two
 (pinned, device) slots and, before rewriting a slot, waits for the events
 recorded after the launches that read it, so a pinned buffer is never
 overwritten while its copy may still be in flight.
@@ -26,12 +31,15 @@ Bit-exactness (the contract of :mod:`fastddp.kernels.reference`):
   ``.to(tl.bfloat16)`` truncates while the GPU rounds;
 * fp64 -> fp16/bf16 goes through fp32 first, as torch does (``c10::Half``
   and ``c10::BFloat16`` are built from a float);
-* kernels are launched with ``enable_fp_fusion=False`` (no FMA contraction).
+* kernels are launched with ``enable_fp_fusion=False`` (no FMA contraction):
+  with a residual, ``x * scale`` and ``+ r`` round separately, as the
+  reference's two torch ops do.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -58,7 +66,7 @@ BLOCK_INTERPRET = 16384
 BLOCK_GPU = 2048
 NUM_WARPS_GPU = 4
 
-_HEAD = 3  # ptr-table slots before the tensors' pointers
+_HEAD = 4  # ptr-table slots before the tensors' pointers
 
 # The interpreter is not thread-safe: every interpreted launch takes this lock.
 INTERPRET_LOCK = threading.Lock()
@@ -131,6 +139,11 @@ class Group:
     n_chunks: int
     chunks: torch.Tensor | None  # int64 [n_chunks * 4] view on the device
     flat_aligned: bool         # every offset * flat elsize is a multiple of 16 bytes
+    offset_gcd: int = 0        # gcd of the non-empty members' offsets (residual alignment)
+
+    def res_aligned(self, elsize: int) -> bool:
+        """Every offset * ``elsize`` is a multiple of 16 bytes (a residual indexed like the flat buffer)."""
+        return (self.offset_gcd * elsize) % 16 == 0
 
 
 @dataclass
@@ -172,17 +185,18 @@ class Plan:
                 r[:, 3] = np.minimum(block, n - starts)
                 rows.append(r)
             n_chunks = sum(r.shape[0] for r in rows)
-            spans.append((kind, members, n_chunks,
-                          all((int(offsets[i]) * flat_el) % 16 == 0 for i in members if numels[i])))
+            live = [int(offsets[i]) for i in members if numels[i]]
+            spans.append((kind, members, n_chunks, all((o * flat_el) % 16 == 0 for o in live),
+                          math.gcd(*live) if live else 0))
             rows_all.extend(rows)
         table = (np.concatenate(rows_all).reshape(-1) if rows_all else np.zeros(0, dtype=np.int64))
         table_dev = torch.from_numpy(table).to(device)  # once per plan
         self.groups: list[Group] = []
         at = 0
-        for kind, members, n_chunks, flat_aligned in spans:
+        for kind, members, n_chunks, flat_aligned, offset_gcd in spans:
             view = table_dev.narrow(0, at * 4, n_chunks * 4) if n_chunks else None
             self.groups.append(Group(kind, members, np.asarray(members, dtype=np.int64), n_chunks, view,
-                                     flat_aligned))
+                                     flat_aligned, offset_gcd))
             at += n_chunks
         self.cuda = device.type == "cuda"
         self._slots: list[_Slot] = []
@@ -190,6 +204,7 @@ class Plan:
         self._last: list[int] | None = None
         self._tensor_aligned: list[bool] = [False] * len(self.groups)
         self._flat_aligned_ptr = False
+        self._res_aligned_ptr = False
 
     # ----------------------------------------------------------- pointers
     def _new_slot(self) -> _Slot:
@@ -201,10 +216,11 @@ class Plan:
             dev = host
         return _Slot(host, host.numpy(), dev)
 
-    def refresh(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], s64: int, s32: int) -> torch.Tensor:
+    def refresh(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], s64: int, s32: int,
+                res_ptr: int = 0) -> torch.Tensor:
         """Bring the pointer table up to date; returns the device table to launch with.
-        Called with ``self.lock`` held."""
-        vals = [flat.data_ptr(), s64, s32]
+        ``res_ptr``: pack's residual address (0: none).  Called with ``self.lock`` held."""
+        vals = [flat.data_ptr(), s64, s32, res_ptr]
         vals.extend(map(_data_ptr, tensors))
         if vals == self._last:
             return self._slots[self._cur].dev
@@ -228,6 +244,7 @@ class Plan:
         misaligned = (slot.host_np[_HEAD:] & 15) != 0
         self._tensor_aligned = [not misaligned[g.index].any() for g in self.groups]
         self._flat_aligned_ptr = vals[0] % 16 == 0
+        self._res_aligned_ptr = res_ptr % 16 == 0
         return slot.dev
 
     def _vet(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -256,6 +273,10 @@ class Plan:
     def aligned(self, gi: int) -> tuple[bool, bool]:
         """(tensor side 16-byte aligned, flat side 16-byte aligned) for group ``gi``."""
         return self._tensor_aligned[gi], self._flat_aligned_ptr and self.groups[gi].flat_aligned
+
+    def res_aligned(self, gi: int, elsize: int) -> bool:
+        """Group ``gi``'s residual chunks (``elsize``-byte elements) all start on 16 bytes."""
+        return self._res_aligned_ptr and self.groups[gi].res_aligned(elsize)
 
 
 _LRU: "collections.OrderedDict[tuple, Plan]" = collections.OrderedDict()

@@ -5,6 +5,12 @@ typed launcher :func:`_pack_launch` (checks, tables, grid, one launch per
 source dtype) and the op :func:`pack_triton` that :func:`fastddp.kernels.pack`
 dispatches to.  The arithmetic is :func:`fastddp.kernels.reference.pack`'s,
 bit for bit.
+
+Error feedback (``residual=``, 16-bit gradient compression) runs inside the
+same launch: the kernel variant ``HAS_RESIDUAL`` also reads and rewrites the
+residual, whose address sits in the pointer table and whose chunks start at
+the destination's offsets.  Without a residual the kernel compiles to the
+very code it did before the option existed.
 """
 
 from __future__ import annotations
@@ -21,19 +27,25 @@ from ._counters import _bump
 
 __all__ = ["pack_triton"]
 
+#: :func:`fastddp.kernels.pack` routes ``residual=`` calls here (error feedback
+#: fused into the pack launch) instead of to the reference.
+SUPPORTS_RESIDUAL = True
+
 
 @triton.jit
 def _pack_kernel(
-    ptr_table,  # *Pointer* to int64 [3 + n_tensors]: flat dst address, scale (fp64 bits; fp32 value as fp64 bits), source addresses
+    ptr_table,  # *Pointer* to int64 [4 + n_tensors]: flat dst address, scale (fp64 bits; fp32 value as fp64 bits), residual address (0: none), source addresses
     chunk_table,  # *Pointer* to int64 [n_chunks, 4] rows: (ptr-table slot, start in source, start in dst, length)
     SRC_T: tl.constexpr,  # element type of this launch's sources (bf16 as tl.uint16 bits)
     DST_T: tl.constexpr,  # element type of the flat destination (bf16 as tl.uint16 bits)
-    C_T: tl.constexpr,  # compute dtype: tl.float64 if source or destination is fp64, else tl.float32
+    C_T: tl.constexpr,  # compute dtype: the residual's with one, else tl.float64 if source or destination is fp64, else tl.float32
     MODE: tl.constexpr,  # 0 cast only, 1 multiply by the scale, 2 divide by it
-    RAW: tl.constexpr,  # same dtype and no scaling: copy the bits
+    RAW: tl.constexpr,  # same dtype, no scaling, no residual: copy the bits
     SRC_ALIGNED: tl.constexpr,  # every source chunk starts on 16 bytes (vectorise loads)
     DST_ALIGNED: tl.constexpr,  # every destination chunk starts on 16 bytes (vectorise stores)
     BLOCK: tl.constexpr,  # elements per program
+    HAS_RESIDUAL: tl.constexpr = False,  # error feedback: x += r; dst = cast(x); r = x - upcast(dst)
+    RES_ALIGNED: tl.constexpr = False,  # every residual chunk starts on 16 bytes
 ):
     i_c = tl.program_id(0)
     p_row = chunk_table + i_c * 4
@@ -56,7 +68,8 @@ def _pack_kernel(
     if RAW:
         b_y = b_x
     else:
-        # widen to the compute dtype (exact); bf16 arrives as its raw bits
+        # widen to the compute dtype (fp64 -> fp32 rounds, with an fp32
+        # residual, like ``Tensor.to``); bf16 arrives as its raw bits
         if SRC_T == tl.uint16:
             b_x = (b_x.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         b_x = b_x.to(C_T)
@@ -71,6 +84,17 @@ def _pack_kernel(
                 b_x = b_x / b_s
             else:
                 b_x = tl.math.div_rn(b_x, b_s)  # IEEE division; fp32 `/` may be approximate
+        if HAS_RESIDUAL:
+            # the residual is indexed like the destination; rounded separately
+            # from the scaling (no FMA: launched with enable_fp_fusion=False)
+            p_res = tl.load(ptr_table + 3).to(tl.pointer_type(C_T)) + o_dst
+            if RES_ALIGNED:
+                p_res = tl.multiple_of(p_res, 16)
+            if n == BLOCK:
+                b_e = tl.load(p_res + o)  # [BLOCK]
+            else:
+                b_e = tl.load(p_res + o, mask=o < n)  # [BLOCK]
+            b_x = b_x + b_e
         # narrow to the destination, round to nearest even; fp64 -> fp16/bf16
         # goes through fp32 as torch does (c10::Half/BFloat16 take a float)
         if DST_T == tl.uint16:
@@ -82,6 +106,16 @@ def _pack_kernel(
             b_y = b_x.to(tl.float32).to(tl.float16)
         else:
             b_y = b_x.to(DST_T)
+        if HAS_RESIDUAL:
+            # new residual: what the destination lost, x - upcast(dst), in C_T
+            if DST_T == tl.uint16:
+                b_w = (b_y.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(C_T)
+            else:
+                b_w = b_y.to(C_T)
+            if n == BLOCK:
+                tl.store(p_res + o, b_x - b_w)
+            else:
+                tl.store(p_res + o, b_x - b_w, mask=o < n)
     if n == BLOCK:
         tl.store(p_dst + o, b_y)
     else:
@@ -92,15 +126,21 @@ _INTERPRETED = C.is_interpreted(_pack_kernel)
 
 
 def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float,
-                 divide: float | None) -> int:
+                 divide: float | None, residual: torch.Tensor | None = None) -> int:
     """Check the inputs, refresh the plan's pointer table and launch one grid of
-    ``n_chunks`` programs per source dtype.  Returns the number of launches."""
+    ``n_chunks`` programs per source dtype; the residual, if any, is read and
+    rewritten by those same launches.  Returns the number of launches."""
     C.check_tensors("pack", dst, srcs, layout)
     plan = C.get_plan("pack", layout, srcs, dst, C.block_for(_INTERPRETED))
     mode, s64, s32 = C.scale_slots(scale, divide, dst.device)
+    if residual is None:
+        has_res, res_ptr, res_t, res_el = False, 0, None, 0
+    else:  # error feedback runs in the residual's dtype (the reference's rule)
+        res_kind = _check_residual(residual, dst, layout)
+        has_res, res_ptr, res_t, res_el = True, residual.data_ptr(), C.STORAGE[res_kind], C.ELSIZE[res_kind]
     launches = 0
     with plan.lock:
-        table = plan.refresh(dst, srcs, s64, s32)
+        table = plan.refresh(dst, srcs, s64, s32, res_ptr)
         for gi, g in enumerate(plan.groups):
             if g.n_chunks == 0:
                 continue  # only empty tensors of this dtype
@@ -108,10 +148,11 @@ def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale:
             _pack_kernel[(g.n_chunks,)](
                 table, g.chunks,
                 SRC_T=C.STORAGE[g.kind], DST_T=C.STORAGE[plan.flat_kind],
-                C_T=C.compute_type(g.kind, plan.flat_kind),
-                MODE=mode, RAW=(mode == C.MODE_CAST and g.kind == plan.flat_kind),
-                SRC_ALIGNED=src_aligned, DST_ALIGNED=dst_aligned,
-                BLOCK=plan.block, num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
+                C_T=res_t if has_res else C.compute_type(g.kind, plan.flat_kind),
+                MODE=mode, RAW=(mode == C.MODE_CAST and g.kind == plan.flat_kind and not has_res),
+                SRC_ALIGNED=src_aligned, DST_ALIGNED=dst_aligned, BLOCK=plan.block,
+                HAS_RESIDUAL=has_res, RES_ALIGNED=has_res and plan.res_aligned(gi, res_el),
+                num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
             )
             _bump("launches")
             launches += 1
@@ -119,19 +160,39 @@ def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale:
     return launches
 
 
+def _check_residual(residual: torch.Tensor, dst: torch.Tensor, layout) -> int:
+    """The launcher's own residual checks (the public API has done the
+    user-facing ones); returns the residual's dtype code."""
+    if residual.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"pack: residual must be float32 (or float64), got {residual.dtype}")
+    if residual.dim() != 1 or not residual.is_contiguous():
+        raise ValueError("pack: residual must be a contiguous 1-D tensor indexed like dst")
+    if residual.device != dst.device:
+        raise ValueError(f"pack: residual is on {residual.device} but dst is on {dst.device}")
+    if residual.numel() < layout.total:
+        raise ValueError(f"pack: residual has {residual.numel()} elements; the layout needs {layout.total}")
+    return C.CODE[residual.dtype]
+
+
 def pack_triton(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float = 1.0,
-                divide: float | None = None) -> torch.Tensor:
+                divide: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``dst[o_i : o_i + n_i] = cast(srcs[i] * scale)`` (or ``/ divide``) for every i,
-    one launch per source dtype.  ``srcs`` contiguous, on ``dst``'s device."""
+    one launch per source dtype.  ``srcs`` contiguous, on ``dst``'s device.
+
+    With ``residual`` (a contiguous 1-D float32/float64 tensor indexed like
+    ``dst``) the same launch applies error feedback in the residual's dtype:
+    ``x = srcs[i] * scale + r; dst = cast(x); r = x - upcast(dst)``, each op
+    rounded on its own, as :func:`fastddp.kernels.reference.pack_views` does."""
     if C.needs_reference(_INTERPRETED, dst.device):
         _bump("reference_calls")
-        reference.pack_views(srcs, layout.views(dst), scale, divide)
+        res_views = layout.views(residual) if residual is not None else None
+        reference.pack_views(srcs, layout.views(dst), scale, divide, res_views)
     elif _INTERPRETED:
         with C.INTERPRET_LOCK:
-            _pack_launch(srcs, dst, layout, scale, divide)
+            _pack_launch(srcs, dst, layout, scale, divide, residual)
     elif dst.device.index != torch.cuda.current_device():
         with torch.cuda.device(dst.device):
-            _pack_launch(srcs, dst, layout, scale, divide)
+            _pack_launch(srcs, dst, layout, scale, divide, residual)
     else:
-        _pack_launch(srcs, dst, layout, scale, divide)
+        _pack_launch(srcs, dst, layout, scale, divide, residual)
     return dst

@@ -447,6 +447,189 @@ def test_threads_share_a_layout():
     assert not errors, errors[0]
 
 
+# ------------------------------------------- error feedback (residual)
+# pack(..., residual=r): x = src*scale (or /divide) + r; dst = cast(x); r = x - upcast(dst),
+# in r's dtype, fused into the pack launch itself.  Oracle: reference.pack_views
+# with residual views (the same function the reducer's CPU path runs).
+
+def grads(dtype: torch.dtype, numels, seed: int) -> list[torch.Tensor]:
+    """Finite, gradient-like values over many binades (the recurrence stays finite)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in numels:
+        x = torch.randn(n, generator=gen, dtype=FP64) * torch.pow(2.0, torch.randint(-24, 8, (n,), generator=gen)
+                                                                   .to(FP64))
+        out.append(x.to(dtype).to(DEVICE))
+    return out
+
+
+def check_pack_residual(srcs, dst_dtype, res_got, res_want, offsets=None, layout=None, what="", **scaling):
+    """One public pack with a residual against the reference on the same inputs;
+    dst (sentinel-filled, so gaps are checked) and residual compared bit for bit.
+    Returns the number of kernel launches of the public call."""
+    numels = [s.numel() for s in srcs]
+    lay = layout if layout is not None else Layout([(n,) for n in numels], offsets)
+    n = max(lay.total, res_got.numel())
+    got, want = sentinel(dst_dtype, n), sentinel(dst_dtype, n)
+    before = K.stats()
+    K.pack(srcs, got, layout=lay, residual=res_got, **scaling)
+    after = K.stats()
+    assert after["reference_calls"] == before["reference_calls"], "served by the reference, not the kernel"
+    reference.pack_views(srcs, lay.views(want), residuals=lay.views(res_want), **scaling)
+    assert_bits(got, want, f"{what} pack+residual -> {_name(dst_dtype)} {scaling}: dst")
+    assert_bits(res_got, res_want, f"{what} pack+residual -> {_name(dst_dtype)} {scaling}: residual")
+    return after["launches"] - before["launches"]
+
+
+def test_pack_kernel_supports_the_residual():
+    import importlib
+
+    assert importlib.import_module("fastddp.kernels.pack").SUPPORTS_RESIDUAL is True
+
+
+RES_NUMELS = [1, 7, 64, 133, 0, 31]
+
+
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+@pytest.mark.parametrize("dst", [FP16, BF16, FP32], ids=_name)
+@pytest.mark.parametrize("src", [FP32, FP16, BF16], ids=_name)
+def test_pack_residual_recurrence_every_pair(src, dst, scaling):
+    """Four consecutive steps, new gradient tensors each step, one residual
+    carried through: dst and residual bit-exact after every step, ONE launch a step."""
+    lay = Layout([(n,) for n in RES_NUMELS])
+    gen = torch.Generator().manual_seed(1)
+    r0 = (torch.randn(lay.total, generator=gen) * 1e-3).to(DEVICE)  # a non-zero residual from step 0
+    r_got, r_want = r0.clone(), r0.clone()
+    for step in range(4):
+        srcs = grads(src, RES_NUMELS, seed=10 * step + 1)
+        assert check_pack_residual(srcs, dst, r_got, r_want, layout=lay, what=f"step {step}",
+                                   **SCALINGS[scaling]) == 1
+        if dst in (FP16, BF16):
+            assert bool((r_got != 0).any()), "the 16-bit cast should leave a residual"
+        else:  # fp32 x stored as fp32: nothing lost (the multiply's rounding happened before the add)
+            assert bool((r_got == 0).all())
+
+
+@pytest.mark.parametrize("dst", [FP16, BF16, FP32, FP64], ids=_name)
+@pytest.mark.parametrize("src", [FP32, FP64], ids=_name)
+def test_pack_residual_float64(src, dst):
+    """A float64 residual (allowed by the public API): the arithmetic runs in fp64,
+    so even an fp32 destination leaves a residual."""
+    numels = [5, 70, 1]
+    lay = Layout([(n,) for n in numels])
+    r_got = torch.zeros(lay.total, dtype=FP64, device=DEVICE)
+    r_want = r_got.clone()
+    for step in range(3):
+        for scaling in SCALINGS.values():
+            srcs = grads(src, numels, seed=step)
+            assert check_pack_residual(srcs, dst, r_got, r_want, layout=lay, what=f"fp64 r step {step}",
+                                       **scaling) == 1
+    if dst != FP64:
+        assert bool((r_got != 0).any())
+
+
+@pytest.mark.parametrize("dst", [FP16, BF16], ids=_name)
+def test_pack_residual_odd_sizes_gaps_and_larger_than_block(dst):
+    """Odd sizes, tensors of BLOCK +- 1 and over 2 BLOCKs, unaligned offsets with
+    gaps: the residual is indexed like dst, and its gaps (like dst's) are left alone."""
+    numels = ODD + [BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 5]
+    offsets = offsets_with_gaps(numels, gap=3)
+    n = total(numels, offsets) + 5
+    r_got = torch.full((n,), 0.125, device=DEVICE)  # gaps must keep this
+    r_want = r_got.clone()
+    for step, scaling in enumerate([dict(scale=THIRD), dict(divide=3)]):
+        srcs = grads(FP32, numels, seed=step)
+        assert check_pack_residual(srcs, dst, r_got, r_want, offsets, what=f"step {step}", **scaling) == 1
+    assert r_got[:3].eq(0.125).all() and r_got[-5:].eq(0.125).all()
+
+
+def test_pack_residual_special_values():
+    """Infs, NaNs, subnormals, overflow to fp16 inf, rounding ties: the residual
+    turns into what the reference's torch ops make of them (inf - inf = NaN...)."""
+    for src in (FP32, FP16, BF16):
+        for dst in (FP16, BF16):
+            for scaling in SCALINGS.values():
+                srcs = [special_values(src).to(DEVICE), make(src, [300], seed=4)[0]]
+                numels = [s.numel() for s in srcs]
+                r0 = torch.cat([special_values(FP32)[torch.randperm(numels[0])], torch.full((300,), 1e-3)])
+                r_got, r_want = r0.to(DEVICE), r0.to(DEVICE).clone()
+                for step in range(2):
+                    assert check_pack_residual(srcs, dst, r_got, r_want, what=f"specials step {step}",
+                                               **scaling) == 1
+
+
+def test_pack_residual_mixed_source_dtypes_one_launch_per_dtype():
+    dts = [FP32, BF16, FP16, FP32, BF16, FP16]
+    numels = [5, 9, 1, 40, 0, 17]
+    lay = Layout([(n,) for n in numels])
+    r_got = torch.zeros(lay.total, device=DEVICE)
+    r_want = r_got.clone()
+    for step in range(2):
+        srcs = [grads(dt, [n], seed=10 * step + i)[0] for i, (dt, n) in enumerate(zip(dts, numels))]
+        assert check_pack_residual(srcs, BF16, r_got, r_want, layout=lay, scale=THIRD) == 3
+
+
+def test_pack_residual_pointer_changes_and_unaligned_residual():
+    """The pointer table holds the residual's address: a new residual, a call
+    without one in between, and a residual starting off a 16-byte boundary
+    must each be seen (and an old residual never written again)."""
+    numels = [33, 2, 70]
+    lay = Layout([(n,) for n in numels])
+    srcs = grads(FP32, numels, seed=3)
+    big = torch.zeros(lay.total + 1, device=DEVICE)
+    residuals = [torch.zeros(lay.total, device=DEVICE), torch.full((lay.total,), 1e-4, device=DEVICE),
+                 big[1:]]  # big[1:] is 4 bytes off 16
+    assert residuals[2].data_ptr() % 16 != 0
+    wants = [r.clone() for r in residuals]
+    for k, (rg, rw) in enumerate(zip(residuals, wants)):
+        keep = [r.clone() for r in residuals]
+        assert check_pack_residual(srcs, FP16, rg, rw, layout=lay, what=f"residual {k}", scale=THIRD) == 1
+        check_pack(srcs, FP16, layout=lay, scale=THIRD)  # same layout, no residual
+        for j, (r, kept) in enumerate(zip(residuals, keep)):
+            if j != k:
+                assert_bits(r, kept, f"residual {j} touched by the call with residual {k}")
+    assert big[0].item() == 0.0
+
+
+def test_pack_residual_shares_a_layout_across_threads():
+    numels = [33, 2, 70]
+    lay = Layout([(n,) for n in numels])
+    errors = []
+
+    def work(seed):
+        try:
+            r_got = torch.zeros(lay.total, device=DEVICE)
+            r_want = r_got.clone()
+            for k in range(2):
+                check_pack_residual(grads(FP32, numels, seed=seed * 10 + k), BF16, r_got, r_want, layout=lay,
+                                    what=f"thread {seed}", scale=THIRD)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_pack_residual_launcher_checks():
+    from fastddp.kernels.pack import pack_triton
+
+    srcs = grads(FP32, [4, 5], seed=0)
+    lay = Layout.for_tensors(srcs)
+    flat = torch.zeros(9, dtype=BF16, device=DEVICE)
+    with pytest.raises(TypeError, match="float32"):
+        pack_triton(srcs, flat, lay, residual=torch.zeros(9, dtype=FP16, device=DEVICE))
+    with pytest.raises(ValueError, match="layout needs 9"):
+        pack_triton(srcs, flat, lay, residual=torch.zeros(8, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        pack_triton(srcs, flat, lay, residual=torch.zeros(18, device=DEVICE)[::2])
+    with pytest.raises(TypeError, match="float32"):  # the public API says so first
+        K.pack(srcs, flat, residual=torch.zeros(9, dtype=BF16, device=DEVICE))
+
+
 # ---------------------------------------------------------------- errors
 def test_errors():
     srcs = make(FP32, [4, 5])
@@ -557,3 +740,21 @@ def test_gpu_side_stream_and_no_steady_state_allocation():
         reference.unpack(wflat, want, accumulate=True)
     for g, w in zip(dsts, want):
         assert_bits(g, w, "side stream")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="compiled kernels: run without TRITON_INTERPRET")
+def test_gpu_pack_residual_every_pair_vs_reference():
+    """Compiled kernel, aligned and unaligned offsets, chunks of BLOCK and more:
+    dst and residual bit-exact vs the reference on CUDA (whose divide is a
+    reciprocal multiply, as the kernel's), four steps each."""
+    numels = [1, 255, BLOCK + 3, 4 * BLOCK]
+    for src, dst in itertools.product([FP32, FP16, BF16], [FP16, BF16, FP32]):
+        for scaling in SCALINGS.values():
+            for offsets in (None, offsets_with_gaps(numels, 3)):
+                lay = Layout([(n,) for n in numels], offsets)
+                r_got = torch.zeros(lay.total, device=DEVICE)
+                r_want = r_got.clone()
+                for step in range(4):
+                    assert check_pack_residual(grads(src, numels, seed=step), dst, r_got, r_want, layout=lay,
+                                               what=f"{_name(src)} step {step}", **scaling) == 1

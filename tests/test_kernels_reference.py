@@ -9,6 +9,7 @@ copy of it.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 
@@ -263,6 +264,10 @@ def _compile_sm90(fn, **constexprs):
             pytest.skip("triton has no nvidia backend here")
     except ImportError:
         pytest.skip("triton backends not importable")
+    # parameters left out take their defaults (e.g. pack's HAS_RESIDUAL=False), as a launch does
+    for prm in inspect.signature(fn.fn).parameters.values():
+        if prm.default is not inspect.Parameter.empty:
+            constexprs.setdefault(prm.name, prm.default)
     sig = {n: ("constexpr" if n in constexprs else "*i64") for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs,
                     attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
@@ -291,3 +296,38 @@ def test_kernels_compile_for_sm90_vectorised_without_fma(op, src, dst, mode):
         assert re.search(r"div\.rn\.f(32|64)", ptx)
     ptx_u = _compile_sm90(fn, SRC_ALIGNED=False, DST_ALIGNED=False, **kw)
     assert not re.search(r"(?:ld|st)\.global\.v\d\.b(8|16|32)", ptx_u) or src == 3 or dst == 3
+
+
+@pytest.mark.parametrize("src, dst, res, mode", [(0, 2, 0, 1), (0, 1, 0, 2), (2, 1, 0, 1), (1, 2, 0, 0),
+                                                 (3, 2, 3, 1)])
+def test_pack_with_residual_compiles_for_sm90_vectorised_without_fma(src, dst, res, mode):
+    """The error-feedback variant of the pack kernel (HAS_RESIDUAL): the
+    residual rides in the same launch, loaded and stored with 16-byte vector
+    accesses when aligned, in the residual's dtype, and ``x * s + r`` is a
+    multiply and an add rounded separately (no FMA), like the reference."""
+    from fastddp.kernels import _triton_common as TC
+    from fastddp.kernels.pack import _pack_kernel
+
+    c = {0: "f32", 3: "f64"}[res]
+    kw = dict(SRC_T=TC.STORAGE[src], DST_T=TC.STORAGE[dst], C_T=TC.STORAGE[res], MODE=mode, RAW=False,
+              BLOCK=2048, HAS_RESIDUAL=True)
+    ptx = _compile_sm90(_pack_kernel, SRC_ALIGNED=True, DST_ALIGNED=True, RES_ALIGNED=True, **kw)
+    assert not re.search(r"\bfma\.", ptx) and ".ftz" not in ptx
+    assert re.search(rf"\badd\.rn\.{c}\b", ptx) and re.search(rf"\bsub\.rn\.{c}\b", ptx)
+    if mode == 1:
+        assert re.search(rf"\bmul\.rn\.{c}\b", ptx)
+    if mode == 2:
+        assert re.search(rf"div\.rn\.{c}\b", ptx)
+    # full chunks: the residual adds exactly its 16-byte vector loads and
+    # stores (16 elements a thread at BLOCK=2048, 4 warps) to the plain kernel's
+    ptx_plain = _compile_sm90(_pack_kernel, SRC_ALIGNED=True, DST_ALIGNED=True,
+                              **{**kw, "HAS_RESIDUAL": False, "C_T": TC.compute_type(src, dst)})
+    n_vec = 2048 // (32 * 4) * TC.ELSIZE[res] // 16
+    for op in ("ld", "st"):
+        pat = rf"{op}\.global\.v\d\.b(?:32|64)"
+        n, n0 = len(re.findall(pat, ptx)), len(re.findall(pat, ptx_plain))
+        assert n == n0 + n_vec, (op, n, n0, n_vec)
+    ptx_u = _compile_sm90(_pack_kernel, SRC_ALIGNED=False, DST_ALIGNED=False, RES_ALIGNED=False, **kw)
+    assert not re.search(r"(?:ld|st)\.global\.v\d\.b(8|16|32)", ptx_u) or res == 3 or src == 3
+    assert not re.search(r"\bfma\.", ptx_u)
+
