@@ -25,7 +25,7 @@ __all__ = ["unpack_triton"]
 
 @triton.jit
 def _unpack_kernel(
-    ptr_table,  # *Pointer* to int64 [3 + n_tensors]: flat src address, scale (fp64 bits; fp32 value as fp64 bits), destination addresses
+    ptr_table,  # *Pointer* to int64 [4 + n_tensors] (header _HEAD = 4): flat src address, scale (fp64 bits; fp32 value as fp64 bits), destination addresses
     chunk_table,  # *Pointer* to int64 [n_chunks, 4] rows: (ptr-table slot, start in destination, start in src, length)
     SRC_T: tl.constexpr,  # element type of the flat source (bf16 as tl.uint16 bits)
     DST_T: tl.constexpr,  # element type of this launch's destinations (bf16 as tl.uint16 bits)
