@@ -24,7 +24,7 @@ class Layout:
     bucket owns (its flat bucket, its wire buffer).
     """
 
-    __slots__ = ("shapes", "numels", "offsets", "total", "_views", "cache")
+    __slots__ = ("shapes", "numels", "offsets", "total", "dense", "_views", "cache")
 
     def __init__(self, shapes: Sequence[Sequence[int]], offsets: Sequence[int] | None = None):
         self.shapes = [torch.Size(s) for s in shapes]
@@ -33,6 +33,8 @@ class Layout:
         if len(self.offsets) != len(self.numels):
             raise ValueError(f"Layout: {len(self.numels)} shapes but {len(self.offsets)} offsets")
         self.total = max((o + n for o, n in zip(self.offsets, self.numels)), default=0)
+        # Back to back from 0 with no gap: the tensors tile [0, total) exactly.
+        self.dense = self.offsets == reference.default_offsets(self.numels)
         self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
         self.cache: dict = {}  # backend-private (chunk tables, pointer buffers)
 
@@ -114,7 +116,8 @@ def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
     if mode is None:
         _bump("reference_calls")
         res_views = lay.views(residual) if residual is not None else None
-        reference.pack_views(srcs, lay.views(dst), scale, divide, res_views)
+        whole = dst if lay.dense and lay.total == dst.numel() else None
+        reference.pack_views(srcs, lay.views(dst), scale, divide, res_views, flat=whole)
         return dst
     from .pack import pack_triton
 

@@ -68,7 +68,8 @@ def _check_scaling(scale: float, divide: float | None) -> None:
 
 def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
                scale: float = 1.0, divide: float | None = None,
-               residuals: Sequence[torch.Tensor] | None = None) -> None:
+               residuals: Sequence[torch.Tensor] | None = None,
+               flat: torch.Tensor | None = None) -> None:
     """Write each ``srcs[i]`` into ``views[i]`` (a view of the flat bucket shaped
     like ``srcs[i]``), scaled and cast: the CPU path of the reducer.
 
@@ -77,10 +78,32 @@ def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
     ``_foreach_*`` in that dtype (the contract's ``x * C(scale)``, rounded
     once) and the cast as one ``_foreach_copy_`` (round to nearest even);
     fp16/bf16 sources go tensor by tensor (``_foreach_mul_`` on 16-bit
-    tensors would round the scale itself to 16 bits)."""
+    tensors would round the scale itself to 16 bits).  ``flat``: the whole
+    buffer, when the views tile it exactly; the scale is then one op on it."""
     if residuals is not None:
         for s, v, r in zip(srcs, views, residuals):
             _pack_error_feedback(s, v, r, scale, divide)
+        return
+    dt = views[0].dtype if views else None
+    if dt in (torch.float32, torch.float64) and all(s.dtype is dt for s in srcs) \
+            and all(v.dtype is dt for v in views):
+        # The reducer's case: grads, bucket and compute share one dtype.
+        if _few_large(srcs):
+            # Bandwidth-bound: one pass per tensor (torch's mul_out) beats
+            # copy-then-scale's two passes.
+            for s, v in zip(srcs, views):
+                if divide is not None:
+                    torch.div(s, divide, out=v)
+                elif scale != 1.0:
+                    torch.mul(s, scale, out=v)
+                else:
+                    v.copy_(s)
+            return
+        torch._foreach_copy_(views, srcs)
+        if divide is not None:
+            flat.div_(divide) if flat is not None else torch._foreach_div_(views, divide)
+        elif scale != 1.0:
+            flat.mul_(scale) if flat is not None else torch._foreach_mul_(views, scale)
         return
     same_s, same_v, cast_s, cast_v, slow = [], [], [], [], []
     for s, v in zip(srcs, views):
@@ -109,6 +132,13 @@ def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
         v.copy_(_scaled(s.reshape(v.shape).to(c), scale, divide))
 
 
+def _few_large(tensors: Sequence[torch.Tensor]) -> bool:
+    """Few tensors averaging >= 256K elements: per-tensor ops cost little host
+    time and save a memory pass."""
+    n = len(tensors)
+    return n <= 64 and sum(t.numel() for t in tensors) >= n * (1 << 18)
+
+
 def _pack_error_feedback(s: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
                          scale: float, divide: float | None) -> None:
     """``x = s*scale + r; v = cast(x); r = x - upcast(v)`` in the residual's dtype."""
@@ -128,7 +158,7 @@ def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
     numels = [s.numel() for s in srcs]
     offs = default_offsets(numels) if offsets is None else [int(o) for o in offsets]
     _check_layout(numels, offs, dst.numel(), "pack")
-    views = [dst.narrow(0, o, n) for o, n in zip(offs, numels)]
+    views = [dst.narrow(0, o, n).view(s.shape) for o, n, s in zip(offs, numels, srcs)]
     pack_views(srcs, views, scale, divide)
     return dst
 
@@ -139,6 +169,9 @@ def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
     A plain store (no scale, no accumulate) of any dtype pair is one
     ``_foreach_copy_``: ``copy_`` casts exactly as ``.to`` does."""
     plain = not accumulate and divide is None and scale == 1.0
+    if plain:
+        torch._foreach_copy_(dsts, views)  # copy_ casts exactly as .to does
+        return
     fast_d, fast_v, slow = [], [], []
     for v, d in zip(views, dsts):
         if plain and v.shape == d.shape:
@@ -165,7 +198,7 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[in
     numels = [d.numel() for d in dsts]
     offs = default_offsets(numels) if offsets is None else [int(o) for o in offsets]
     _check_layout(numels, offs, src.numel(), "unpack")
-    views = [src.narrow(0, o, n) for o, n in zip(offs, numels)]
+    views = [src.narrow(0, o, n).view(d.shape) for o, n, d in zip(offs, numels, dsts)]
     unpack_views(views, dsts, scale, divide, accumulate)
     return dsts
 
