@@ -1,0 +1,391 @@
+"""Multi-rank test harness: W gloo ranks spawned once per test module.
+
+Usage in a test module::
+
+    from tests._dist import world2, world3, ddp_class, STAND_IN, fastddp_only
+
+    def _body(rank, world_size, n):          # runs INSIDE every rank
+        DDP = ddp_class()                     # the class under test
+        ...
+        return something_picklable
+
+    def test_x(world2):
+        results = world2.run(_body, 3)        # list, one entry per rank
+
+``world.run(fn, *args, timeout=120)`` sends ``(fn.__module__, fn.__qualname__,
+args)`` to every rank; each rank imports the module, calls ``fn(rank,
+world_size, *args)`` and sends back the result (pickled with plain
+:mod:`pickle`, so tensors travel by value) or the formatted traceback.  Any
+failing rank makes ``run`` raise an ``AssertionError`` carrying every failing
+rank's traceback.  After a failure or a timeout the workers are killed and the
+next ``run`` respawns them, so one broken test never poisons the next.
+
+Workers: ``torch.set_num_threads(1)``, one gloo process group (``file://``
+init in a temporary folder, ``timeout`` = :data:`PG_TIMEOUT_S`) kept alive
+across calls; after every call a worker drops leftover state (``gc``) and runs
+``dist.monitored_barrier`` so a rank that is still busy is reported, not
+waited on forever.
+
+Also here: :class:`World` (to drive ranks by hand), :class:`single_rank_group`
+(a 1-rank gloo default group inside the pytest process, for single-process
+tests), :func:`ddp_class` / :func:`torch_ddp_class`, :data:`STAND_IN` and the
+:data:`fastddp_only` mark.
+
+The class under test is chosen by the environment variable
+``FASTDDP_TEST_IMPL``: ``torch`` makes :func:`ddp_class` return
+``torch.nn.parallel.DistributedDataParallel`` (the *stand-in* mode that
+proves the tests themselves); anything else (default) returns
+``fastddp.DistributedDataParallel``.  Workers inherit the environment, so the
+choice is the same in the pytest process and in every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib
+import multiprocessing as _mp
+import os
+import pickle
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+#: process-group timeout inside the workers (collectives that never match fail
+#: after this long instead of hanging).
+PG_TIMEOUT_S = 60
+#: barrier after each call.
+BARRIER_TIMEOUT_S = 30
+#: once a rank has failed, how long to wait for the others before killing all.
+FAILURE_GRACE_S = 5
+
+IMPL = os.environ.get("FASTDDP_TEST_IMPL", "fastddp").strip().lower()
+#: True when torch's own DDP stands in for fastddp's class.
+STAND_IN = IMPL == "torch"
+
+#: mark for tests about fastddp-only behaviour (skipped in stand-in mode).
+fastddp_only = pytest.mark.skipif(
+    STAND_IN, reason="fastddp-only behaviour (FASTDDP_TEST_IMPL=torch stand-in)")
+
+
+def ddp_class():
+    """The DistributedDataParallel class under test (see module docstring).
+
+    ``FASTDDP_TEST_IMPL=package.module:Class`` selects any other class (e.g. a
+    deliberately broken variant, to check that the tests catch it)."""
+    if ":" in IMPL:
+        mod, _, name = os.environ["FASTDDP_TEST_IMPL"].strip().partition(":")
+        return getattr(importlib.import_module(mod), name)
+    if STAND_IN:
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel
+    from fastddp import DistributedDataParallel
+    return DistributedDataParallel
+
+
+def torch_ddp_class():
+    """The reference: torch's own DistributedDataParallel."""
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel
+
+
+# --------------------------------------------------------------------------
+# worker side
+# --------------------------------------------------------------------------
+
+def _worker_main(rank, world_size, init_file, cmd_q, res_q):
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    except BaseException:
+        res_q.put((rank, "error", "init_process_group failed:\n" + traceback.format_exc()))
+        return
+    res_q.put((rank, "ready", None))
+
+    parent = os.getppid()
+    while True:
+        try:
+            msg = cmd_q.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the pytest process died: do not linger
+                break
+            continue
+        if msg is None:
+            break
+        mod_name, qualname, args = msg
+        status, payload = "ok", None
+        try:
+            obj = importlib.import_module(mod_name)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            out = obj(rank, world_size, *args)
+            payload = pickle.dumps(out)
+        except BaseException:
+            status, payload = "error", traceback.format_exc()
+        # Drop leftover wrappers / reducers / autograd hooks of this call.
+        obj = out = None
+        gc.collect()
+        if status == "ok":
+            try:
+                if dist.is_initialized():
+                    dist.monitored_barrier(
+                        timeout=datetime.timedelta(seconds=BARRIER_TIMEOUT_S))
+                else:
+                    status, payload = "error", "the call destroyed the process group"
+            except BaseException:
+                status, payload = "error", "barrier after the call failed:\n" + traceback.format_exc()
+        res_q.put((rank, status, payload))
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:
+        pass
+
+
+# --------------------------------------------------------------------------
+# driver side
+# --------------------------------------------------------------------------
+
+class WorldError(AssertionError):
+    pass
+
+
+class World:
+    """W ranks in one gloo process group; see the module docstring."""
+
+    def __init__(self, world_size: int, tmpdir: str | os.PathLike | None = None,
+                 start_timeout: float = 120.0):
+        self.world_size = world_size
+        self._tmpdir = str(tmpdir) if tmpdir is not None else tempfile.mkdtemp(prefix="fastddp-world-")
+        self._start_timeout = start_timeout
+        self._ctx = _mp.get_context("spawn")
+        self._procs: list = []
+        self._cmd_qs: list = []
+        self._res_q = None
+        self._generation = 0
+        self.spawns = 0
+
+    # -- lifecycle ---------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        self.close()
+        self._generation += 1
+        init_file = os.path.join(self._tmpdir, f"pg-init-{os.getpid()}-{self._generation}")
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+        self._res_q = self._ctx.Queue()
+        self._cmd_qs = [self._ctx.Queue() for _ in range(self.world_size)]
+        old_pp = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + old_pp if old_pp else "")
+        old_omp = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            self._procs = []
+            for r in range(self.world_size):
+                p = self._ctx.Process(
+                    target=_worker_main, name=f"fastddp-test-rank{r}",
+                    args=(r, self.world_size, init_file, self._cmd_qs[r], self._res_q),
+                    daemon=True)
+                p.start()
+                self._procs.append(p)
+        finally:
+            _restore_env("PYTHONPATH", old_pp)
+            _restore_env("OMP_NUM_THREADS", old_omp)
+        self.spawns += 1
+        got = self._collect(self._start_timeout, "start")
+        bad = {r: v for r, (s, v) in got.items() if s != "ready"}
+        if bad:
+            self.close()
+            raise WorldError(_format_failures("starting the workers", bad))
+
+    def close(self) -> None:
+        """Stop the workers: politely (destroys the process group), then by force."""
+        procs, self._procs = self._procs, []
+        for p, q in zip(procs, self._cmd_qs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+        deadline = time.monotonic() + 10
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for q in self._cmd_qs + ([self._res_q] if self._res_q is not None else []):
+            try:
+                q.close()
+                q.cancel_join_thread()
+            except Exception:
+                pass
+        self._cmd_qs, self._res_q = [], None
+
+    def kill(self) -> None:
+        procs, self._procs = self._procs, []
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+        self._procs = []
+        self.close()
+
+    # -- calls -------------------------------------------------------------
+    def run(self, fn, *args, timeout: float = 120.0) -> list:
+        """Run ``fn(rank, world_size, *args)`` on every rank; per-rank results."""
+        mod_name = fn.__module__
+        qualname = fn.__qualname__
+        if "<locals>" in qualname or "<lambda>" in qualname:
+            raise TypeError(f"world.run needs a module-level function, got {qualname}")
+        if mod_name == "__main__":
+            raise TypeError("world.run needs a function importable by module name")
+        self.start()
+        for q in self._cmd_qs:
+            q.put((mod_name, qualname, args))
+        try:
+            got = self._collect(timeout, f"{qualname}")
+        except WorldError:
+            self.kill()
+            raise
+        failures = {r: v for r, (s, v) in got.items() if s != "ok"}
+        if failures:
+            # A failed rank may have left collectives in flight: start afresh.
+            self.kill()
+            raise WorldError(_format_failures(f"{mod_name}.{qualname}", failures))
+        return [pickle.loads(got[r][1]) for r in range(self.world_size)]
+
+    def _collect(self, timeout: float, what: str) -> dict:
+        got: dict = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.world_size)) - set(got))
+                failed = {r: v for r, (s, v) in got.items() if s not in ("ok", "ready")}
+                if failed:
+                    raise WorldError(
+                        _format_failures(what, failed)
+                        + f"\n(rank(s) {missing} still busy {FAILURE_GRACE_S} s after that; "
+                        "workers killed, respawned on the next call)")
+                raise WorldError(
+                    f"{what}: timed out after {timeout:.0f} s waiting for rank(s) {missing}; "
+                    "workers killed (respawned on the next call).")
+            try:
+                rank, status, payload = self._res_q.get(timeout=min(1.0, left))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs)
+                        if not p.is_alive() and r not in got]
+                if dead:
+                    codes = {r: self._procs[r].exitcode for r in dead}
+                    # Give the others a moment to report their own errors.
+                    _drain(self._res_q, got, 2.0)
+                    detail = _format_failures(what, {r: v for r, (s, v) in got.items() if s not in ("ok", "ready")})
+                    raise WorldError(f"{what}: worker rank(s) died, exit codes {codes}\n{detail}")
+                continue
+            got[rank] = (status, payload)
+            if status not in ("ok", "ready") and len(got) < self.world_size:
+                # One rank failed: the others may be stuck in a collective
+                # with it; give them a short grace period, not the timeout.
+                grace_end = time.monotonic() + FAILURE_GRACE_S
+                deadline = min(deadline, grace_end)
+        return got
+
+
+def _drain(q, got, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            rank, status, payload = q.get(timeout=0.2)
+            got[rank] = (status, payload)
+        except queue.Empty:
+            pass
+        except Exception:
+            return
+
+
+def _format_failures(what: str, failures: dict) -> str:
+    parts = [f"{what} failed on rank(s) {sorted(failures)}:"]
+    for r in sorted(failures):
+        parts.append(f"----- rank {r} -----\n{failures[r]}")
+    return "\n".join(parts)
+
+
+def _restore_env(key, old):
+    if old is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = old
+
+
+# --------------------------------------------------------------------------
+# fixtures (import them into a test module: ``from tests._dist import world2``)
+# --------------------------------------------------------------------------
+
+def _world_fixture(world_size):
+    @pytest.fixture(scope="module")
+    def _fixture(tmp_path_factory):
+        w = World(world_size, tmp_path_factory.mktemp(f"world{world_size}"))
+        try:
+            yield w
+        finally:
+            w.close()
+    _fixture.__name__ = f"world{world_size}"
+    return _fixture
+
+
+world2 = _world_fixture(2)
+world3 = _world_fixture(3)
+
+
+# --------------------------------------------------------------------------
+# single-process helpers (a 1-rank gloo group inside the pytest process)
+# --------------------------------------------------------------------------
+
+class single_rank_group:
+    """Context manager: a 1-rank gloo default process group in this process.
+
+    Destroys it on exit (also on error) so it never leaks into other tests.
+    """
+
+    def __init__(self, tmpdir=None):
+        self._tmpdir = tmpdir
+
+    def __enter__(self):
+        import torch.distributed as dist
+        if dist.is_initialized():
+            raise RuntimeError("a default process group is already initialised in the test process")
+        d = str(self._tmpdir) if self._tmpdir is not None else tempfile.mkdtemp(prefix="fastddp-pg1-")
+        path = os.path.join(d, f"pg1-{os.getpid()}-{time.monotonic_ns()}")
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        return dist.group.WORLD
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return False

@@ -1,0 +1,295 @@
+"""Gradient parity: the class under test against torch's own DDP.
+
+Inside every rank of ONE gloo process group: the same model is built twice
+(same seed, ``copy.deepcopy``), one copy wrapped in torch's DDP, the other in
+the class under test with the same options; both see the same per-rank data
+(different on each rank).  The two steps are interleaved (torch's forward +
+backward, then ours), so both wrappers issue their collectives in the same
+order on every rank.  After EVERY backward each parameter's ``.grad`` is
+compared (None-ness, dtype, shape, and values: bit for bit at W=2, with a
+small tolerance at W=3 where gloo's sum order depends on the element's
+position in the bucket); after several SGD(momentum) steps the parameters and
+buffers are compared the same way.
+
+Run the suite against torch itself with ``FASTDDP_TEST_IMPL=torch``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests._dist import (STAND_IN, ddp_class, fastddp_only, torch_ddp_class,  # noqa: F401
+                         world2, world3)
+from tests._models import loss_fn, make_batch, make_model
+
+pytestmark = pytest.mark.timeout(300)
+
+#: tolerance at world size >= 3 (see DESIGN.md "Contracts" 1)
+W3_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# worker-side helpers
+# --------------------------------------------------------------------------
+
+def _describe(t):
+    if t is None:
+        return "None"
+    return f"{tuple(t.shape)} {t.dtype}"
+
+
+def _mismatch(a, b, tol):
+    """None when equal (bitwise if tol is None), else a human-readable reason."""
+    if (a is None) != (b is None):
+        return f"None-ness differs: torch {_describe(a)}, test {_describe(b)}"
+    if a is None:
+        return None
+    if a.is_sparse or b.is_sparse:
+        if a.is_sparse != b.is_sparse:
+            return f"layout differs: torch {a.layout}, test {b.layout}"
+        a, b = a.coalesce().to_dense(), b.coalesce().to_dense()
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"dtype/shape differ: torch {_describe(a)}, test {_describe(b)}"
+    if tol is None:
+        if torch.equal(a, b):
+            return None
+    else:
+        try:
+            torch.testing.assert_close(b, a, **tol)
+            return None
+        except AssertionError as e:
+            return str(e).splitlines()[0]
+    diff = (a.double() - b.double()).abs()
+    n_bad = int((a != b).sum())
+    idx = int(diff.flatten().argmax())
+    return (f"{n_bad}/{a.numel()} elements differ, max |diff| {diff.max().item():.3e} "
+            f"at flat index {idx} (torch {a.flatten()[idx].item()!r}, test {b.flatten()[idx].item()!r})")
+
+
+def compare_grads(ref, test, where, tol=None):
+    ref_named = list(ref.named_parameters())
+    test_named = list(test.named_parameters())
+    names_r = [n for n, _ in ref_named]
+    names_t = [n for n, _ in test_named]
+    assert names_r == names_t, f"{where}: named_parameters differ: torch {names_r} vs test {names_t}"
+    bad = []
+    for (n, pr), (_, pt) in zip(ref_named, test_named):
+        why = _mismatch(pr.grad, pt.grad, tol)
+        if why:
+            bad.append(f"  {n}: {why}")
+    assert not bad, f"{where}: .grad differs from torch DDP's:\n" + "\n".join(bad)
+
+
+def compare_state(ref, test, where, tol=None):
+    bad = []
+    sr, st = ref.state_dict(), test.state_dict()
+    assert list(sr) == list(st), f"{where}: state_dict keys differ: {list(sr)} vs {list(st)}"
+    for k in sr:
+        why = _mismatch(sr[k], st[k], tol)
+        if why:
+            bad.append(f"  {k}: {why}")
+    assert not bad, f"{where}: parameters/buffers differ from torch DDP's:\n" + "\n".join(bad)
+
+
+def _fwd_bwd(ddp, model_name, rank, step, micro=0):
+    x, y = make_batch(model_name, rank, step, micro)
+    out = ddp(x, step=step, rank=rank)
+    loss = loss_fn(out, y)
+    loss.backward()
+    return loss.detach()
+
+
+def parity_run(rank, world_size, model_name, ddp_kwargs, steps=4, set_to_none=True,
+               no_sync_micro=0, tol=None, perturb_buffers=False, perturb_params=False):
+    """Train torch DDP and the class under test side by side; return counts."""
+    torch.manual_seed(1234)
+    m_ref = make_model(model_name, seed=7)
+    if perturb_buffers:  # rank-local buffers: init sync (or not) must show
+        with torch.no_grad():
+            for b in m_ref.buffers():
+                if b.is_floating_point():
+                    b.add_(0.25 * (rank + 1))
+    if perturb_params:
+        with torch.no_grad():
+            for p in m_ref.parameters():
+                p.add_(0.01 * rank)
+    m_test = copy.deepcopy(m_ref)
+
+    ref = torch_ddp_class()(m_ref, **ddp_kwargs)
+    test = ddp_class()(m_test, **ddp_kwargs)
+    compare_state(ref, test, "after construction", tol)
+
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_test = torch.optim.SGD(test.parameters(), lr=0.05, momentum=0.9)
+    n_grad_checks = 0
+    for step in range(steps):
+        for micro in range(no_sync_micro):
+            with ref.no_sync():
+                lr_ = _fwd_bwd(ref, model_name, rank, step, micro + 1)
+            with test.no_sync():
+                lt_ = _fwd_bwd(test, model_name, rank, step, micro + 1)
+            assert torch.equal(lr_, lt_) or tol is not None, f"step {step} micro {micro}: loss differs"
+            compare_grads(ref, test, f"rank {rank} step {step} no_sync micro-step {micro}", tol)
+            n_grad_checks += 1
+        lr_ = _fwd_bwd(ref, model_name, rank, step)
+        lt_ = _fwd_bwd(test, model_name, rank, step)
+        if tol is None:
+            assert torch.equal(lr_, lt_), f"rank {rank} step {step}: loss differs {lr_} vs {lt_}"
+        compare_grads(ref, test, f"rank {rank} step {step} after backward", tol)
+        n_grad_checks += 1
+        opt_ref.step()
+        opt_test.step()
+        opt_ref.zero_grad(set_to_none=set_to_none)
+        opt_test.zero_grad(set_to_none=set_to_none)
+        compare_grads(ref, test, f"rank {rank} step {step} after zero_grad", tol)
+        compare_state(ref, test, f"rank {rank} step {step} after SGD step", tol)
+    # every rank holds the same parameters (DDP's invariant)
+    flat = torch.cat([p.detach().double().flatten() for p in test.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, flat)
+    for r in range(world_size):
+        assert torch.equal(gathered[r], flat), f"parameters on rank {r} differ from rank {rank}'s"
+    return n_grad_checks
+
+
+# --------------------------------------------------------------------------
+# W = 2: bit for bit
+# --------------------------------------------------------------------------
+
+TINY = dict(bucket_cap_mb=0.001)  # ~1 KiB buckets: many buckets
+
+CASES_W2 = {
+    # name: (model, ddp kwargs, parity_run kwargs)
+    "default": ("mlp", {}, {}),
+    "default_deep": ("deep", {}, {}),
+    "tiny_buckets": ("deep", TINY, {}),
+    "bucket_view_set_to_none": ("deep", dict(gradient_as_bucket_view=True), dict(set_to_none=True)),
+    "bucket_view_zero": ("deep", dict(gradient_as_bucket_view=True), dict(set_to_none=False)),
+    "bucket_view_tiny": ("deep", dict(gradient_as_bucket_view=True, **TINY), dict(set_to_none=False)),
+    "batched": ("deep", dict(batched_grad_copy=True), {}),
+    "batched_tiny": ("deep", dict(batched_grad_copy=True, **TINY), {}),
+    "static_graph": ("deep", dict(static_graph=True), {}),
+    "static_graph_tiny": ("deep", dict(static_graph=True, **TINY), {}),
+    "bucket_cap_mb_list": ("deep", dict(bucket_cap_mb_list=[0.002, 0.004, 0.008, 25]), {}),
+    "find_unused_odd": ("branch_odd", dict(find_unused_parameters=True), dict(steps=5)),
+    "find_unused_odd_zero": ("branch_odd", dict(find_unused_parameters=True), dict(steps=5, set_to_none=False)),
+    "find_unused_per_rank": ("branch_rank", dict(find_unused_parameters=True), dict(steps=4)),
+    "find_unused_tiny_batched": ("branch_odd", dict(find_unused_parameters=True, batched_grad_copy=True, **TINY),
+                                 dict(steps=5)),
+    "find_unused_view": ("branch_odd", dict(find_unused_parameters=True, gradient_as_bucket_view=True),
+                         dict(steps=5, set_to_none=False)),
+    "find_unused_never_used": ("branch_never", dict(find_unused_parameters=True), dict(steps=3)),
+    "skip_all_reduce_unused": ("branch_never", dict(find_unused_parameters=True,
+                                                    skip_all_reduce_unused_params=True), dict(steps=3)),
+    "no_sync": ("mlp", {}, dict(no_sync_micro=2)),
+    "no_sync_deep_tiny": ("deep", TINY, dict(no_sync_micro=2)),
+    "tied": ("tied", {}, {}),
+    "tied_tiny_batched": ("tied", dict(batched_grad_copy=True, **TINY), {}),
+    "frozen": ("frozen", {}, {}),
+    "frozen_view": ("frozen", dict(gradient_as_bucket_view=True), dict(set_to_none=False)),
+    "mixed_dtype": ("mixed", {}, {}),
+    "mixed_dtype_tiny_batched": ("mixed", dict(batched_grad_copy=True, **TINY), {}),
+    "mixed_dtype_view": ("mixed", dict(gradient_as_bucket_view=True), dict(set_to_none=False)),
+    "bn_broadcast": ("bn", {}, dict(perturb_buffers=True)),
+    "bn_broadcast_buffers_false": ("bn", dict(broadcast_buffers=False), dict(perturb_buffers=True)),
+    "bn_forward_sync_buffers_false": ("bn", dict(forward_sync_buffers=False), dict(perturb_buffers=True)),
+    "init_sync_params": ("mlp", {}, dict(perturb_params=True)),
+    "checkpoint": ("ckpt", {}, {}),
+    "checkpoint_static_batched": ("ckpt", dict(static_graph=True, batched_grad_copy=True), {}),
+    "reuse": ("reuse", {}, {}),
+    "reuse_tiny_view": ("reuse", dict(gradient_as_bucket_view=True, **TINY), dict(set_to_none=False)),
+    "view_batched": ("deep", dict(gradient_as_bucket_view=True, batched_grad_copy=True), {}),
+    "view_batched_zero": ("deep", dict(gradient_as_bucket_view=True, batched_grad_copy=True),
+                          dict(set_to_none=False)),
+    "static_view": ("deep", dict(static_graph=True, gradient_as_bucket_view=True), dict(set_to_none=False)),
+    "tiny_batched_no_sync": ("deep", dict(batched_grad_copy=True, **TINY), dict(no_sync_micro=2)),
+    "view_no_sync": ("deep", dict(gradient_as_bucket_view=True), dict(no_sync_micro=2, set_to_none=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES_W2))
+def test_parity_w2(world2, case):
+    model, kwargs, run_kwargs = CASES_W2[case]
+    checks = world2.run(_parity_case, model, kwargs, run_kwargs)
+    assert all(c > 0 for c in checks)
+
+
+def _parity_case(rank, world_size, model, kwargs, run_kwargs):
+    return parity_run(rank, world_size, model, kwargs, **run_kwargs)
+
+
+# --------------------------------------------------------------------------
+# W = 3: with a tolerance
+# --------------------------------------------------------------------------
+
+CASES_W3 = {
+    "default": ("deep", {}, {}),
+    "tiny_batched": ("deep", dict(batched_grad_copy=True, **TINY), {}),
+    "bucket_view": ("deep", dict(gradient_as_bucket_view=True), dict(set_to_none=False)),
+    "find_unused_per_rank": ("branch_rank", dict(find_unused_parameters=True), dict(steps=4)),
+    "no_sync_mixed": ("mixed", {}, dict(no_sync_micro=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES_W3))
+def test_parity_w3(world3, case):
+    model, kwargs, run_kwargs = CASES_W3[case]
+    run_kwargs = dict(run_kwargs, tol=W3_TOL)
+    world3.run(_parity_case, model, kwargs, run_kwargs)
+
+
+# --------------------------------------------------------------------------
+# launch budget (fastddp only): one pack + one unpack per bucket per backward
+# --------------------------------------------------------------------------
+
+def n_buckets(ddp_model) -> int:
+    """Number of buckets of the class under test (adjust here if it moves)."""
+    reducer = getattr(ddp_model, "_reducer", None) or ddp_model.reducer
+    return len(reducer.plan.buckets)
+
+
+def expected_launches(ddp_model, grads_are_views: bool) -> dict:
+    """Expected ``fastddp.kernels.stats()`` deltas for ONE backward with
+    ``batched_grad_copy=True`` (DESIGN.md "Contracts" 4)."""
+    nb = n_buckets(ddp_model)
+    if grads_are_views:
+        return {"pack_calls": ("<=", nb), "unpack_calls": ("<=", nb)}
+    return {"pack_calls": ("==", nb), "unpack_calls": ("==", nb)}
+
+
+def _launch_budget(rank, world_size, model_name, kwargs, set_to_none):
+    import fastddp.kernels as K
+    m = make_model(model_name, seed=3)
+    ddp = ddp_class()(m, batched_grad_copy=True, **kwargs)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    report = []
+    for step in range(3):  # step 0 may rebuild buckets; measure steps 1, 2
+        x, y = make_batch(model_name, rank, step)
+        loss = loss_fn(ddp(x, step=step, rank=rank), y)
+        K.reset_launch_count()
+        loss.backward()
+        stats = K.stats()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        if step == 0:
+            continue
+        views = bool(kwargs.get("gradient_as_bucket_view")) and not set_to_none
+        for key, (op, n) in expected_launches(ddp, views).items():
+            ok = stats[key] == n if op == "==" else stats[key] <= n
+            assert ok, (f"rank {rank} step {step}: {key}={stats[key]}, expected {op} {n} "
+                        f"(buckets={n_buckets(ddp)}, stats={stats})")
+        report.append(stats)
+    return report
+
+
+@fastddp_only
+@pytest.mark.parametrize("kwargs,set_to_none", [
+    ({}, True),
+    (TINY, True),
+    (dict(gradient_as_bucket_view=True, **TINY), False),
+], ids=["default_buckets", "tiny_buckets", "tiny_view_zero"])
+def test_launch_budget_batched(world2, kwargs, set_to_none):
+    world2.run(_launch_budget, "deep", kwargs, set_to_none)
