@@ -48,7 +48,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["FastDDPStrategy", "FastDDPStrategyPL", "lightning_strategy", "patch_torch_ddp"]
+# Also importable, built on first access: FastDDPStrategy (lightning.pytorch),
+# FastDDPStrategyPL (pytorch_lightning); left out of __all__ so that
+# `from fastddp.integrations import *` never imports Lightning.
+__all__ = ["lightning_strategy", "patch_torch_ddp"]
 
 # ---------------------------------------------------------------- accelerate
 _patch_lock = threading.Lock()
