@@ -537,6 +537,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             "find_unused_parameters": int(self.find_unused_parameters),
             "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
             "static_graph": int(self.static_graph),
+            "can_set_static_graph": 0,
             "has_rebuilt_buckets": int(r._has_rebuilt) if r else 0,
             "bucket_sizes": [b.flat.numel() * b.flat.element_size() for b in r._buckets] if r else [],
             "comm_hook": "" if r is None or r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),

@@ -671,6 +671,13 @@ class Reducer:
             ],
         }
 
+    # torch's private names, which frameworks (Lightning) call on ddp.reducer
+    def _rebuild_buckets(self) -> bool:
+        return self.rebuild_buckets()
+
+    def _delay_all_reduce(self) -> None:
+        self.delay_all_reduce()
+
     def remove_hooks(self) -> None:
         for h in self._hook_handles:
             h.remove()
