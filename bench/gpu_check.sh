@@ -9,7 +9,9 @@
 #      kernel test runs the compiled kernels on the GPU);
 #   3. runs bench/gpu_kernels.py: copy bandwidth, kernels' GB/s, launches per
 #      call, host overhead, vs the torch ways; writes
-#      reports/<gpu-name-slug>/kernels.md and kernels.json.
+#      reports/<gpu-name-slug>/kernels.md and kernels.json;
+#   4. runs fastddp-bench on 1 NCCL rank (step time, launches per step,
+#      wrappers side by side); writes reports/<gpu-name-slug>/<date>-gpu-1rank.*
 #
 # Usage: bash bench/gpu_check.sh [reports-dir]      (exit 0: all passed)
 set -uo pipefail
@@ -47,9 +49,16 @@ fi
 
 timeout 240 "$py" bench/gpu_kernels.py --out "$out_dir" || { echo "gpu_check: gpu_kernels.py FAILED"; rc=1; }
 
+# End to end on this GPU (1 NCCL rank: the wrappers' own work and launches;
+# the collective itself is trivial at world size 1).
+timeout 150 "$py" -m fastddp.bench --world 1 --models small transformer mlp25m \
+    --wrappers local torch torch-batched fastddp fastddp-batched fastddp-fp16 fastddp-bf16 \
+    --steps 20 --label gpu-1rank --out "$out_dir" --no-progress \
+    || { echo "gpu_check: fastddp-bench FAILED"; rc=1; }
+
 # Where the caller collects files from a folder named by $OUT, leave them there too.
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-    cp "$out_dir"/*/kernels.md "$out_dir"/*/kernels.json "$OUT"/ 2>/dev/null || true
+    cp "$out_dir"/*/kernels.md "$out_dir"/*/kernels.json "$out_dir"/*/*gpu-1rank* "$OUT"/ 2>/dev/null || true
 fi
 echo "gpu_check: finished in $((SECONDS - start)) s, rc=$rc"
 exit $rc
