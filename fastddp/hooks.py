@@ -273,6 +273,13 @@ class FusedPath:
             return
         wire = self._wire(bucket)
         scale = 1.0 / reducer.divide_factor()
+        if kernels.backend(bucket.flat.device) == "reference":
+            # CPU (no Triton): the fp32 bucket is the scratch, scaled in place
+            # (x * fp32(1/W), as the kernel) and cast into the wire: no
+            # bucket-sized temporary, a few ops per bucket.
+            reducer.fill_flat(bucket, grads, "mul")
+            kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, residual=bucket.residual)
+            return
         if reducer.plain_grads(bucket, grads):
             # ONE launch: separate grads -> scale in fp32 -> 16-bit wire (+ residual).
             kernels.pack(grads, wire, layout=bucket.layout, scale=scale, residual=bucket.residual)
