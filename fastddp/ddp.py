@@ -91,8 +91,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
                              "need to be set at the same time.")
-        if mixed_precision is not None:
-            raise _not_yet("mixed_precision", "issue 6")
+        if mixed_precision is not None and gradient_as_bucket_view:
+            raise ValueError("mixed_precision with gradient_as_bucket_view=True is not supported: the "
+                             "full-precision .grad cannot be a view of the reduced-precision bucket")
         if process_group is not None and device_mesh is not None:
             raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
         if device_mesh is not None:
@@ -173,7 +174,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.batched_grad_copy = batched_grad_copy
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
-        self.mixed_precision = None
+        self.mixed_precision = mixed_precision
         self.device_mesh = getattr(self, "device_mesh", None)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -204,6 +205,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                                 params_and_buffers_to_ignore=self.parameters_to_ignore,
                                 broadcast_buffers=init_sync_buffers)
         self._static_graph_arg = static_graph
+        if mixed_precision is not None:
+            from .mixed_precision import MixedPrecision
+
+            self._mp = MixedPrecision(self, mixed_precision, parameters)
+        else:
+            self._mp = None
         self._build_reducer(parameters, names, static_graph)
         if static_graph:
             self._set_static_graph()
@@ -274,8 +281,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             find_unused_parameters=self.find_unused_parameters,
             static_graph=static_graph,
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
+            reduce_dtype=self._mp.reduce_dtype if getattr(self, "_mp", None) is not None else None,
         )
         self.reducer = Reducer(parameters, names, self.process_group, opts)
+        if getattr(self, "_mp", None) is not None:
+            self.reducer.mixed_precision_hook = self._mp.restore_bucket
+            self.reducer.after_finalize = self._mp.restore_all
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (torch's private API, public in spirit)."""
@@ -371,7 +382,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
             moved_inputs, moved_kwargs = _to_kwargs(inputs, kwargs,
                                                     torch.device(self.device_type, self.device_ids[0]), True)
-            return moved_inputs[0], moved_kwargs[0]
+            inputs, kwargs = moved_inputs[0], moved_kwargs[0]
+        if self._mp is not None:
+            inputs, kwargs = self._mp.pre_forward(inputs, kwargs)
         return inputs, kwargs
 
     def _post_forward(self, output):
@@ -405,6 +418,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             output = self.module(*inputs, **kwargs)
             output = self._post_forward(output)
             self._clear_grad_buffer()
+            if self._mp is not None and not torch.is_grad_enabled():
+                # no backward will follow to restore them: full precision now
+                # (under no_sync() the local backward still needs the copies)
+                self._mp.restore_all()
             return output
 
     # ------------------------------------------------- delayed all-reduce
@@ -471,6 +488,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._check_comm_hook(hook)
         if self.reducer.comm_hook is not None or self.reducer._fused_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if self._mp is not None:
+            raise RuntimeError("fastddp: mixed_precision runs its own fused reduction; it cannot be "
+                               "combined with register_comm_hook (torch refuses it too: its mixed "
+                               "precision registers a comm hook)")
         if self.reducer.num_iterations > 0:
             raise RuntimeError("fastddp: register_comm_hook must be called before the first forward/backward.")
         from .hooks import FusedPath

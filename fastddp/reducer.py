@@ -60,6 +60,8 @@ class ReducerOptions:
     """The set of used params is fixed: learnt in the first iteration."""
     skip_all_reduce_unused_params: bool = False
     """Do not reduce a bucket whose params were all unused on this rank."""
+    reduce_dtype: torch.dtype | None = None
+    """mixed_precision: the buckets' (wire) dtype; None: the params' dtype."""
 
 
 class _Bucket:
@@ -68,13 +70,13 @@ class _Bucket:
     __slots__ = ("index", "spec", "params", "indices", "layout", "flat", "views",
                  "size", "pending", "work", "ready_event", "flat_layout", "wire", "residual")
 
-    def __init__(self, spec: planner.Bucket, params: Sequence[torch.Tensor]):
+    def __init__(self, spec: planner.Bucket, params: Sequence[torch.Tensor], dtype: torch.dtype | None = None):
         self.index = spec.index
         self.spec = spec
         self.indices = list(spec.param_indices)
         self.params = [params[i] for i in self.indices]
         self.layout = kernels.Layout([p.shape for p in self.params], spec.offsets)
-        self.flat = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        self.flat = torch.zeros(spec.numel, dtype=dtype or spec.dtype, device=spec.device)
         self.views = self.layout.views(self.flat)
         self.size = len(self.params)
         self.pending = self.size
@@ -107,6 +109,8 @@ class Reducer:
         self.comm_hook: Callable | None = None
         self.comm_hook_state: Any = None
         self._fused_hook = None  # set by fastddp.hooks for the fused compression paths
+        self.mixed_precision_hook: Callable | None = None  # set by the front (mixed_precision)
+        self.after_finalize: Callable | None = None         # ditto: frozen params back to fp
 
         # Iteration state (torch's names where they exist).
         self.num_iterations = 0
@@ -155,7 +159,7 @@ class Reducer:
         old_buckets = getattr(self, "_buckets", None)
         old_locate = getattr(self, "_locate", None)
         self.plan = plan
-        self._buckets = [_Bucket(spec, self.params) for spec in plan.buckets]
+        self._buckets = [_Bucket(spec, self.params, self.opts.reduce_dtype) for spec in plan.buckets]
         self._locate = [None] * len(self.params)
         for b in self._buckets:
             for pos, i in enumerate(b.indices):
@@ -535,6 +539,8 @@ class Reducer:
                             src = bucket.flat if self.comm_hook is None else self._hook_result(bucket, result)
                             self._unpack(bucket, src, track)
             self._comm.join_compute_stream()
+            if self.after_finalize is not None:
+                self.after_finalize()
             if self._t_all_issued:
                 # Host view of what backward failed to hide: from the last
                 # bucket's issue (~ the last gradient) to all buckets reduced.
@@ -568,6 +574,8 @@ class Reducer:
 
     def _unpack(self, bucket: _Bucket, src: torch.Tensor, track_unused: bool) -> None:
         """Write the reduced bucket back into .grad (torch's finalize_bucket_dense)."""
+        if self.mixed_precision_hook is not None:
+            self.mixed_precision_hook(bucket)  # full-precision params and grads back first
         if self.opts.gradient_as_bucket_view:
             if src is not bucket.flat:
                 kernels.unpack(src, [bucket.flat], layout=bucket.flat_layout)  # one launch, casts back
