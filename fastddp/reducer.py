@@ -495,6 +495,7 @@ class Reducer:
                 self._pack(b)
                 self._launch(b)
             self._next_bucket = len(self._buckets)
+            self._t_all_issued = time.perf_counter()
             self._expect_hooks = True
         self._finalize()
 
@@ -545,6 +546,7 @@ class Reducer:
                 # Host view of what backward failed to hide: from the last
                 # bucket's issue (~ the last gradient) to all buckets reduced.
                 self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
+                self._t_all_issued = 0.0
             self.steps_reduced += 1
             if self._used_work is not None:
                 # Never let the next iteration's map race this one.
