@@ -164,53 +164,15 @@ def make_bucket(shape: str, wire: str, device: torch.device, seed: int = 0):
 
 
 def pack_methods(grads, flat, lay, views):
-    import fastddp.kernels as K
+    from fastddp.bench.baselines import pack_methods as methods
 
-    def fastddp():
-        K.pack(grads, flat, layout=lay, scale=SCALE)
-
-    def loop():
-        for g, v in zip(grads, views):
-            v.copy_(g)
-            v.mul_(SCALE)
-
-    def foreach():
-        torch._foreach_copy_(views, grads)
-        flat.mul_(SCALE)
-
-    def cat():
-        if flat.dtype == grads[0].dtype:
-            torch.cat(grads, out=flat)
-            flat.mul_(SCALE)
-        else:
-            flat.copy_(torch.cat(grads).mul_(SCALE))
-
-    return {"fastddp": fastddp, "loop": loop, "foreach": foreach, "cat": cat}
+    return methods(grads, flat, lay, views, SCALE)
 
 
 def unpack_methods(grads, flat, lay, views, accumulate: bool):
-    import fastddp.kernels as K
+    from fastddp.bench.baselines import unpack_methods as methods
 
-    def fastddp():
-        K.unpack(flat, grads, layout=lay, scale=SCALE, accumulate=accumulate)
-
-    def loop():
-        for g, v in zip(grads, views):
-            if accumulate:
-                g.add_(v.float().mul(SCALE))  # out of place: never scale the bucket itself
-            else:
-                g.copy_(v)
-                g.mul_(SCALE)
-
-    def foreach():
-        if accumulate:
-            torch._foreach_add_(grads, torch._foreach_mul(list(views) if views[0].dtype == grads[0].dtype
-                                                          else [v.float() for v in views], SCALE))
-        else:
-            torch._foreach_copy_(grads, views)
-            torch._foreach_mul_(grads, SCALE)
-
-    return {"fastddp": fastddp, "loop": loop, "foreach": foreach}
+    return methods(grads, flat, lay, views, SCALE, accumulate)
 
 
 def check_exact(op: str, grads, flat, lay, accumulate: bool = False) -> bool:

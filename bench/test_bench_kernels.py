@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import fastddp.kernels as K
+from fastddp.bench import baselines
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SHAPES = {"many_small": (600, 4096), "few_large": (4, 4 << 20)}
@@ -58,42 +59,11 @@ def _sync():
 
 
 def _pack_methods(grads, flat, lay, views):
-    def fastddp():
-        K.pack(grads, flat, layout=lay, scale=SCALE)
-
-    def loop():
-        for g, v in zip(grads, views):
-            v.copy_(g)
-            v.mul_(SCALE)
-
-    def foreach():
-        torch._foreach_copy_(views, grads)
-        flat.mul_(SCALE)
-
-    def cat():
-        if flat.dtype == grads[0].dtype:
-            torch.cat(grads, out=flat)
-            flat.mul_(SCALE)
-        else:
-            flat.copy_(torch.cat(grads).mul_(SCALE))
-
-    return {"fastddp": fastddp, "loop": loop, "foreach": foreach, "cat": cat}
+    return baselines.pack_methods(grads, flat, lay, views, SCALE)
 
 
 def _unpack_methods(grads, flat, lay, views):
-    def fastddp():
-        K.unpack(flat, grads, layout=lay, scale=SCALE)
-
-    def loop():
-        for g, v in zip(grads, views):
-            g.copy_(v)
-            g.mul_(SCALE)
-
-    def foreach():
-        torch._foreach_copy_(grads, views)
-        torch._foreach_mul_(grads, SCALE)
-
-    return {"fastddp": fastddp, "loop": loop, "foreach": foreach}
+    return baselines.unpack_methods(grads, flat, lay, views, SCALE)
 
 
 def _run(benchmark, fn, rounds, nbytes, **info):

@@ -249,12 +249,14 @@ def test_fused_hook_equals_callback(world2, hook_name, opts, no_sync):
 
 # ------------------------------------------------------------ launch budget
 
-def _launch_budget(rank, world, hook_name, opts):
+def _launch_budget(rank, world, hook_name, backend):
+    """Per step: (buckets, pack calls, unpack calls, Triton launches, reference calls)."""
     import fastddp.hooks as fh
     import fastddp.kernels as K
     from fastddp import DistributedDataParallel as F
 
-    m = F(make_model("deep"), **opts)
+    assert K.backend("cpu") == backend
+    m = F(make_model("deep"), batched_grad_copy=True, bucket_cap_mb=0.001)
     if hook_name:
         m.register_comm_hook(None, getattr(fh, hook_name))
     out = []
@@ -264,7 +266,8 @@ def _launch_budget(rank, world, hook_name, opts):
         K.reset_launch_count()
         loss_fn(m(x), y).backward()
         s = K.stats()
-        out.append((len(m.reducer._buckets), s["pack_calls"], s["unpack_calls"]))
+        out.append((len(m.reducer._buckets), s["pack_calls"], s["unpack_calls"], s["launches"],
+                    s["reference_calls"]))
     return out
 
 
@@ -276,29 +279,10 @@ def test_pack_and_unpack_calls_per_bucket_not_per_param(world2, hook_name):
     Triton path is asserted by test_one_launch_each_way_per_bucket (interpreter)
     and tests/test_gpu_reducer.py (CUDA)."""
     per_bucket_packs = 1 if hook_name is None else 2
-    for per_rank in world2.run(_launch_budget, hook_name, {"batched_grad_copy": True, "bucket_cap_mb": 0.001}):
-        for nb, packs, unpacks in per_rank:
+    for per_rank in world2.run(_launch_budget, hook_name, "reference"):
+        for nb, packs, unpacks, _, _ in per_rank:
             assert packs == per_bucket_packs * nb and unpacks == nb, (nb, packs, unpacks)
         assert per_rank[-1][0] > 1  # after the rebuild: many buckets
-
-
-def _launch_budget_interpreted(rank, world, hook_name):
-    import fastddp.hooks as fh
-    import fastddp.kernels as K
-    from fastddp import DistributedDataParallel as F
-
-    assert K.backend("cpu") == "interpret"
-    m = F(make_model("deep"), batched_grad_copy=True, bucket_cap_mb=0.001)
-    if hook_name:
-        m.register_comm_hook(None, getattr(fh, hook_name))
-    out = []
-    for step in range(3):
-        m.zero_grad(set_to_none=True)
-        x, y = make_batch("deep", rank, step)
-        K.reset_launch_count()
-        loss_fn(m(x), y).backward()
-        out.append((len(m.reducer._buckets), K.launch_count(), K.stats()["reference_calls"]))
-    return out
 
 
 @pytest.mark.interpret
@@ -306,8 +290,8 @@ def _launch_budget_interpreted(rank, world, hook_name):
 def test_one_launch_each_way_per_bucket(world2, hook_name):
     """The Triton kernels in the reducer's loop (interpreter): exactly one pack
     and one unpack launch per bucket, fused compression included."""
-    for per_rank in world2.run(_launch_budget_interpreted, hook_name):
-        for nb, launches, ref_calls in per_rank:
+    for per_rank in world2.run(_launch_budget, hook_name, "interpret"):
+        for nb, _, _, launches, ref_calls in per_rank:
             assert launches == 2 * nb and ref_calls == 0, (nb, launches, ref_calls)
         assert per_rank[-1][0] > 1
 
