@@ -250,3 +250,14 @@ def test_tiny_run_traces(tiny_run):
     doc = json.loads((traces / "tiny-torch.json").read_text())
     names = {ev.get("name") for ev in doc["traceEvents"]}
     assert "bench/step[0]" in names and "bench/backward" in names
+
+
+def test_tiny_run_fastddp_trace_has_the_reducer_ranges(tiny_run):
+    """`fastddp-bench --trace` on CPU: fastddp's named ranges are in its trace."""
+    _, _, traces, _ = tiny_run
+    for wrapper in ("fastddp", "fastddp-batched", "fastddp-fp16"):
+        doc = json.loads((traces / f"tiny-{wrapper}.json").read_text())
+        names = {ev.get("name") for ev in doc["traceEvents"]}
+        for rng in ("fastddp/forward", "fastddp/pack[0]", "fastddp/allreduce[0]", "fastddp/wait[0]",
+                    "fastddp/unpack[0]", "fastddp/finalize"):
+            assert rng in names, (wrapper, rng, sorted(n for n in names if n and n.startswith("fastddp")))
