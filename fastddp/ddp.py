@@ -204,7 +204,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                                 broadcast_bucket_size=self.broadcast_bucket_size, src=0,
                                 params_and_buffers_to_ignore=self.parameters_to_ignore,
                                 broadcast_buffers=init_sync_buffers)
-        self._static_graph_arg = static_graph
         if mixed_precision is not None:
             from .mixed_precision import MixedPrecision
 

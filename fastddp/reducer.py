@@ -130,7 +130,6 @@ class Reducer:
         self._per_iter_counts: list[int] = []
         self._ready_order: list[int] = []
         self._has_rebuilt = False
-        self._delay_all_reduce_queued = False
         self._div_factor: int | None = None    # torch's div_factor_ (join may lower it)
         self._t_all_issued = 0.0
         self.exposed_comm_s: collections.deque = collections.deque(maxlen=32)
@@ -140,7 +139,6 @@ class Reducer:
         self._fast_hooks = False       # see _make_hook
         self._collect_order = False
         self._num_buckets = 0
-        self.last_bucket_issue: list[float] = []
 
         self.plan = planner.initial_plan(self.params, options.bucket)
         self._install_plan(self.plan)
