@@ -83,6 +83,7 @@ class Comm:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.compute_stream = None  # the stream backward ran on (seen at the first pack)
         self.sim_gbps = _sim_bandwidth_from_env()
         self._wire_free_at = 0.0
         self.bytes_on_wire = 0  # cumulative payload bytes handed to collectives
@@ -95,7 +96,8 @@ class Comm:
         the compute stream by the caller)."""
         if not self.cuda:
             return _NULL
-        ready_event.record(torch.cuda.current_stream(self.device))
+        self.compute_stream = torch.cuda.current_stream(self.device)
+        ready_event.record(self.compute_stream)
         self.stream.wait_event(ready_event)
         return torch.cuda.stream(self.stream)
 
@@ -105,6 +107,14 @@ class Comm:
         if not self.cuda:
             return _NULL
         return torch.cuda.stream(self.stream)
+
+    def hand_over(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor allocated on the comm stream that the compute stream will
+        own (a new ``.grad``): tell the caching allocator, so its memory is
+        not reused on the comm stream while compute-stream work still uses it."""
+        if self.cuda and self.compute_stream is not None:
+            t.record_stream(self.compute_stream)
+        return t
 
     def join_compute_stream(self) -> None:
         """The compute stream waits for everything queued on the comm stream."""

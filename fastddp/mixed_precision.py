@@ -65,22 +65,19 @@ class MixedPrecision:
         self._swapped = True
         return _cast_forward_inputs(self.param_dtype, *inputs, **kwargs)
 
-    def restore_bucket(self, bucket) -> None:
+    def restore_bucket(self, bucket, comm) -> None:
         """Before a bucket's unpack: its params get full-precision data back and
         a full-precision .grad to receive the reduced values."""
         if self.param_dtype is None:
             return
         for p in bucket.params:
-            self._restore(p)
-
-    def _restore(self, p) -> None:
-        if p.data.data_ptr() == p._fp_param.data_ptr():
-            return
-        g = p.grad
-        p.data = p._fp_param
-        _free_storage(p._mp_param)
-        if g is not None:
-            p.grad = torch.empty_like(p._fp_param)  # the unpack overwrites it
+            if p.data.data_ptr() == p._fp_param.data_ptr():
+                continue
+            g = p.grad
+            p.data = p._fp_param
+            _free_storage(p._mp_param)
+            if g is not None:
+                p.grad = comm.hand_over(torch.empty_like(p._fp_param))  # the unpack overwrites it
 
     def restore_all(self) -> None:
         """After backward (or a forward no backward will follow): every param

@@ -575,7 +575,7 @@ class Reducer:
     def _unpack(self, bucket: _Bucket, src: torch.Tensor, track_unused: bool) -> None:
         """Write the reduced bucket back into .grad (torch's finalize_bucket_dense)."""
         if self.mixed_precision_hook is not None:
-            self.mixed_precision_hook(bucket)  # full-precision params and grads back first
+            self.mixed_precision_hook(bucket, self._comm)  # full-precision params and grads back first
         if self.opts.gradient_as_bucket_view:
             if src is not bucket.flat:
                 kernels.unpack(src, [bucket.flat], layout=bucket.flat_layout)  # one launch, casts back
@@ -600,7 +600,7 @@ class Reducer:
             if track_unused and self._global_unused(i):
                 continue  # globally unused: .grad untouched, as torch
             if g is None:
-                p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(v)
+                p.grad = self._comm.hand_over(torch.empty_like(p, memory_format=torch.preserve_format).copy_(v))
             else:
                 g.copy_(v)
 
