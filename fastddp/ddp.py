@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from .reducer import Reducer, ReducerOptions
 __all__ = ["DistributedDataParallel"]
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
+_DTYPE_CODES = {t: i for i, t in enumerate((
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))}
 
 
 class _Sink(torch.autograd.Function):
@@ -243,28 +246,53 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.modules_buffers = [b for _, b in named]
         self.named_module_buffers = dict(named)
 
+    _META_DIMS = 8  # shape/stride entries encoded per parameter (more dims: folded into a hash)
+
     def _verify_params_across_ranks(self, params, names):
         """Same count, shapes, dtypes and strides on every rank; the error
-        names the first mismatching parameter and the ranks."""
-        meta = [(n, tuple(p.shape), str(p.dtype), tuple(p.stride())) for n, p in zip(names, params)]
-        world = dist.get_world_size(self.process_group)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, meta, group=self.process_group)
-        ref = gathered[0]
+        names the first mismatching parameter and the ranks.  The metadata
+        travels as int64 tensors on the parameters' device (so NCCL works
+        whatever the current CUDA device is), in two all-gathers."""
+        group, dev = self.process_group, params[0].device
+        world = dist.get_world_size(group)
+        count = torch.tensor([len(params)], dtype=torch.int64, device=dev)
+        counts = [torch.empty_like(count) for _ in range(world)]
+        dist.all_gather(counts, count, group=group)
+        counts = [int(c.item()) for c in counts]
+        if len(set(counts)) != 1:
+            r = next(i for i, c in enumerate(counts) if c != counts[0])
+            raise RuntimeError(
+                f"fastddp: DDP expects the same model on every rank, but rank 0 has {counts[0]} "
+                f"parameters that require grad and rank {r} has {counts[r]}. Build the same model "
+                "on every rank before wrapping it.")
+        k = self._META_DIMS
+        rows = []
+        for p in params:
+            shape, stride = list(p.shape), list(p.stride())
+            if len(shape) > k:
+                shape = shape[:k - 1] + [hash(tuple(shape[k - 1:])) & 0x7FFFFFFF]
+                stride = stride[:k - 1] + [hash(tuple(stride[k - 1:])) & 0x7FFFFFFF]
+            pad = [-1] * (k - len(shape))
+            rows.append([p.dim(), _DTYPE_CODES.get(p.dtype, 99)] + shape + pad + stride + pad)
+        meta = torch.tensor(rows, dtype=torch.int64, device=dev)
+        metas = [torch.empty_like(meta) for _ in range(world)]
+        dist.all_gather(metas, meta, group=group)
+        metas = [m.cpu() for m in metas]
         for r in range(1, world):
-            other = gathered[r]
-            if len(other) != len(ref):
+            diff = (metas[r] != metas[0]).any(dim=1).nonzero()
+            if diff.numel():
+                i = int(diff[0, 0])
+
+                def describe(row):
+                    nd, code = int(row[0]), int(row[1])
+                    dtype = next((t for t, c in _DTYPE_CODES.items() if c == code), "?")
+                    return (f"shape {row[2:2 + min(nd, k)].tolist()}, dtype {dtype}, "
+                            f"strides {row[2 + k:2 + k + min(nd, k)].tolist()}")
+
                 raise RuntimeError(
-                    f"fastddp: DDP expects the same model on every rank, but rank 0 has {len(ref)} "
-                    f"parameters that require grad and rank {r} has {len(other)}. Build the same "
-                    "model on every rank before wrapping it.")
-            for (n0, s0, d0, st0), (n1, s1, d1, st1) in zip(ref, other):
-                if (s0, d0, st0) != (s1, d1, st1) or n0 != n1:
-                    raise RuntimeError(
-                        f"fastddp: DDP expects the same model on every rank, but parameter {n0!r} on "
-                        f"rank 0 has shape {list(s0)}, dtype {d0}, strides {list(st0)} while "
-                        f"{n1!r} on rank {r} has shape {list(s1)}, dtype {d1}, strides {list(st1)}. "
-                        "Build the same model on every rank before wrapping it.")
+                    f"fastddp: DDP expects the same model on every rank, but parameter {names[i]!r} "
+                    f"(index {i}) has {describe(metas[0][i])} on rank 0 and {describe(metas[r][i])} "
+                    f"on rank {r}. Build the same model on every rank before wrapping it.")
 
     def _bucket_config(self, static_graph: bool) -> planner.BucketConfig:
         cap, cap_list = self._bucket_args
