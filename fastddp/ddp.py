@@ -45,12 +45,6 @@ class _Sink(torch.autograd.Function):
         return (None, *grads)
 
 
-def _not_yet(arg: str, issue: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"fastddp.DistributedDataParallel: `{arg}` is not supported yet ({issue}). Remove the "
-        f"argument, or use torch.nn.parallel.DistributedDataParallel for this model for now.")
-
-
 class DistributedDataParallel(torch.nn.Module, Joinable):
     """Drop-in replacement for :class:`torch.nn.parallel.DistributedDataParallel`.
 
@@ -105,8 +99,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                     f"Only 1D device mesh is supported, but got {device_mesh} ({device_mesh.ndim}-D); "
                     "pass the data-parallel dimension, e.g. mesh['dp'].")
             if device_mesh._get_root_mesh() != device_mesh:
-                raise _not_yet("a device_mesh that is a slice of a larger mesh (tensor-parallel "
-                               "DTensor modules)", "issue 6")
+                raise NotImplementedError(
+                    "fastddp.DistributedDataParallel: a device_mesh that is a slice of a larger mesh "
+                    "(tensor-parallel DTensor modules) is not supported yet. Pass a 1-D mesh of its own, "
+                    "or use torch.nn.parallel.DistributedDataParallel for this model.")
             self.device_mesh = device_mesh
             process_group = device_mesh.get_group(mesh_dim=0)
         self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
