@@ -298,6 +298,14 @@ def _count_ops(prof, cuda: bool) -> int:
     return count
 
 
+def _activities(ctx: _Ctx) -> list:
+    """What torch.profiler records here: CPU ops, and CUDA kernels on a GPU."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if ctx.cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
 def _profile_step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> None:
     """One untimed step, profiled on rank 0: ops (CPU) or kernel launches
     (CUDA), step peak memory, bytes on the wire."""
@@ -308,9 +316,8 @@ def _profile_step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> None:
         _step_body(spec, e, batch)
         ctx.sync()
         return
-    acts = [torch.profiler.ProfilerActivity.CPU]
+    acts = _activities(ctx)
     if ctx.cuda:
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.reset_peak_memory_stats(ctx.device)
         base = torch.cuda.memory_allocated(ctx.device)
     with torch.profiler.profile(activities=acts, profile_memory=not ctx.cuda) as prof:
@@ -342,9 +349,7 @@ def _trace(ctx: _Ctx, spec: ModelSpec, e: _Entry, batches, tag: str) -> None:
             _step_body(spec, e, b)
         ctx.sync()
         return
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if ctx.cuda:
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    acts = _activities(ctx)
     with torch.profiler.profile(activities=acts) as prof:
         for i, b in enumerate(batches):
             with torch.profiler.record_function(f"bench/step[{i}]"):

@@ -138,7 +138,6 @@ class Reducer:
         self._fwd_use_static_world = True
         self._fast_hooks = False       # see _make_hook
         self._collect_order = False
-        self._num_buckets = 0
 
         self.plan = planner.initial_plan(self.params, options.bucket)
         self._install_plan(self.plan)
@@ -245,7 +244,6 @@ class Reducer:
         if self._dynamic_find_unused:
             self._unused = self._search_unused(outputs)
         self._collect_order = self._should_rebuild()
-        self._num_buckets = len(self._buckets)
         self._fast_hooks = not (self._track_used or self._static or self._unused)
 
     def _search_unused(self, outputs: Sequence[torch.Tensor]) -> list[int]:
@@ -281,21 +279,11 @@ class Reducer:
         def hook(param):
             if self._fast_hooks:
                 # The common case (hooks armed; no unused-param tracking, no
-                # static-graph counting), kept lean: it runs once per param.
-                if self._marked[index]:
-                    self._mark_ready(index)  # raises the marked-twice error
+                # static-graph counting): straight to the countdown.
                 if self._collect_order:
                     self._ready_order.append(index)
                 with self._lock:
-                    self._marked[index] = 1
-                    self._require_finalize = True
-                    bucket = self._locate[index][0]
-                    bucket.pending -= 1
-                    if bucket.pending == 0:
-                        self._pack(bucket)
-                        self._launch_ready()
-                        if self._next_bucket == self._num_buckets:
-                            self._all_buckets_issued()
+                    self._mark_ready(index)
             else:
                 self._autograd_hook(index)
         return hook
@@ -344,8 +332,8 @@ class Reducer:
         if bucket.pending == 0:
             self._pack(bucket)
             self._launch_ready()
-        if self._next_bucket == len(self._buckets):
-            self._all_buckets_issued()
+            if self._next_bucket == len(self._buckets):
+                self._all_buckets_issued()
 
     def _all_buckets_issued(self) -> None:
         self._t_all_issued = time.perf_counter()

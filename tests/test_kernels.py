@@ -426,6 +426,15 @@ def test_plans_are_cached_without_a_layout():
     assert len(TC._LRU) == n and next(reversed(TC._LRU.values())) is plan
 
 
+def _run_in_threads(work, n: int) -> None:
+    """Run ``work(i)`` for i < n in n threads at once and wait for them."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 def test_threads_share_a_layout():
     numels = [33, 2, 70]
     lay = Layout([(n,) for n in numels])
@@ -439,11 +448,7 @@ def test_threads_share_a_layout():
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_in_threads(work, 3)
     assert not errors, errors[0]
 
 
@@ -606,11 +611,7 @@ def test_pack_residual_shares_a_layout_across_threads():
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_in_threads(work, 3)
     assert not errors, errors[0]
 
 
