@@ -201,6 +201,7 @@ MODELS = {
     "branch_odd": lambda: BranchNet("odd"),
     "branch_rank": lambda: BranchNet("rank"),
     "branch_never": lambda: BranchNet("never"),
+    "branch_always": lambda: BranchNet("always"),
     "tied": TiedNet,
     "frozen": FrozenNet,
     "mixed": MixedDtypeNet,

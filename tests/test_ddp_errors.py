@@ -258,6 +258,90 @@ def test_unused_param_without_find_unused(world2, kwargs):
                 assert name in msg, f"rank {rank}: the message should name {name!r}: {msg}"
 
 
+def _unused_after_rebuild_body(rank, world_size, kwargs):
+    """The branch is used for three steps (the ready order is learnt and the
+    buckets rebuilt, so readiness takes the lean per-parameter path), then
+    left out: the same error as when it is never used."""
+    m = make_model("branch_always")
+    ddp = ddp_class()(m, **kwargs)
+    events = []
+    for step in range(6):
+        x, y = make_batch("branch_always", rank, step)
+        m.schedule = "always" if step < 3 else "never"
+        try:
+            out = ddp(x)
+            loss_fn(out, y).backward()
+        except RuntimeError as e:
+            events.append((step, str(e)))
+            break
+        events.append((step, "ok"))
+        for p in m.parameters():
+            p.grad = None
+    return events
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(batched_grad_copy=True), dict(bucket_cap_mb=0.001)],
+                         ids=["default", "batched", "tiny_buckets"])
+def test_unused_param_after_the_rebuild(world2, kwargs):
+    res = world2.run(_unused_after_rebuild_body, kwargs)
+    for rank, events in enumerate(res):
+        step, msg = events[-1]
+        assert msg != "ok", f"rank {rank}: no error in {len(events)} steps: {events}"
+        assert step in (3, 4), f"rank {rank}: error at step {step}, expected 3 or 4: {events}"
+        assert "find_unused_parameters" in msg, msg
+        if not STAND_IN:
+            for name in ("branch.weight", "branch.bias"):
+                assert name in msg, f"rank {rank}: the message should name {name!r}: {msg}"
+
+
+class _ReuseNet(nn.Module):
+    """``block`` runs once per forward, or, with ``twice``, twice under
+    reentrant checkpointing: its AccumulateGrad then fires once per
+    checkpointed segment, i.e. twice in one backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.block = nn.Linear(8, 8)
+        self.twice = False
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        if not self.twice:
+            return self.block(h)
+        h = checkpoint(self.block, h, use_reentrant=True)
+        return checkpoint(self.block, h, use_reentrant=True)
+
+
+def _marked_twice_body(rank, world_size):
+    torch.manual_seed(0)
+    m = _ReuseNet()
+    ddp = ddp_class()(m)
+    for step in range(4):
+        m.twice = step == 3  # after the rebuild: the lean readiness path
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 10 + step))
+        try:
+            ddp(x).sum().backward()
+        except RuntimeError as e:
+            return step, str(e)
+        for p in m.parameters():
+            p.grad = None
+    return 4, "no error"
+
+
+def test_param_marked_ready_twice_after_the_rebuild(world2):
+    res = world2.run(_marked_twice_body)
+    for rank, (step, msg) in enumerate(res):
+        assert step == 3, f"rank {rank}: expected the error at step 3, got step {step}: {msg}"
+        if STAND_IN:
+            assert "only once" in msg, msg
+        else:
+            assert "twice" in msg and ("block.weight" in msg or "block.bias" in msg), msg
+            assert "static_graph" in msg, f"rank {rank}: give the way out: {msg}"
+
+
 def _static_graph_unused_body(rank, world_size):
     """static_graph tolerates a parameter that never gets a gradient (torch)."""
     m_ref = make_model("branch_never")
