@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Mapping, Sequence
 
 __all__ = [
     "Quantiles", "Row", "Section", "Report",
-    "quantile", "summarize", "derive", "format_table", "targets",
+    "quantile", "summarize", "bootstrap_ratio", "derive", "format_table", "targets",
     "to_markdown", "to_json", "from_json", "slugify", "write_report", "summary_text",
     "TARGETS",
 ]
@@ -87,6 +88,10 @@ class Row:
     """Per-step wall time, max over ranks, ms."""
     exposed_ms: list[float] = field(default_factory=list)
     """Per-step exposed communication, max over ranks, ms."""
+    cpu_ms: list[float] = field(default_factory=list)
+    """Per-step host CPU time of a rank (all its threads: Python, autograd,
+    gloo), mean over ranks, ms.  Far less noisy than wall time on a shared
+    machine: it measures the work a wrapper adds, not the waiting."""
     ops_per_step: int | None = None
     ops_kind: str = ""
     """``aten ops`` (CPU: top-level aten ops) or ``kernel launches`` (CUDA)."""
@@ -102,7 +107,13 @@ class Row:
     exposed: Quantiles | None = None
     overhead_ms: float | None = None
     ratio: float | None = None
+    ratio_ci: tuple[float, float] | None = None
+    """Bootstrap 90% interval of ``ratio`` (steps resampled in rounds)."""
     ratio_baseline: str | None = None
+    cpu_overhead_ms: float | None = None
+    """Median host CPU per step minus the local median."""
+    cpu_ratio: float | None = None
+    """``cpu_overhead_ms`` over the baseline's."""
 
     @property
     def ok(self) -> bool:
@@ -139,22 +150,67 @@ class Report:
     sections: list[Section] = field(default_factory=list)
 
 
+def _median(xs: Sequence[float]) -> float:
+    return quantile(xs, 0.5)
+
+
+def _overhead_ratio(row: Sequence[float], base: Sequence[float], local: Sequence[float]) -> float | None:
+    d = _median(base) - _median(local)
+    return None if d <= 0 else (_median(row) - _median(local)) / d
+
+
+#: Bootstrap resamples behind each ratio's interval (seeded: reports are reproducible).
+BOOTSTRAP = 1000
+
+
+def bootstrap_ratio(row: Sequence[float], base: Sequence[float], local: Sequence[float],
+                    resamples: int = BOOTSTRAP, level: float = 0.90,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """A percentile-bootstrap interval of the overhead ratio
+    ``(median(row) - median(local)) / (median(base) - median(local))``.
+
+    Step ``k`` of every wrapper ran in the same round (same batch, the
+    wrappers interleaved), so rounds are resampled together: the interval
+    keeps what pairing removes (a slow round slows every wrapper).  None
+    with fewer than 5 rounds or when too many resamples have no positive
+    baseline overhead."""
+    n = min(len(row), len(base), len(local))
+    if n < 5:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        r = _overhead_ratio([row[i] for i in idx], [base[i] for i in idx], [local[i] for i in idx])
+        if r is not None:
+            ratios.append(r)
+    if len(ratios) < 0.9 * resamples:
+        return None
+    a = (1.0 - level) / 2
+    return quantile(ratios, a), quantile(ratios, 1.0 - a)
+
+
 def derive(section: Section) -> Section:
     """Fill each row's quantiles, overhead over ``local`` (median minus the
-    local median of the same model) and overhead ratio against its torch
-    baseline (None when either overhead is missing or the baseline's is <= 0,
-    where a ratio means nothing).  Returns ``section`` (modified in place)."""
+    local median of the same model), overhead ratio against its torch
+    baseline with a bootstrap interval (None when either overhead is missing
+    or the baseline's is <= 0, where a ratio means nothing), and the same
+    for host CPU time.  Returns ``section`` (modified in place)."""
     by_key = {(r.model, r.wrapper): r for r in section.rows}
     for r in section.rows:
         r.step = summarize(r.step_ms) if r.ok else None
         r.exposed = summarize(r.exposed_ms) if r.ok else None
     for r in section.rows:
-        r.overhead_ms = r.ratio = r.ratio_baseline = None
+        r.overhead_ms = r.ratio = r.ratio_ci = r.ratio_baseline = None
+        r.cpu_overhead_ms = r.cpu_ratio = None
         local = by_key.get((r.model, "local"))
         if r.step is None or local is None or local.step is None:
             continue
         r.overhead_ms = r.step.median - local.step.median
+        if r.cpu_ms and local.cpu_ms:
+            r.cpu_overhead_ms = _median(r.cpu_ms) - _median(local.cpu_ms)
     for r in section.rows:
+        local = by_key.get((r.model, "local"))
         for b in r.baselines:
             base = by_key.get((r.model, b))
             if base is None or not base.ok:
@@ -162,29 +218,41 @@ def derive(section: Section) -> Section:
             r.ratio_baseline = b
             if r.overhead_ms is not None and base.overhead_ms is not None and base.overhead_ms > 0:
                 r.ratio = r.overhead_ms / base.overhead_ms
+                r.ratio_ci = bootstrap_ratio(r.step_ms, base.step_ms, local.step_ms)
+            if r.cpu_overhead_ms is not None and base.cpu_overhead_ms is not None \
+                    and base.cpu_overhead_ms > 0:
+                r.cpu_ratio = r.cpu_overhead_ms / base.cpu_overhead_ms
             break
     return section
 
 
 def targets(section: Section) -> list[dict]:
     """Issue 3's check per (model, fastddp wrapper) that has a baseline:
-    ratio, target, and whether it is met (``ratio``/``met`` None when the
-    ratio is undefined, e.g. the torch overhead was <= 0)."""
+    ratio, its 90% interval, target, and the verdict: ``met`` is whether the
+    point estimate is within the target (None when the ratio is undefined,
+    e.g. the torch overhead was <= 0); ``verdict`` is ``"met"`` when the
+    whole interval is within the target, ``"missed"`` when all of it is
+    above, ``"inconclusive"`` when the interval straddles it."""
     out = []
     for r in section.rows:
         if r.family != "fastddp" or r.ratio_baseline is None or r.overhead_ms is None:
             continue
         target = TARGETS.get(r.model, DEFAULT_TARGET)
+        verdict = None
+        if r.ratio_ci is not None:
+            lo, hi = r.ratio_ci
+            verdict = "met" if hi <= target else "missed" if lo > target else "inconclusive"
         out.append({"model": r.model, "wrapper": r.wrapper, "baseline": r.ratio_baseline,
-                    "ratio": r.ratio, "target": target,
-                    "met": None if r.ratio is None else r.ratio <= target})
+                    "ratio": r.ratio, "ci": r.ratio_ci, "target": target,
+                    "met": None if r.ratio is None else r.ratio <= target,
+                    "verdict": verdict, "cpu_ratio": r.cpu_ratio})
     return out
 
 
 # -- formatting ----------------------------------------------------------------
 
 COLUMNS = ("model", "wrapper", "median ms", "p20", "p80", "overhead ms", "x torch",
-           "ops/step", "wire MB", "peak MiB", "exposed ms", "note")
+           "cpu +ms", "cpu x torch", "ops/step", "wire MB", "peak MiB", "exposed ms", "note")
 
 
 def _f(x: float | None, digits: int = 1) -> str:
@@ -198,7 +266,7 @@ def _size(x: float) -> str:
 
 def _cells(r: Row) -> list[str]:
     if not r.ok:
-        return [r.model, r.wrapper] + ["-"] * 9 + [r.status]
+        return [r.model, r.wrapper] + ["-"] * (len(COLUMNS) - 3) + [r.status]
     ratio = "-"
     if r.ratio is not None:
         ratio = f"{r.ratio:.2f}"
@@ -215,7 +283,10 @@ def _cells(r: Row) -> list[str]:
         _f(r.step.p20 if r.step else None, 2),
         _f(r.step.p80 if r.step else None, 2),
         _f(r.overhead_ms, 2),
-        ratio, ops, wire, peak,
+        ratio,
+        _f(r.cpu_overhead_ms, 2),
+        _f(r.cpu_ratio, 2),
+        ops, wire, peak,
         _f(r.exposed.median if r.exposed else None, 2),
         r.note,
     ]
@@ -249,12 +320,16 @@ def _md_targets(section: Section) -> str:
     if not any(c["ratio"] is not None for c in checks):
         return ("No fastddp wrapper produced a ratio in this section (fastddp not built yet, "
                 "or a baseline's overhead was <= 0), so issue 3's targets cannot be checked.")
-    lines = ["| model | wrapper | vs | overhead ratio | target | met |", "|---|---|---|---:|---:|---|"]
+    lines = ["| model | wrapper | vs | overhead ratio | 90% interval | target | met (median) "
+             "| verdict (interval) | host CPU ratio |",
+             "|---|---|---|---:|---:|---:|---|---|---:|"]
     for c in checks:
         ratio = "n/a" if c["ratio"] is None else f"{c['ratio']:.2f}"
+        ci = "-" if c["ci"] is None else f"{c['ci'][0]:.2f} .. {c['ci'][1]:.2f}"
         met = "n/a (torch overhead <= 0)" if c["met"] is None else ("yes" if c["met"] else "NO")
-        lines.append(f"| {c['model']} | {c['wrapper']} | {c['baseline']} | {ratio} | "
-                     f"<= {c['target']:.1f} | {met} |")
+        cpu = "-" if c["cpu_ratio"] is None else f"{c['cpu_ratio']:.2f}"
+        lines.append(f"| {c['model']} | {c['wrapper']} | {c['baseline']} | {ratio} | {ci} | "
+                     f"<= {c['target']:.1f} | {met} | {c['verdict'] or '-'} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -323,10 +398,14 @@ def to_json(report: Report) -> str:
     return json.dumps(doc, indent=1, sort_keys=False)
 
 
+_DERIVED = {"step", "exposed", "overhead_ms", "ratio", "ratio_ci", "ratio_baseline",
+            "cpu_overhead_ms", "cpu_ratio"}
+
+
 def from_json(text: str) -> Report:
     """Inverse of :func:`to_json` (derived fields are recomputed)."""
     doc = json.loads(text)
-    names = {f.name for f in dataclasses.fields(Row)} - {"step", "exposed", "overhead_ms", "ratio", "ratio_baseline"}
+    names = {f.name for f in dataclasses.fields(Row)} - _DERIVED
     sections = []
     for s in doc["sections"]:
         rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in s["rows"]]

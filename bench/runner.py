@@ -201,12 +201,15 @@ class _Entry:
     counter: object = None
     step_ms: list[float] = field(default_factory=list)
     exposed_ms: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)
 
 
-def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float]:
-    """One training step; returns (step ms, exposed communication ms)."""
+def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float, float]:
+    """One training step; returns (step ms, exposed communication ms, host
+    CPU ms of this process, all threads)."""
     x, y = batch
     ctx.sync()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     e.opt.zero_grad(set_to_none=True)
     loss = spec.loss(e.module(x), y)
@@ -217,11 +220,12 @@ def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float]:
     e.opt.step()
     ctx.sync()
     t1 = time.perf_counter()
+    cpu = (time.process_time() - c0) * 1e3
     if ctx.cuda:
         exposed = e.clock.event.elapsed_time(e.clock.bwd_event) if e.clock.event_idx >= 0 else float("nan")
     else:
         exposed = (t_bwd - e.clock.t) * 1e3
-    return (t1 - t0) * 1e3, exposed
+    return (t1 - t0) * 1e3, exposed, cpu
 
 
 def _step_body(spec: ModelSpec, e: _Entry, batch) -> None:
@@ -422,13 +426,14 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
     for e in live[k:] + live[:k]:
         ctx.barrier()
         try:
-            ms, exposed = _step(ctx, spec, e, batch)
+            ms, exposed, cpu = _step(ctx, spec, e, batch)
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
             errors[id(e)] = exc
             continue
         if timed:
             e.step_ms.append(ms)
             e.exposed_ms.append(exposed)
+            e.cpu_ms.append(cpu)
     for e, bad in zip(live, ctx.agree_any([id(e) in errors for e in live])):
         if bad:
             exc = errors.get(id(e))
@@ -436,20 +441,25 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
 
 
 def _gather(ctx: _Ctx, entries: list[_Entry], steps: int) -> None:
-    """Replace every row's samples with the max over ranks, step by step."""
+    """Replace every row's samples with the max over ranks (wall time,
+    exposed communication) or the mean over ranks (host CPU), step by step."""
     t = torch.full((max(len(entries), 1), steps, 2), -1.0, dtype=torch.float64)  # -1: missing
+    cpu = torch.zeros((max(len(entries), 1), steps), dtype=torch.float64)
     for i, e in enumerate(entries):
         if e.row.ok and len(e.step_ms) == steps:
             t[i, :, 0] = torch.tensor(e.step_ms, dtype=torch.float64)
             t[i, :, 1] = torch.tensor(e.exposed_ms, dtype=torch.float64).nan_to_num(-1.0)
+            cpu[i] = torch.tensor(e.cpu_ms, dtype=torch.float64)
     if ctx.cuda:
-        t = t.to(ctx.device)
+        t, cpu = t.to(ctx.device), cpu.to(ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    t = t.cpu()
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    t, cpu = t.cpu(), (cpu / ctx.world).cpu()
     for i, e in enumerate(entries):
         if e.row.ok:
             e.row.step_ms = [x for x in t[i, :, 0].tolist() if x >= 0]
             e.row.exposed_ms = [x for x in t[i, :, 1].tolist() if x >= 0]
+            e.row.cpu_ms = cpu[i].tolist() if len(e.row.step_ms) == steps else []
             if not e.row.step_ms:
                 e.row.status = "failed: missing step times on some rank"
 
@@ -623,7 +633,13 @@ def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float) -> dict:
         "each round), a barrier before every step.",
         "Overhead = median step - local median step (same model, same run); x torch = that "
         "overhead / the torch wrapper's with the same option (fastddp-bf16 vs torch-bf16 when "
-        "run, else torch-fp16); n/a where the torch overhead is <= 0.",
+        "run, else torch-fp16); n/a where the torch overhead is <= 0. Its 90% interval "
+        "(targets table) is a percentile bootstrap over the timed rounds, rounds resampled "
+        "together for all wrappers.",
+        "cpu +ms = median host CPU per step (time.process_time: every thread of the rank, "
+        "Python, autograd, gloo) minus local's, mean over ranks; cpu x torch = that / the torch "
+        "wrapper's. Waiting costs no CPU, so this is the work a wrapper adds, steadier than wall "
+        "time on a shared machine.",
     ]
     if ctx.cuda:
         notes.append("ops/step = CUDA kernels in a torch.profiler trace of one step on rank 0 "

@@ -84,6 +84,71 @@ def test_targets():
     assert ("m", "fastddp-view") not in checks  # unavailable
 
 
+def _noisy(n, base, extra, sd, seed, shared):
+    """Per-round samples: ``base + extra`` plus the round's shared slowdown
+    (a slow round slows every wrapper) plus the wrapper's own noise."""
+    rng = np.random.default_rng(seed)
+    return [base + extra + shared[i] + float(rng.normal(0, sd)) for i in range(n)]
+
+
+def test_bootstrap_ratio_interval():
+    n = 80
+    shared = list(np.random.default_rng(99).normal(0, 5.0, n))  # big per-round noise
+    local = _noisy(n, 30, 0, 0.3, 1, shared)
+    torch_ = _noisy(n, 30, 10, 0.3, 2, shared)
+    fast = _noisy(n, 30, 6, 0.3, 3, shared)
+    lo, hi = R.bootstrap_ratio(fast, torch_, local)
+    point = R._overhead_ratio(fast, torch_, local)
+    assert lo <= point <= hi
+    # the truth (0.6) is inside, and the interval is tight: pairing removed
+    # the shared round noise that dwarfs the 4 ms difference
+    assert lo < 0.6 < hi and hi - lo < 0.15, (lo, hi)
+    # without pairing (rounds shuffled for one wrapper) it is much wider
+    shuffled = list(np.random.default_rng(5).permutation(fast))
+    lo2, hi2 = R.bootstrap_ratio(shuffled, torch_, local)
+    assert hi2 - lo2 > 2 * (hi - lo), ((lo, hi), (lo2, hi2))
+    # deterministic (seeded) and refuses too few rounds
+    assert R.bootstrap_ratio(fast, torch_, local) == (lo, hi)
+    assert R.bootstrap_ratio(fast[:4], torch_[:4], local[:4]) is None
+
+
+def test_targets_verdict_from_the_interval():
+    n = 60
+    shared = list(np.random.default_rng(7).normal(0, 1.0, n))
+    local = _noisy(n, 30, 0, 0.2, 1, shared)
+    torch_ = _noisy(n, 30, 10, 0.2, 2, shared)
+    rows = [_row("small", "local", local), _row("small", "torch", torch_),
+            _row("small", "fastddp", _noisy(n, 30, 5, 0.2, 3, shared), baselines=("torch",)),
+            _row("small", "fastddp-batched", _noisy(n, 30, 8, 0.2, 4, shared), baselines=("torch",)),
+            _row("small", "fastddp-view", _noisy(n, 30, 12, 0.2, 6, shared), baselines=("torch",))]
+    checks = {c["wrapper"]: c for c in R.targets(R.derive(R.Section(None, rows)))}
+    assert checks["fastddp"]["verdict"] == "met"           # ~0.5, all of the interval <= 0.8
+    assert checks["fastddp-batched"]["verdict"] == "inconclusive"  # ~0.8: on the target
+    assert checks["fastddp-view"]["verdict"] == "missed"   # ~1.2
+    # a straddling interval is inconclusive
+    wide_shared = [0.0] * n
+    fast_wide = _noisy(n, 30, 8, 3.0, 8, wide_shared)
+    rows2 = [_row("small", "local", _noisy(n, 30, 0, 3.0, 9, wide_shared)),
+             _row("small", "torch", _noisy(n, 30, 10, 3.0, 10, wide_shared)),
+             _row("small", "fastddp", fast_wide, baselines=("torch",))]
+    c = R.targets(R.derive(R.Section(None, rows2)))[0]
+    lo, hi = c["ci"]
+    assert lo < 0.8 < hi and c["verdict"] == "inconclusive", c
+
+
+def test_cpu_overhead_and_ratio():
+    rows = [_row("m", "local", [10, 10, 10], cpu_ms=[8.0, 8.0, 9.0]),
+            _row("m", "torch", [20, 20, 20], cpu_ms=[12.0, 12.0, 13.0]),
+            _row("m", "fastddp", [15, 15, 15], baselines=("torch",), cpu_ms=[10.0, 11.0, 10.0])]
+    r = {x.wrapper: x for x in R.derive(R.Section(None, rows)).rows}
+    assert r["torch"].cpu_overhead_ms == pytest.approx(4.0)
+    assert r["fastddp"].cpu_overhead_ms == pytest.approx(2.0)
+    assert r["fastddp"].cpu_ratio == pytest.approx(0.5)
+    # no CPU samples (an old report): no CPU figures, the rest unchanged
+    r2 = {x.wrapper: x for x in _section().rows if x.model == "m"}
+    assert r2["fastddp"].cpu_overhead_ms is None and r2["fastddp"].ratio == pytest.approx(0.5)
+
+
 def test_format_table_rows_and_status():
     text = R.format_table(_section())
     lines = text.splitlines()
