@@ -415,7 +415,7 @@ def from_json(text: str) -> Report:
 
 # -- charts ----------------------------------------------------------------------
 
-_FAMILY_COLOR = {"local": "#888888", "torch": "#4c72b0", "fastddp": "#dd8452"}
+_FAMILY_COLOR = {"local": "#888888", "floor": "#bbbbbb", "torch": "#4c72b0", "fastddp": "#dd8452"}
 
 
 def _models(section: Section) -> list[str]:

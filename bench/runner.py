@@ -640,6 +640,10 @@ def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float) -> dict:
         "Python, autograd, gloo) minus local's, mean over ranks; cpu x torch = that / the torch "
         "wrapper's. Waiting costs no CPU, so this is the work a wrapper adds, steadier than wall "
         "time on a shared machine.",
+        "comm-floor = local + one all-reduce per step, at the end of backward, of a buffer as "
+        "large as the gradients (no copies, no per-parameter hooks; gradients not averaged): the "
+        "cost of these bytes on this wire plus waiting for the slowest rank. Its x torch is the "
+        "best ratio any wrapper that sends the same bytes could reach here.",
     ]
     if ctx.cuda:
         notes.append("ops/step = CUDA kernels in a torch.profiler trace of one step on rank 0 "

@@ -13,6 +13,11 @@ runner then reports the wrapper as ``unavailable: <reason>`` and carries on.
 name               what
 =================  ===========================================================
 local              the model itself, no DDP: the floor
+comm-floor         local + ONE all-reduce per step, at the end of backward, of a
+                   buffer as large as the gradients (no copies, no per-
+                   parameter hooks): what moving these bytes and syncing the
+                   ranks costs any DDP; a bound, not a trainer (its gradients
+                   stay local)
 torch              torch.nn.parallel.DistributedDataParallel, defaults
 torch-batched      ... batched_grad_copy=True
 torch-view         ... gradient_as_bucket_view=True
@@ -53,6 +58,7 @@ from torch import nn
 
 __all__ = [
     "DEFAULT_WRAPPERS",
+    "CommFloor",
     "SimulatedWire",
     "WrapperOptions",
     "WrapperSpec",
@@ -65,7 +71,7 @@ __all__ = [
 
 #: Wrappers a run without ``--wrappers`` compares, in table order.
 DEFAULT_WRAPPERS = (
-    "local",
+    "local", "comm-floor",
     "torch", "torch-batched", "torch-view", "torch-fp16",
     "fastddp", "fastddp-batched", "fastddp-view", "fastddp-fp16", "fastddp-bf16",
 )
@@ -97,7 +103,7 @@ class WrapperSpec:
 
     name: str
     family: str
-    """``local``, ``torch`` or ``fastddp``."""
+    """``local``, ``floor``, ``torch`` or ``fastddp``."""
     option: str
     """``default``, ``batched``, ``view``, ``fp16`` or ``bf16``."""
     factory: Factory = field(repr=False)
@@ -218,6 +224,60 @@ def _local(model, process_group, options):
     return model, "no DDP"
 
 
+class CommFloor(nn.Module):
+    """``module`` plus one SUM all-reduce per backward, per parameter dtype,
+    of a preallocated buffer holding as many elements as the gradients, run
+    by an autograd-engine callback queued when backward reaches the outputs.
+
+    It leaves every cost out that a DDP could in principle avoid (copies into
+    buckets, per-parameter hooks, scaling) and keeps the one it cannot: the
+    bytes on the wire and the wait for the slowest rank.  Its overhead over
+    ``local`` bounds what any wrapper sending the same bytes can reach on
+    this machine.  The gradients themselves are not averaged."""
+
+    def __init__(self, module: nn.Module, process_group=None, wire: "SimulatedWire | None" = None):
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.wire = wire
+        numel: dict[torch.dtype, int] = {}
+        device = None
+        for p in module.parameters():
+            if p.requires_grad:
+                numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
+                device = p.device
+        self._flats = [torch.zeros(n, dtype=dt, device=device) for dt, n in numel.items()]
+        self._queued = False
+
+    def forward(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._queued = False
+            leaves = torch.utils._pytree.tree_flatten(out)[0]
+            for t in leaves:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._arm)
+        return out
+
+    def _arm(self, _grad):
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    def _reduce(self) -> None:
+        for flat in self._flats:
+            if self.wire is None:
+                dist.all_reduce(flat, group=self.process_group)
+            else:
+                work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+                nbytes = flat.numel() * flat.element_size()
+                self.wire.transfer(work.get_future(), nbytes, lambda flat=flat: flat).wait()
+
+
+def _comm_floor(model, process_group, options):
+    return CommFloor(model, process_group, options.wire), "bound: one all-reduce, no copies"
+
+
 def _torch(model, process_group, options, hook: str | None = None, **kwargs):
     from torch.nn.parallel import DistributedDataParallel
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -266,6 +326,7 @@ def registry() -> dict[str, WrapperSpec]:
     P = functools.partial
     specs = [
         WrapperSpec("local", "local", "default", _local),
+        WrapperSpec("comm-floor", "floor", "default", _comm_floor, baselines=("torch",)),
         WrapperSpec("torch", "torch", "default", _torch),
         WrapperSpec("torch-batched", "torch", "batched", P(_torch, batched_grad_copy=True)),
         WrapperSpec("torch-view", "torch", "view", P(_torch, gradient_as_bucket_view=True)),

@@ -206,6 +206,55 @@ def test_registry_covers_defaults():
             assert spec.baselines and all(reg[b].family == "torch" for b in spec.baselines)
 
 
+def test_comm_floor_one_all_reduce_per_backward_and_dtype(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from fastddp.bench.wrappers import CommFloor
+    from tests._dist import single_rank_group
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4).double()
+            self.frozen = torch.nn.Linear(4, 4)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x):
+            return self.b(self.a(self.frozen(x)).double()), self.a(x)
+
+    with single_rank_group(tmp_path):
+        model = Mixed()
+        floor = CommFloor(model)
+        assert sorted(f.numel() for f in floor._flats) == [20, 20]  # fp32 a, fp64 b; frozen left out
+        calls = []
+        real = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append((t.dtype, t.numel())), real(t, *a, **k))[1])
+        x = torch.randn(3, 4)
+        for step in range(2):
+            out1, out2 = floor(x)
+            assert calls == []  # nothing in forward
+            calls.clear()
+            (out1.sum() + out2.sum()).backward()  # both outputs reach the hook: still one callback
+            assert sorted(calls, key=str) == sorted([(torch.float32, 20), (torch.float64, 20)], key=str)
+            calls.clear()
+        with torch.no_grad():
+            floor(x)
+        assert calls == []
+        # the gradients are the local ones (the floor averages nothing)
+        ref = Mixed()
+        ref.load_state_dict(model.state_dict())
+        model.zero_grad(set_to_none=True)
+        o1, o2 = floor(x)
+        (o1.sum() + o2.sum()).backward()
+        r1, r2 = ref(x)
+        (r1.sum() + r2.sum()).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad)
+
+
 def test_computed_wire_bytes():
     reg = registry()
     params = [torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(3), requires_grad=False),
@@ -286,7 +335,7 @@ def test_tiny_run_rows(tiny_run):
     for s in rep.sections:
         assert [(r.model, r.wrapper) for r in s.rows] == [("tiny", w) for w in DEFAULT_WRAPPERS]
         rows = {r.wrapper: r for r in s.rows}
-        for w in ("local", "torch", "torch-batched", "torch-view", "torch-fp16"):
+        for w in ("local", "comm-floor", "torch", "torch-batched", "torch-view", "torch-fp16"):
             r = rows[w]
             assert r.ok, (w, r.status)
             assert len(r.step_ms) == 2 and len(r.exposed_ms) == 2
@@ -296,6 +345,7 @@ def test_tiny_run_rows(tiny_run):
         assert rows["local"].overhead_ms == 0 and rows["local"].wire_bytes == 0
         nparams = 4 * (16 * 16 + 16 + 16 + 16)
         assert rows["torch"].wire_bytes == 4 * nparams
+        assert rows["comm-floor"].wire_bytes == 4 * nparams and rows["comm-floor"].ratio_baseline == "torch"
         assert rows["torch-fp16"].wire_bytes == 2 * nparams
         for w in DEFAULT_WRAPPERS:
             assert rows[w].ok or rows[w].status.startswith(("unavailable: ", "failed: ")), rows[w].status
@@ -305,6 +355,7 @@ def test_tiny_run_rows(tiny_run):
     assert sim["torch"].wire_source == "measured"
     wire_ms = sim["torch"].wire_bytes / (SIM_GBPS * 1e9) * 1e3
     assert min(sim["torch"].exposed_ms) >= 0.9 * wire_ms
+    assert min(sim["comm-floor"].exposed_ms) >= 0.9 * wire_ms  # the floor pays the wire too
 
 
 def test_tiny_run_traces(tiny_run):
