@@ -12,7 +12,7 @@ runner then reports the wrapper as ``unavailable: <reason>`` and carries on.
 =================  ===========================================================
 name               what
 =================  ===========================================================
-local              the model itself, no DDP: the floor
+local              the model itself, no DDP: the compute floor
 comm-floor         local + ONE all-reduce per step, at the end of backward, of a
                    buffer as large as the gradients (no copies, no per-
                    parameter hooks): what moving these bytes and syncing the
