@@ -643,7 +643,8 @@ def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float) -> dict:
         "comm-floor = local + one all-reduce per step, at the end of backward, of a buffer as "
         "large as the gradients (no copies, no per-parameter hooks; gradients not averaged): the "
         "cost of these bytes on this wire plus waiting for the slowest rank. Its x torch is the "
-        "best ratio any wrapper that sends the same bytes could reach here.",
+        "best ratio any wrapper that sends the same bytes could reach, unless it hides "
+        "communication behind backward (which needs idle cores, a GPU or a slow network).",
     ]
     if ctx.cuda:
         notes.append("ops/step = CUDA kernels in a torch.profiler trace of one step on rank 0 "

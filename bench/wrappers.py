@@ -232,8 +232,10 @@ class CommFloor(nn.Module):
     It leaves every cost out that a DDP could in principle avoid (copies into
     buckets, per-parameter hooks, scaling) and keeps the one it cannot: the
     bytes on the wire and the wait for the slowest rank.  Its overhead over
-    ``local`` bounds what any wrapper sending the same bytes can reach on
-    this machine.  The gradients themselves are not averaged."""
+    ``local`` bounds what any wrapper sending the same bytes can reach where
+    backward cannot hide communication (ranks sharing every core); where it
+    can (a GPU, idle cores, a slow network), overlapping wrappers may beat
+    it.  The gradients themselves are not averaged."""
 
     def __init__(self, module: nn.Module, process_group=None, wire: "SimulatedWire | None" = None):
         super().__init__()
