@@ -231,10 +231,9 @@ def test_comm_floor_one_all_reduce_per_backward_and_dtype(tmp_path, monkeypatch)
         real = dist.all_reduce
         monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append((t.dtype, t.numel())), real(t, *a, **k))[1])
         x = torch.randn(3, 4)
-        for step in range(2):
+        for _ in range(2):
             out1, out2 = floor(x)
             assert calls == []  # nothing in forward
-            calls.clear()
             (out1.sum() + out2.sum()).backward()  # both outputs reach the hook: still one callback
             assert sorted(calls, key=str) == sorted([(torch.float32, 20), (torch.float64, 20)], key=str)
             calls.clear()
