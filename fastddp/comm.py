@@ -14,9 +14,19 @@ CUDA (NCCL)::
     makes NCCL's stream wait for the pack; ``work.wait()`` at the end of
     backward makes the comm stream wait for NCCL; the unpacks run there;
   * the compute stream then waits on the comm stream once, so the optimizer
-    sees reduced gradients.  Gradients and buckets stay referenced by the
-    reducer until that point, and nothing frees them on the compute stream
-    before it waits, so no ``record_stream`` is needed.
+    sees reduced gradients.  Buckets and wire buffers live as long as the
+    reducer.  A tensor allocated on the compute stream that the comm stream
+    reads and whose last reference goes before that wait MUST be
+    ``record_stream``ed (:meth:`Comm.release`), or the caching allocator hands
+    its block to the next backward kernel while the queued pack may not have
+    read it yet: that is every ``.grad`` replaced by its bucket view right
+    after its pack was queued (``gradient_as_bucket_view``).  Tensors made on
+    the comm stream for the compute stream (a new ``.grad``) are
+    ``record_stream``ed the other way (:meth:`Comm.hand_over`).
+  * exposed communication is timed with CUDA events (``enable_timing``):
+    from the compute stream's point where the last bucket was issued to the
+    point where it has waited for the comm stream; read without a host sync
+    (``query()``) when stats are asked for.
 
 CPU (gloo)::
 
@@ -36,6 +46,7 @@ well backward hides communication as the network slows.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import time
@@ -43,6 +54,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import groups
 
 __all__ = ["Comm", "Pending"]
 
@@ -88,6 +101,17 @@ class Comm:
         self._wire_free_at = 0.0
         self.bytes_on_wire = 0  # cumulative payload bytes handed to collectives
         self.collectives = 0
+        # CUDA: (issued, joined) event pairs, reused round-robin (no per-step allocation)
+        self._ev_pairs: list[tuple[Any, Any]] = []
+        self._ev_next = 0
+        self._ev_open: list[bool] = []
+        self._ev_current = -1
+        self.exposed_cuda_ms: collections.deque = collections.deque(maxlen=32)
+
+    @property
+    def comm_stream(self):
+        """The side stream packs, collectives and unpacks run on (None on CPU)."""
+        return self.stream
 
     # -- stream plumbing -------------------------------------------------
     def pack_context(self, ready_event: "torch.cuda.Event | None"):
@@ -116,10 +140,57 @@ class Comm:
             t.record_stream(self.compute_stream)
         return t
 
+    def release(self, t: torch.Tensor) -> None:
+        """``t`` (allocated on the compute stream) was read by work queued on
+        the comm stream and is about to lose its last reference: its block
+        must not be reused before that work has run."""
+        if self.cuda:
+            t.record_stream(self.stream)
+
     def join_compute_stream(self) -> None:
         """The compute stream waits for everything queued on the comm stream."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.stream)
+            if self._ev_current >= 0:
+                self._ev_pairs[self._ev_current][1].record(compute)
+                self._ev_open[self._ev_current] = True
+                self._ev_current = -1
+
+    # -- exposed communication, timed on the device ----------------------
+    def mark_all_issued(self) -> None:
+        """The last bucket was just issued: on CUDA, record where the compute
+        stream is (the end is recorded by :meth:`join_compute_stream`)."""
+        if not self.cuda:
+            return
+        if len(self._ev_pairs) < 8:
+            self._ev_pairs.append((torch.cuda.Event(enable_timing=True),
+                                   torch.cuda.Event(enable_timing=True)))
+            self._ev_open.append(False)
+            k = len(self._ev_pairs) - 1
+        else:
+            k = self._ev_next
+            self._ev_next = (k + 1) % len(self._ev_pairs)
+            self._collect(k)
+        self._ev_pairs[k][0].record(torch.cuda.current_stream(self.device))
+        self._ev_current = k
+
+    def _collect(self, k: int) -> None:
+        if self._ev_open[k] and self._ev_pairs[k][1].query():  # query(): no host sync
+            start, end = self._ev_pairs[k]
+            self.exposed_cuda_ms.append(start.elapsed_time(end))
+            self._ev_open[k] = False
+
+    def exposed_stats(self) -> dict:
+        """CUDA only: exposed communication of the last steps in ms, from CUDA
+        events (pairs whose end has not run yet are left for a later call)."""
+        if not self.cuda:
+            return {}
+        for k in range(len(self._ev_pairs)):
+            self._collect(k)
+        return {"exposed_comm_ms_cuda_last": [round(t, 4) for t in self.exposed_cuda_ms],
+                "exposed_comm_cuda_source": "cuda_events: last bucket issued -> compute stream "
+                                            "waited for the comm stream"}
 
     # -- collectives -----------------------------------------------------
     def _deadline(self, nbytes: int) -> float:
@@ -129,12 +200,13 @@ class Comm:
         self._wire_free_at = start + nbytes / (self.sim_gbps * 1e9)
         return self._wire_free_at
 
-    def all_reduce(self, tensor: torch.Tensor) -> Pending:
+    def all_reduce(self, tensor: torch.Tensor, nbytes: int | None = None) -> Pending:
         """SUM-all-reduce ``tensor`` in place, asynchronously."""
-        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes is None:
+            nbytes = tensor.numel() * tensor.element_size()
         self.bytes_on_wire += nbytes
         self.collectives += 1
-        work = dist.all_reduce(tensor, group=self.pg, async_op=True)
+        work = groups.all_reduce(tensor, self.pg, async_op=True)
         return Pending(work=work, deadline=self._deadline(nbytes), tensor=tensor)
 
     def hook(self, future: Any, nbytes: int) -> Pending:
@@ -147,7 +219,9 @@ class Comm:
         """Complete one collective; returns the hook's result (or None)."""
         result = None
         if pending.work is not None:
-            pending.work.wait()
+            groups.wait(pending.work)
+            if pending.tensor is not None and pending.tensor.layout != torch.strided:
+                result = pending.work.result()  # sparse: gloo returns the reduced tensor
         elif pending.future is not None:
             pending.future.wait()
             result = pending.future.value()

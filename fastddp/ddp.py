@@ -13,15 +13,20 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import planner, profiling
+from . import groups, planner, profiling
 from .reducer import Reducer, ReducerOptions
 
 __all__ = ["DistributedDataParallel"]
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
-_DTYPE_CODES = {t: i for i, t in enumerate((
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))}
+
+
+def _debug_enabled() -> bool:
+    """FASTDDP_DEBUG=1, or torch's TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    import os
+
+    return (os.environ.get("FASTDDP_DEBUG", "0") not in ("", "0")
+            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
 
 
 class _Sink(torch.autograd.Function):
@@ -80,7 +85,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
         self._divide_by_initial_world_size = True
-        if not dist.is_available() or not dist.is_initialized():
+        if process_group is None and device_mesh is None and (
+                not dist.is_available() or not dist.is_initialized()):
             raise RuntimeError(
                 "fastddp.DistributedDataParallel: the default process group is not initialized. "
                 "Call torch.distributed.init_process_group(backend=...) first (torchrun sets the "
@@ -105,6 +111,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                     "or use torch.nn.parallel.DistributedDataParallel for this model.")
             self.device_mesh = device_mesh
             process_group = device_mesh.get_group(mesh_dim=0)
+        if process_group is not None:
+            groups.check_member(process_group)
         self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -127,12 +135,25 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if device_ids is not None and len(device_ids) > 1:
             raise ValueError("device_ids can only be None or contain a single element.")
         device_types = {p.device.type for p in module_params}
+        if "meta" in device_types:
+            name = next(n for n, p in module.named_parameters() if p.device.type == "meta")
+            raise RuntimeError(
+                f"fastddp.DistributedDataParallel: parameter {name!r} is on the meta device (no "
+                "data). Materialize the module first, e.g. module.to_empty(device=...) and "
+                "initialise its parameters (or load a checkpoint), then wrap it.")
         if len(device_types) != 1:
             raise ValueError(
                 "DistributedDataParallel's input module must be on the same type of devices, but "
                 f"input module parameters locate in {device_types}.")
         self.device_type = next(iter(device_types))
         self.is_multi_device_module = len({p.device for p in module_params}) > 1
+        if self.is_multi_device_module:
+            raise NotImplementedError(
+                "fastddp.DistributedDataParallel: the module's parameters span several devices "
+                f"({sorted({str(p.device) for p in module_params})}); fastddp keeps one comm stream "
+                "per module and supports single-device modules only. Put the module on one device "
+                "per process (one process per GPU), or use torch.nn.parallel."
+                "DistributedDataParallel for model-parallel modules.")
         if not device_ids or self.device_type == "cpu" or self.is_multi_device_module:
             if device_ids or output_device:
                 raise ValueError(
@@ -196,8 +217,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
         parameters, names = self._build_params_for_reducer()
         if init_sync:
-            self._verify_params_across_ranks(parameters, names)
             from torch.distributed.utils import _sync_module_states
+
+            from .verify import verify_across_ranks
+
+            bufs = self.named_module_buffers if init_sync_buffers else {}
+            verify_across_ranks(self.process_group, parameters, names, list(bufs.values()), list(bufs))
 
             _sync_module_states(module=self.module, process_group=self.process_group,
                                 broadcast_bucket_size=self.broadcast_bucket_size, src=0,
@@ -221,19 +246,16 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             for pname, p in module.named_parameters(recurse=False)
             if p.requires_grad and (f"{mname}.{pname}" if mname else pname) not in self.parameters_to_ignore
         ]
-        memo, params, names = set(), [], []
+        memo, params, names, sparse = set(), [], [], []
         for module, name, p in pairs:
             if p in memo:
                 continue
             memo.add(p)
-            if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
-                raise NotImplementedError(
-                    f"fastddp: parameter {name!r} belongs to {type(module).__name__}(sparse=True), whose "
-                    "gradients are sparse; fastddp reduces dense gradients only. Use sparse=False, list "
-                    "the parameter in module._ddp_params_and_buffers_to_ignore and reduce it yourself, "
-                    "or use torch's DistributedDataParallel for this model.")
             params.append(p)
             names.append(name)
+            # torch's _check_sparse: these modules produce sparse gradients
+            sparse.append(isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse)
+        self._sparse_params = sparse
         self._assign_modules_buffers()
         return params, names
 
@@ -242,53 +264,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.modules_buffers = [b for _, b in named]
         self.named_module_buffers = dict(named)
 
-    _META_DIMS = 8  # shape/stride entries encoded per parameter (more dims: folded into a hash)
-
-    def _verify_params_across_ranks(self, params, names):
-        """Same count, shapes, dtypes and strides on every rank; the error
-        names the first mismatching parameter and the ranks.  The metadata
-        travels as int64 tensors on the parameters' device (so NCCL works
-        whatever the current CUDA device is), in two all-gathers."""
-        group, dev = self.process_group, params[0].device
-        world = dist.get_world_size(group)
-        count = torch.tensor([len(params)], dtype=torch.int64, device=dev)
-        counts = [torch.empty_like(count) for _ in range(world)]
-        dist.all_gather(counts, count, group=group)
-        counts = [int(c.item()) for c in counts]
-        if len(set(counts)) != 1:
-            r = next(i for i, c in enumerate(counts) if c != counts[0])
+    def _check_new_parameters(self) -> None:
+        """Parameters added to the module after it was wrapped are never
+        reduced: say so (checked at the bucket rebuild, and at every forward
+        in debug mode)."""
+        known = {id(p) for p in self.reducer.params}
+        new = [n for n, p in self.module.named_parameters()
+               if p.requires_grad and n not in self.parameters_to_ignore and id(p) not in known]
+        if new:
             raise RuntimeError(
-                f"fastddp: DDP expects the same model on every rank, but rank 0 has {counts[0]} "
-                f"parameters that require grad and rank {r} has {counts[r]}. Build the same model "
-                "on every rank before wrapping it.")
-        k = self._META_DIMS
-        rows = []
-        for p in params:
-            shape, stride = list(p.shape), list(p.stride())
-            if len(shape) > k:
-                shape = shape[:k - 1] + [hash(tuple(shape[k - 1:])) & 0x7FFFFFFF]
-                stride = stride[:k - 1] + [hash(tuple(stride[k - 1:])) & 0x7FFFFFFF]
-            pad = [-1] * (k - len(shape))
-            rows.append([p.dim(), _DTYPE_CODES.get(p.dtype, 99)] + shape + pad + stride + pad)
-        meta = torch.tensor(rows, dtype=torch.int64, device=dev)
-        metas = [torch.empty_like(meta) for _ in range(world)]
-        dist.all_gather(metas, meta, group=group)
-        metas = [m.cpu() for m in metas]
-        for r in range(1, world):
-            diff = (metas[r] != metas[0]).any(dim=1).nonzero()
-            if diff.numel():
-                i = int(diff[0, 0])
-
-                def describe(row):
-                    nd, code = int(row[0]), int(row[1])
-                    dtype = next((t for t, c in _DTYPE_CODES.items() if c == code), "?")
-                    return (f"shape {row[2:2 + min(nd, k)].tolist()}, dtype {dtype}, "
-                            f"strides {row[2 + k:2 + k + min(nd, k)].tolist()}")
-
-                raise RuntimeError(
-                    f"fastddp: DDP expects the same model on every rank, but parameter {names[i]!r} "
-                    f"(index {i}) has {describe(metas[0][i])} on rank 0 and {describe(metas[r][i])} "
-                    f"on rank {r}. Build the same model on every rank before wrapping it.")
+                f"fastddp: parameter(s) {new[:10]} were added to the module (or set to "
+                "requires_grad=True) after it was wrapped in DistributedDataParallel; their "
+                "gradients would never be averaged across ranks. Create every parameter before "
+                "wrapping the model (or wrap it again).")
 
     def _bucket_config(self, static_graph: bool) -> planner.BucketConfig:
         cap, cap_list = self._bucket_args
@@ -306,7 +294,13 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             reduce_dtype=self._mp.reduce_dtype if getattr(self, "_mp", None) is not None else None,
         )
-        self.reducer = Reducer(parameters, names, self.process_group, opts)
+        sparse = getattr(self, "_sparse_params", None)
+        if sparse is not None and len(sparse) != len(parameters):
+            sparse = None
+        if sparse and any(sparse) and getattr(self, "_mp", None) is not None:
+            raise ValueError("fastddp: mixed_precision does not support modules with sparse gradients")
+        self.reducer = Reducer(parameters, names, self.process_group, opts, sparse=sparse,
+                               debug=_debug_enabled())
         if getattr(self, "_mp", None) is not None:
             self.reducer.mixed_precision_hook = self._mp.restore_bucket
             self.reducer.after_finalize = self._mp.restore_all
@@ -360,17 +354,18 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def _sync_buffers(self) -> None:
         # Under join() rank 0 may have joined with stale buffers: agree on a source.
-        src = (self._find_common_rank(dist.get_rank(self.process_group), True)
+        src = (self._find_common_rank(groups.rank(self.process_group), True)
                if self._join_config.enable else 0)
         self._broadcast_buffers(src)
 
     def _broadcast_buffers(self, src: int) -> None:
+        # ``src`` is a rank of the group (c10d's broadcast_coalesced takes the
+        # group rank as the root, as torch's DDP passes it)
         with torch.no_grad():
             self._assign_modules_buffers()
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
                 dist._broadcast_coalesced(self.process_group, self.modules_buffers,
-                                          self.broadcast_bucket_size,
-                                          dist.get_global_rank(self.process_group, src))
+                                          self.broadcast_bucket_size, src)
 
     def _find_common_rank(self, input_rank: int, rank_cond: bool) -> int:
         from .join import find_common_rank
@@ -389,13 +384,14 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def _pre_forward(self, *inputs, **kwargs):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if grad_sync:
-            self.reducer.prepare_for_forward()
+        self.reducer.prepare_for_forward(grad_sync)
+        if self.reducer.debug:
+            self._check_new_parameters()
         work = Join.notify_join_context(self)
         if work:
             self.reducer.set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
-        if torch.is_grad_enabled():
-            self.reducer.rebuild_buckets()
+        if torch.is_grad_enabled() and self.reducer.rebuild_buckets():
+            self._check_new_parameters()
         if self.will_sync_module_buffers():
             self._sync_buffers()
         if self._join_config.enable:
@@ -509,7 +505,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         """Register ``hook(state, bucket) -> Future[Tensor]`` for every bucket
         (torch's contract: once, before the first backward)."""
         self._check_comm_hook(hook)
-        if self.reducer.comm_hook is not None or self.reducer._fused_hook is not None:
+        if self.reducer.has_comm_hook:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         if self._mp is not None:
             raise RuntimeError("fastddp: mixed_precision runs its own fused reduction; it cannot be "
@@ -525,27 +521,46 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 raise ValueError("fastddp: CompressionState.process_group must be None or the DDP "
                                  "module's process group")
             fused = None  # another group: run the hook as an ordinary callback
+        if fused is not None and fused.error_feedback and any(self.reducer.sparse):
+            raise ValueError("fastddp: CompressionState(error_feedback=True) does not apply to "
+                             "modules with sparse gradients")
         self._comm_hooks.append((hook, state))
-        self.reducer.comm_hook = hook
-        self.reducer.comm_hook_state = state
-        self.reducer._fused_hook = fused
+        self.reducer.register_comm_hook(hook, state, fused)
 
     @staticmethod
     def _check_comm_hook(hook) -> None:
+        """torch's checks (callable; a ``bucket`` annotation must be
+        GradBucket; a return annotation must be Future[Tensor]) plus the arity."""
         if not callable(hook):
             raise TypeError(f"Communication hook must be callable, got {type(hook).__name__}.")
         import inspect
 
         try:
-            sig = inspect.signature(hook)
-        except (TypeError, ValueError):
-            return
+            sig = inspect.signature(hook, eval_str=True)
+        except Exception:  # unresolvable string annotations: check what can be checked
+            try:
+                sig = inspect.signature(hook)
+            except (TypeError, ValueError):
+                return
         params = [p for p in sig.parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(params) != 2 and not any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
             raise TypeError(
                 f"Communication hook {getattr(hook, '__name__', hook)!r} must take exactly two "
                 f"arguments (state, bucket), got {len(params)}: {sig}.")
+        from .hooks import GradBucket
+
+        name = getattr(hook, "__name__", hook)
+        bucket_ann = params[1].annotation if len(params) == 2 else inspect.Parameter.empty
+        if bucket_ann is not inspect.Parameter.empty and bucket_ann not in (dist.GradBucket, GradBucket):
+            raise ValueError(
+                "Communication hook: bucket annotation should be dist.GradBucket. "
+                f"fastddp: hook {name!r} annotates its bucket argument as {bucket_ann!r}.")
+        ret = sig.return_annotation
+        if ret is not inspect.Signature.empty and ret != torch.futures.Future[torch.Tensor]:
+            raise ValueError(
+                "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
+                f"fastddp: hook {name!r} is annotated to return {ret!r}.")
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -574,16 +589,16 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         r = self.reducer
         return {
             "module_name": type(self.module).__name__,
-            "world_size": dist.get_world_size(self.process_group),
-            "rank": dist.get_rank(self.process_group),
-            "backend_name": dist.get_backend(self.process_group),
+            "world_size": groups.size(self.process_group),
+            "rank": groups.rank(self.process_group),
+            "backend_name": groups.backend_name(self.process_group),
             "bucket_cap_bytes": r.opts.bucket.bucket_bytes_cap if r else 0,
             "find_unused_parameters": int(self.find_unused_parameters),
             "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
             "static_graph": int(self.static_graph),
             "can_set_static_graph": 0,
-            "has_rebuilt_buckets": int(r._has_rebuilt) if r else 0,
-            "bucket_sizes": [b.flat.numel() * b.flat.element_size() for b in r._buckets] if r else [],
+            "has_rebuilt_buckets": int(r.has_rebuilt_buckets) if r else 0,
+            "bucket_sizes": r.bucket_sizes() if r else [],
             "comm_hook": "" if r is None or r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),
         }
 

@@ -282,8 +282,9 @@ class FusedPath:
             return
         if reducer.plain_grads(bucket, grads):
             # ONE launch: separate grads -> scale in fp32 -> 16-bit wire (+ residual).
-            kernels.pack(grads, wire, layout=bucket.layout, scale=scale, residual=bucket.residual)
-            reducer.alias_views(bucket)
+            kernels.pack(bucket.kernel_grads(grads), wire, layout=bucket.layout, scale=scale,
+                         residual=bucket.residual)
+            reducer.alias_views(bucket, grads)
             return
         reducer.fill_flat(bucket, grads, None)
         kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, scale=scale, residual=bucket.residual)

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from . import groups
+
 __all__ = ["DDPJoinHook"]
 
 
@@ -29,7 +31,7 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         ddp.reducer.rebuild_buckets()
         if ddp.will_sync_module_buffers():
-            rank = ddp._find_common_rank(dist.get_rank(ddp.process_group), False)
+            rank = ddp._find_common_rank(groups.rank(ddp.process_group), False)
             ddp._broadcast_buffers(rank)
         should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
         ddp.require_forward_param_sync = should_sync
@@ -42,7 +44,7 @@ class DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
-        src = ddp._find_common_rank(dist.get_rank(ddp.process_group), is_last_joiner)
+        src = ddp._find_common_rank(groups.rank(ddp.process_group), is_last_joiner)
         from torch.distributed.utils import _sync_module_states
 
         _sync_module_states(module=ddp.module, process_group=ddp.process_group,

@@ -1,0 +1,121 @@
+"""Construction-time checks that every rank wraps the same model.
+
+torch's DDP compares parameter shapes across ranks (``_verify_params_across_
+process_group``) and hangs or aborts on the rest.  Here the parameters' count,
+shapes, dtypes, strides AND names are compared (same shapes registered in a
+different order would otherwise pair the wrong tensors silently), and so are
+the buffers that DDP broadcasts (a shape mismatch there aborts a gloo rank
+inside the broadcast, or truncates silently).  The error names the first
+mismatching tensor, what it is on each side, and the ranks.
+
+The metadata travels as int64 tensors on the module's device (NCCL works
+whatever the current CUDA device is) in two all-gathers; names travel only
+in the failure case, so the message can show both.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import torch
+
+from . import groups
+
+__all__ = ["verify_across_ranks"]
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+           torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+           torch.bool)
+_DTYPE_CODE = {t: i for i, t in enumerate(_DTYPES)}
+_DIMS = 8  # shape/stride entries encoded per tensor (more dims: folded into a hash)
+# row: [kind, ndim, dtype, name crc, shape x _DIMS, stride x _DIMS]
+_KIND_PARAM, _KIND_BUFFER = 0, 1
+
+
+def _row(kind: int, name: str, t: torch.Tensor) -> list[int]:
+    shape, stride = list(t.shape), list(t.stride())
+    if len(shape) > _DIMS:
+        shape = shape[:_DIMS - 1] + [hash(tuple(shape[_DIMS - 1:])) & 0x7FFFFFFF]
+        stride = stride[:_DIMS - 1] + [hash(tuple(stride[_DIMS - 1:])) & 0x7FFFFFFF]
+    pad = [-1] * (_DIMS - len(shape))
+    return ([kind, t.dim(), _DTYPE_CODE.get(t.dtype, 99), zlib.crc32(name.encode())]
+            + shape + pad + stride + pad)
+
+
+def _describe(row, name: str) -> str:
+    nd, code = int(row[1]), int(row[2])
+    dtype = _DTYPES[code] if code < len(_DTYPES) else "?"
+    k = 4
+    return (f"{name!r} with shape {row[k:k + min(nd, _DIMS)].tolist()}, dtype {dtype}, "
+            f"strides {row[k + _DIMS:k + _DIMS + min(nd, _DIMS)].tolist()}")
+
+
+def _gather_names(names: Sequence[str], pg, device, world: int) -> list[list[str]]:
+    """Every rank's names (failure case only): one padded byte tensor each."""
+    data = "\n".join(names).encode()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    ns = [torch.empty_like(n) for _ in range(world)]
+    groups.all_gather(ns, n, pg)
+    cap = max(int(x.item()) for x in ns)
+    buf = torch.zeros(max(cap, 1), dtype=torch.uint8, device=device)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty_like(buf) for _ in range(world)]
+    groups.all_gather(bufs, buf, pg)
+    return [bytes(b[:int(m.item())].cpu().tolist()).decode().split("\n") for b, m in zip(bufs, ns)]
+
+
+def verify_across_ranks(pg, params: Sequence[torch.Tensor], names: Sequence[str],
+                        buffers: Sequence[torch.Tensor] = (), buffer_names: Sequence[str] = ()) -> None:
+    """Raise on every rank if any rank's parameters (count, names, shapes,
+    dtypes, strides) or buffers (count, names, shapes, dtypes) differ from
+    rank 0's."""
+    world = groups.size(pg)
+    if world == 1:
+        return
+    dev = params[0].device
+    counts = torch.tensor([len(params), len(buffers)], dtype=torch.int64, device=dev)
+    all_counts = [torch.empty_like(counts) for _ in range(world)]
+    groups.all_gather(all_counts, counts, pg)
+    all_counts = [c.tolist() for c in all_counts]
+    for r, (np_, nb) in enumerate(all_counts):
+        if np_ != all_counts[0][0]:
+            raise RuntimeError(
+                f"fastddp: DDP expects the same model on every rank, but rank 0 has "
+                f"{all_counts[0][0]} parameters that require grad and rank {r} has {np_}. Build the "
+                "same model on every rank before wrapping it.")
+        if nb != all_counts[0][1]:
+            raise RuntimeError(
+                f"fastddp: DDP expects the same model on every rank, but rank 0 has "
+                f"{all_counts[0][1]} buffers and rank {r} has {nb}; DDP broadcasts buffers from "
+                "rank 0. Build the same model on every rank before wrapping it.")
+    all_names = list(names) + list(buffer_names)
+    rows = [_row(_KIND_PARAM, n, p) for n, p in zip(names, params)]
+    # a buffer's strides are not part of the contract (the broadcast copies values)
+    rows += [_row(_KIND_BUFFER, n, b.contiguous() if not b.is_contiguous() else b)
+             for n, b in zip(buffer_names, buffers)]
+    meta = torch.tensor(rows, dtype=torch.int64, device=dev)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    groups.all_gather(metas, meta, pg)
+    metas = [m.cpu() for m in metas]
+    bad = None
+    for r in range(1, world):
+        diff = (metas[r] != metas[0]).any(dim=1).nonzero()
+        if diff.numel():
+            bad = (r, int(diff[0, 0]))
+            break
+    if bad is None:
+        return
+    r, i = bad
+    everyone = _gather_names(all_names, pg, dev, world)  # every rank takes part
+    kind = "parameter" if i < len(names) else "buffer"
+    where = i if i < len(names) else i - len(names)
+    a, b = _describe(metas[0][i], everyone[0][i]), _describe(metas[r][i], everyone[r][i])
+    hint = ""
+    if everyone[0][i] != everyone[r][i]:
+        hint = (" The names differ: the modules register their tensors in a different order (or "
+                "are different models); gradients would be averaged between unrelated tensors.")
+    raise RuntimeError(
+        f"fastddp: DDP expects the same model on every rank, but {kind} {where} is {a} on rank 0 "
+        f"and {b} on rank {r}.{hint} Build the same model on every rank before wrapping it.")

@@ -1,0 +1,226 @@
+"""Beyond torch: inputs torch's DDP is silent or crashes on, made clear errors.
+
+Different parameter names at one index across ranks, buffer shapes that
+differ across ranks, a second backward over an already reduced forward,
+parameters added after wrapping, a meta-device module, a process group the
+rank is not a member of, and (debug mode) ranks that disagree on which
+parameters got gradients -- a hang in torch, an error naming the rank and the
+parameters here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._dist import ddp_class, fastddp_only, single_rank_group, world2  # noqa: F401
+from tests._models import loss_fn, make_batch, make_model
+
+pytestmark = [pytest.mark.timeout(300), fastddp_only]
+
+
+def _short_group(world_size):
+    return dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=10),
+                          backend="gloo")
+
+
+class _Two(nn.Module):
+    def __init__(self, swap: bool):
+        super().__init__()
+        if swap:  # same shapes, registered in the other order
+            self.b = nn.Linear(8, 8)
+            self.a = nn.Linear(8, 8)
+        else:
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _names_body(rank, world_size):
+    pg = _short_group(world_size)
+    try:
+        ddp_class()(_Two(swap=rank == 1), process_group=pg)
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def test_parameter_names_differ_across_ranks(world2):
+    for rank, msg in enumerate(world2.run(_names_body)):
+        assert msg != "no error", f"rank {rank} accepted parameters registered in another order"
+        assert "'a.weight'" in msg and "'b.weight'" in msg and "rank 1" in msg, msg
+
+
+class _Buf(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("stats", torch.zeros(n))
+
+    def forward(self, x):
+        return self.fc(x) + self.stats.sum()
+
+
+def _buffer_body(rank, world_size):
+    pg = _short_group(world_size)
+    try:
+        ddp_class()(_Buf(3 if rank == 0 else 5), process_group=pg)
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def test_buffer_shapes_differ_across_ranks(world2):
+    for rank, msg in enumerate(world2.run(_buffer_body)):
+        assert msg != "no error", f"rank {rank} accepted buffers that differ across ranks"
+        assert "buffer" in msg and "'stats'" in msg and "[3]" in msg and "[5]" in msg, msg
+
+
+def _retain_graph_body(rank, world_size):
+    m = make_model("mlp")
+    ddp = ddp_class()(m)
+    x, y = make_batch("mlp", rank, 0)
+    loss = loss_fn(ddp(x), y)
+    loss.backward(retain_graph=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        loss.backward()
+    texts = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+    # a new forward per backward: no warning
+    with warnings.catch_warnings(record=True) as w2:
+        warnings.simplefilter("always")
+        loss_fn(ddp(x), y).backward()
+    texts2 = [str(x.message) for x in w2 if "LOCAL" in str(x.message)]
+    return texts, texts2
+
+
+def test_second_backward_over_a_reduced_forward_warns(world2):
+    for texts, texts2 in world2.run(_retain_graph_body):
+        assert texts and "LOCAL" in texts[0] and "retain_graph" in texts[0], texts
+        assert not texts2, texts2
+
+
+def _added_param_body(rank, world_size, debug):
+    if debug:
+        os.environ["FASTDDP_DEBUG"] = "1"
+    try:
+        m = make_model("mlp")
+        ddp = ddp_class()(m)
+        x, y = make_batch("mlp", rank, 0)
+        loss_fn(ddp(x), y).backward()
+        m.extra = nn.Linear(2, 2)  # added after wrapping: never reduced
+        events = []
+        for step in range(3):
+            try:
+                loss_fn(ddp(x), y).backward()
+                events.append("ok")
+            except RuntimeError as e:
+                events.append(str(e))
+                break
+        return events
+    finally:
+        os.environ.pop("FASTDDP_DEBUG", None)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_parameter_added_after_wrapping(world2, debug):
+    for events in world2.run(_added_param_body, debug):
+        assert events[-1] != "ok", events
+        assert "'extra.weight'" in events[-1] and "after it was wrapped" in events[-1], events
+        # at the rebuild (the next forward) without debug mode, at the first forward with it
+        assert len(events) == 1, events
+
+
+def test_meta_device_module(tmp_path):
+    with single_rank_group(tmp_path):
+        with torch.device("meta"):
+            m = nn.Linear(4, 4)
+        with pytest.raises(RuntimeError) as ei:
+            ddp_class()(m)
+    msg = str(ei.value)
+    assert "meta" in msg and "'weight'" in msg and "to_empty" in msg, msg
+
+
+def _non_member_body(rank, world_size):
+    pg = dist.new_group([0], backend="gloo")
+    if rank == 0:
+        return "member"
+    try:
+        ddp_class()(make_model("mlp"), process_group=pg)
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_process_group_without_this_rank(world2):
+    res = world2.run(_non_member_body)
+    assert res[0] == "member"
+    assert "not a member" in res[1] and "global rank 1" in res[1], res[1]
+
+
+def _disagree_body(rank, world_size):
+    """Rank 1 leaves the branch out, rank 0 uses it, no find_unused: in torch
+    one rank waits in a bucket's all-reduce until the other exits."""
+    os.environ["FASTDDP_DEBUG"] = "1"
+    try:
+        pg = _short_group(world_size)
+        m = make_model("branch_always")
+        ddp = ddp_class()(m, process_group=pg)
+        m.schedule = "always" if rank == 0 else "never"
+        x, y = make_batch("branch_always", rank, 0)
+        try:
+            loss_fn(ddp(x), y).backward()
+            return "no error"
+        except RuntimeError as e:
+            return str(e)
+        finally:
+            dist.destroy_process_group(pg)
+    finally:
+        os.environ.pop("FASTDDP_DEBUG", None)
+
+
+def test_debug_mode_ranks_disagree_on_used_params(world2):
+    for rank, msg in enumerate(world2.run(_disagree_body, timeout=60)):
+        assert "disagree" in msg and "'branch.weight'" in msg and "rank 1" in msg, (rank, msg)
+        assert "find_unused_parameters=True" in msg, msg
+
+
+def _debug_parity_body(rank, world_size):
+    """Debug mode changes when buckets are issued, not the gradients."""
+    import copy
+
+    from tests._dist import torch_ddp_class
+    from tests.test_parity import compare_grads
+
+    os.environ["FASTDDP_DEBUG"] = "1"
+    try:
+        base = make_model("deep")
+        ref_m, test_m = copy.deepcopy(base), copy.deepcopy(base)
+        ref = torch_ddp_class()(ref_m, bucket_cap_mb=0.001)
+        test = ddp_class()(test_m, bucket_cap_mb=0.001)
+        assert test.stats()["debug"] is True
+        for step in range(3):
+            x, y = make_batch("deep", rank, step)
+            for d in (ref, test):
+                d.module.zero_grad(set_to_none=True)
+                loss_fn(d(x), y).backward()
+            compare_grads(ref_m, test_m, f"rank {rank} step {step}")
+        return True
+    finally:
+        os.environ.pop("FASTDDP_DEBUG", None)
+
+
+def test_debug_mode_keeps_torch_gradients(world2):
+    assert world2.run(_debug_parity_body) == [True, True]
