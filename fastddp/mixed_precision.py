@@ -77,6 +77,7 @@ class MixedPrecision:
             p.data = p._fp_param
             _free_storage(p._mp_param)
             if g is not None:
+                comm.release(g)  # read by the pack queued on the comm stream
                 p.grad = comm.hand_over(torch.empty_like(p._fp_param))  # the unpack overwrites it
 
     def restore_all(self) -> None:
