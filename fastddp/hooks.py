@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["GradBucket"]
 
@@ -72,14 +73,11 @@ class GradBucket:
 # --------------------------------------------------------------------------
 # fastddp's own hooks.  Each is an ordinary torch-signature hook (it works on
 # torch's DDP too) AND carries a ``_fastddp_fused`` tag that fastddp's reducer
-# recognises: it then skips the Python callback and runs the fused path
-# (pack: scale + cast straight from the separate grads into the wire buffer;
-# all-reduce on the wire; unpack: cast back + scatter), 2 launches per bucket.
+# recognises (fastddp.reduction.choose): it then skips the Python callback and
+# runs the fused path (pack: scale + cast straight from the separate grads into
+# the wire buffer; all-reduce on the wire; unpack: cast back + scatter), 2
+# launches per bucket.
 # --------------------------------------------------------------------------
-
-import torch.distributed as dist  # noqa: E402
-
-from . import kernels  # noqa: E402
 
 
 class CompressionState:
@@ -104,6 +102,42 @@ def _group_of(state):
     if isinstance(state, CompressionState):
         return state.process_group
     return state  # torch's convention: the state is the process group (or None)
+
+
+def state_group(state):
+    """The process group a hook's ``state`` names (None: the module's)."""
+    return _group_of(state)
+
+
+def check_hook(hook) -> None:
+    """torch's checks (callable; a ``bucket`` annotation must be GradBucket; a
+    return annotation must be Future[Tensor]) plus the arity, with torch's
+    sentences first."""
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable, got {type(hook).__name__}.")
+    import inspect
+
+    try:
+        sig = inspect.signature(hook, eval_str=True)
+    except Exception:  # unresolvable string annotations: check what can be checked
+        try:
+            sig = inspect.signature(hook)
+        except (TypeError, ValueError):
+            return
+    params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    name = getattr(hook, "__name__", hook)
+    if len(params) != 2 and not any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
+        raise TypeError(f"Communication hook {name!r} must take exactly two arguments (state, "
+                        f"bucket), got {len(params)}: {sig}.")
+    bucket_ann = params[1].annotation if len(params) == 2 else inspect.Parameter.empty
+    if bucket_ann is not inspect.Parameter.empty and bucket_ann not in (dist.GradBucket, GradBucket):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket. "
+                         f"fastddp: hook {name!r} annotates its bucket argument as {bucket_ann!r}.")
+    ret = sig.return_annotation
+    if ret is not inspect.Signature.empty and ret != torch.futures.Future[torch.Tensor]:
+        raise ValueError("Communication hook: return annotation should be "
+                         "torch.futures.Future[torch.Tensor]. "
+                         f"fastddp: hook {name!r} is annotated to return {ret!r}.")
 
 
 def _world(group) -> int:
@@ -224,94 +258,4 @@ _tag(noop_hook, "noop", None)
 
 __all__ += ["CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
             "noop_hook", "allgather_then_aggregate_hook", "fp16_compress_wrapper",
-            "bf16_compress_wrapper"]
-
-
-class FusedPath:
-    """The reducer's fused execution of a tagged hook (see module comment)."""
-
-    def __init__(self, kind: str, dtype: torch.dtype | None, state, hook):
-        self.kind = kind
-        self.dtype = dtype
-        self.state = state
-        self.hook = hook
-        self.error_feedback = isinstance(state, CompressionState) and state.error_feedback
-        if self.error_feedback and kind != "compress":
-            raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
-                             "compression hooks only")
-
-    @staticmethod
-    def for_hook(hook, state) -> "FusedPath | None":
-        tag = getattr(hook, "_fastddp_fused", None)
-        if tag is None:
-            if isinstance(state, CompressionState):
-                raise TypeError(
-                    f"CompressionState is the state of fastddp's compression hooks; "
-                    f"{getattr(hook, '__name__', hook)!r} is not one of them")
-            return None
-        return FusedPath(tag[0], tag[1], state, hook)
-
-    def group(self, reducer):
-        g = _group_of(self.state)
-        return g if g is not None else reducer.pg
-
-    # -- pack ------------------------------------------------------------
-    def _wire(self, bucket) -> torch.Tensor:
-        if bucket.wire is None:  # allocated once per bucket (a rebuild makes new buckets)
-            bucket.wire = torch.empty(bucket.flat.numel(), dtype=self.dtype, device=bucket.flat.device)
-            if self.error_feedback and bucket.residual is None:
-                bucket.residual = torch.zeros(bucket.flat.numel(), dtype=torch.float32,
-                                              device=bucket.flat.device)
-        return bucket.wire
-
-    def pack(self, reducer, bucket, grads) -> None:
-        if self.kind == "allreduce":
-            reducer.fill_flat(bucket, grads, "div")
-            return
-        if self.kind == "noop":
-            reducer.fill_flat(bucket, grads, None)
-            return
-        wire = self._wire(bucket)
-        scale = 1.0 / reducer.divide_factor()
-        if kernels.backend(bucket.flat.device) == "reference":
-            # CPU (no Triton): the fp32 bucket is the scratch, scaled in place
-            # (x * fp32(1/W), as the kernel) and cast into the wire: no
-            # bucket-sized temporary, a few ops per bucket.
-            reducer.fill_flat(bucket, grads, "mul")
-            kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, residual=bucket.residual)
-            return
-        if reducer.plain_grads(bucket, grads):
-            # ONE launch: separate grads -> scale in fp32 -> 16-bit wire (+ residual).
-            kernels.pack(bucket.kernel_grads(grads), wire, layout=bucket.layout, scale=scale,
-                         residual=bucket.residual)
-            reducer.alias_views(bucket, grads)
-            return
-        reducer.fill_flat(bucket, grads, None)
-        kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, scale=scale, residual=bucket.residual)
-
-    # -- launch ----------------------------------------------------------
-    def launch(self, reducer, bucket):
-        from .comm import Pending
-
-        if self.kind == "noop":
-            return Pending()
-        if self.kind == "allreduce":
-            if self.group(reducer) is not reducer.pg:
-                raise ValueError("fastddp: allreduce_hook's process group must be the DDP module's group")
-            return reducer._comm.all_reduce(bucket.flat)
-        return reducer._comm.all_reduce(bucket.wire)
-
-    def shadow(self, reducer, bucket):
-        """join(): the same collective as launch(), on zeros."""
-        from .comm import Pending
-
-        if self.kind == "noop":
-            return Pending()
-        if self.kind == "allreduce":
-            return reducer._comm.all_reduce(torch.zeros_like(bucket.flat))
-        return reducer._comm.all_reduce(torch.zeros_like(self._wire(bucket)))
-
-    # -- unpack ----------------------------------------------------------
-    def unpack(self, reducer, bucket, track_unused: bool) -> None:
-        src = bucket.wire if self.kind == "compress" else bucket.flat
-        reducer._unpack(bucket, src, track_unused)
+            "bf16_compress_wrapper", "check_hook", "state_group"]

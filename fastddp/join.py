@@ -31,20 +31,21 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         ddp.reducer.rebuild_buckets()
         if ddp.will_sync_module_buffers():
-            rank = ddp._find_common_rank(groups.rank(ddp.process_group), False)
+            rank = find_common_rank(ddp, groups.rank(ddp.process_group), False)
             ddp._broadcast_buffers(rank)
-        should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
+        should_sync = global_requires_backward_grad_sync(ddp, is_joined_rank=True)
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
-        ddp.reducer.shadow_backward()
+        shadow_backward(ddp.reducer)
         if ddp.find_unused_parameters:
-            ddp.reducer.shadow_used_map()
+            groups.all_reduce(torch.zeros(len(ddp.reducer.params), dtype=torch.int32, device=ddp.device),
+                              ddp.process_group)  # the used-map all-reduce
         ddp.reducer.push_all_rebuilt_params()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
-        src = ddp._find_common_rank(groups.rank(ddp.process_group), is_last_joiner)
+        src = find_common_rank(ddp, groups.rank(ddp.process_group), is_last_joiner)
         from torch.distributed.utils import _sync_module_states
 
         _sync_module_states(module=ddp.module, process_group=ddp.process_group,
@@ -56,8 +57,29 @@ class DDPJoinHook(JoinHook):
 def find_common_rank(ddp, input_rank: int, rank_cond: bool) -> int:
     """The largest rank for which ``rank_cond`` holds (torch's _find_common_rank)."""
     t = torch.tensor([input_rank if rank_cond else -1], device=ddp.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    groups.all_reduce(t, ddp.process_group, op=dist.ReduceOp.MAX)
     if t.item() == -1:
         raise RuntimeError("fastddp: no rank qualified as the source of the model sync "
                            "(expected at least one rank to satisfy the join condition)")
     return int(t.item())
+
+
+def shadow_backward(reducer) -> None:
+    """A joined rank mirrors one backward of the ranks still training: the
+    same collectives, bucket by bucket in order, on zeros (each bucket's mode
+    issues its own collective: plain, fused 16-bit wire, or the hook)."""
+    comm = reducer.comm
+    with comm.comm_context(), torch.no_grad():
+        for p in [b.reduction.shadow(reducer, b) for b in reducer.buckets]:
+            comm.wait(p)
+
+
+def global_requires_backward_grad_sync(ddp, is_joined_rank: bool):
+    """join(): every rank learns whether this iteration's backward syncs."""
+    flag = torch.ones(1, device=ddp.device) if (not is_joined_rank and ddp.require_backward_grad_sync) \
+        else torch.zeros(1, device=ddp.device)
+    work = groups.all_reduce(flag, ddp.process_group, async_op=True)
+    if is_joined_rank:
+        groups.wait(work)
+        return flag.item() != 0
+    return None

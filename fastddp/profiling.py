@@ -76,3 +76,47 @@ def range(name: str, cuda: bool = False):  # noqa: A001 - mirrors nvtx.range
     if not on and not _profiler_on():
         return _NULL
     return _Range(name, nvtx=bool(on and cuda))
+
+
+def reducer_stats(r) -> dict:
+    """What a reducer did, as plain data (``DistributedDataParallel.stats()``)."""
+    from . import kernels
+
+    hook, fused = r.comm_hook, r.fused_path
+    return {
+        "world_size": r.world,
+        "iterations": r.num_iterations,
+        "steps_reduced": r.steps_reduced,
+        "has_rebuilt_buckets": r.has_rebuilt_buckets,
+        "kernel_backend": kernels.backend(r.device),
+        "comm_hook": None if hook is None else getattr(hook, "__name__", repr(hook)),
+        "fused_path": None if fused is None else (fused[0], str(fused[1]) if fused[1] else None),
+        "collectives": r.comm.collectives,
+        "bytes_on_wire": r.comm.bytes_on_wire,
+        "exposed_comm_ms_last": [round(t * 1e3, 3) for t in r.exposed_comm_s],
+        "exposed_comm_source": "host",
+        **r.comm.exposed_stats(),
+        "debug": r.debug,
+        "buckets": [b.describe(r.names) for b in r.buckets],
+    }
+
+
+def ddp_logging_data(ddp) -> dict:
+    """torch's ``_get_ddp_logging_data`` keys for a fastddp module."""
+    from . import groups
+
+    r = ddp.reducer
+    return {
+        "module_name": type(ddp.module).__name__,
+        "world_size": groups.size(ddp.process_group),
+        "rank": groups.rank(ddp.process_group),
+        "backend_name": groups.backend_name(ddp.process_group),
+        "bucket_cap_bytes": r.opts.bucket.bucket_bytes_cap if r else 0,
+        "find_unused_parameters": int(ddp.find_unused_parameters),
+        "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
+        "static_graph": int(ddp.static_graph),
+        "can_set_static_graph": 0,
+        "has_rebuilt_buckets": int(r.has_rebuilt_buckets) if r else 0,
+        "bucket_sizes": r.bucket_sizes() if r else [],
+        "comm_hook": "" if r is None or r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),
+    }

@@ -22,7 +22,22 @@ import torch
 
 from . import groups
 
-__all__ = ["verify_across_ranks"]
+__all__ = ["verify_across_ranks", "check_no_new_parameters"]
+
+
+def check_no_new_parameters(module: torch.nn.Module, known: Sequence[torch.Tensor], ignore) -> None:
+    """Parameters added to the module after it was wrapped are never reduced:
+    say so (the front checks at the bucket rebuild, and at every forward in
+    debug mode)."""
+    ids = {id(p) for p in known}
+    new = [n for n, p in module.named_parameters()
+           if p.requires_grad and n not in ignore and id(p) not in ids]
+    if new:
+        raise RuntimeError(
+            f"fastddp: parameter(s) {new[:10]} were added to the module (or set to "
+            "requires_grad=True) after it was wrapped in DistributedDataParallel; their gradients "
+            "would never be averaged across ranks. Create every parameter before wrapping the "
+            "model (or wrap it again).")
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
            torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,

@@ -78,7 +78,7 @@ def test_cuda_one_pack_one_unpack_launch_per_bucket(nccl1, hook):
     K.reset_launch_count()
     m(x).sum().backward()
     torch.cuda.synchronize()
-    nb = len(m.reducer._buckets)
+    nb = m.reducer.num_buckets
     assert nb > 1
     assert K.launch_count() == 2 * nb, (K.stats(), nb)
     assert K.stats()["reference_calls"] == 0

@@ -213,7 +213,7 @@ def _fused_vs_callback(rank, world, hook_name, opts, no_sync):
     a, b = F(copy.deepcopy(base), **opts), F(copy.deepcopy(base), **opts)
     a.register_comm_hook(None, hook)
     b.register_comm_hook(None, lambda s, bucket: hook(s, bucket))
-    assert a.reducer._fused_hook is not None and b.reducer._fused_hook is None
+    assert a.stats()["fused_path"] is not None and b.stats()["fused_path"] is None
     oa = torch.optim.SGD(a.parameters(), lr=0.05)
     ob = torch.optim.SGD(b.parameters(), lr=0.05)
     bad = []
@@ -266,7 +266,7 @@ def _launch_budget(rank, world, hook_name, backend):
         K.reset_launch_count()
         loss_fn(m(x), y).backward()
         s = K.stats()
-        out.append((len(m.reducer._buckets), s["pack_calls"], s["unpack_calls"], s["launches"],
+        out.append((m.reducer.num_buckets, s["pack_calls"], s["unpack_calls"], s["launches"],
                     s["reference_calls"]))
     return out
 
@@ -321,8 +321,7 @@ def _error_feedback_recurrence(rank, world):
             xval = pl.grad * (1.0 / world) + r[i]
             wire = xval.to(torch.bfloat16)
             r[i] = xval - wire.float()
-            bucket, pos = m.reducer._locate[i]
-            ok.append(torch.equal(bucket.layout.views(bucket.residual)[pos], r[i]))
+            ok.append(torch.equal(m.reducer.error_feedback_residual(i), r[i]))
             # the reduced gradient is the sum of the ranks' wire values
             parts = [torch.empty_like(wire) for _ in range(world)]
             dist.all_gather(parts, wire)

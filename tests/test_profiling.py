@@ -26,7 +26,7 @@ def test_ranges_in_chrome_trace(tmp_path):
         m = F(make_model("deep"), bucket_cap_mb=0.001)
         _step(m, 0)
         _step(m, 1)  # after the rebuild: several buckets
-        nb = len(m.reducer._buckets)
+        nb = m.reducer.num_buckets
         assert nb > 1
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             _step(m, 2)

@@ -1,0 +1,108 @@
+"""One bucket's tensors: the flat buffer, the per-parameter views, the layout
+the kernels launch with, and the collective in flight."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import kernels, planner
+from .comm import Pending
+
+__all__ = ["Bucket"]
+
+_REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64,
+            torch.complex32: torch.float16}
+
+
+class Bucket:
+    """Runtime state of one bucket of the plan.
+
+    ``flat`` is real: a complex bucket holds the real view of its params'
+    gradients (``layout`` / ``views`` over real elements), while
+    ``grad_views`` are what ``.grad`` aliases with ``gradient_as_bucket_view``
+    (the complex views of ``flat`` for complex params, else ``views``).  A
+    sparse bucket (one parameter) has no flat buffer: ``sparse_grad`` is the
+    gradient in flight.  ``reduction`` is the bucket mode's strategy
+    (:mod:`fastddp.reduction`), which owns any further buffers (wire,
+    residual)."""
+
+    __slots__ = ("index", "spec", "params", "indices", "layout", "flat", "views", "size",
+                 "pending", "work", "ready_event", "flat_layout", "complex", "grad_views",
+                 "hook_layout", "sparse", "sparse_grad", "reduction")
+
+    def __init__(self, spec: planner.Bucket, params: Sequence[torch.Tensor], dtype: torch.dtype | None = None):
+        self.index = spec.index
+        self.spec = spec
+        self.indices = list(spec.param_indices)
+        self.params = [params[i] for i in self.indices]
+        self.size = len(self.params)
+        self.pending = self.size
+        self.sparse = spec.sparse
+        self.sparse_grad = None
+        self.work: Pending | None = None
+        self.reduction = None
+        self.ready_event = torch.cuda.Event() if spec.device.type == "cuda" else None
+        dtype = dtype or spec.dtype
+        self.complex = dtype.is_complex
+        if self.sparse:
+            self.flat = self.layout = self.flat_layout = self.hook_layout = None
+            self.views = self.grad_views = [None]
+            return
+        if self.complex:
+            self.layout = kernels.Layout([(*p.shape, 2) for p in self.params],
+                                         [2 * o for o in spec.offsets])
+            self.flat = torch.zeros(2 * spec.numel, dtype=_REAL_OF[dtype], device=spec.device)
+            self.views = self.layout.views(self.flat)
+            self.grad_views = [torch.view_as_complex(v) for v in self.views]
+            self.hook_layout = kernels.Layout([p.shape for p in self.params], spec.offsets)
+        else:
+            self.layout = kernels.Layout([p.shape for p in self.params], spec.offsets)
+            self.flat = torch.zeros(spec.numel, dtype=dtype, device=spec.device)
+            self.views = self.grad_views = self.layout.views(self.flat)
+            self.hook_layout = self.layout
+        self.flat_layout = kernels.Layout([self.flat.shape])  # the flat bucket as one tensor
+
+    def adopt_grads(self) -> None:
+        """gradient_as_bucket_view after a rebuild (torch's initialize_bucket_views):
+        live grads move into this bucket and become views of it."""
+        if self.sparse:
+            return
+        with torch.no_grad():
+            for p, v in zip(self.params, self.grad_views):
+                if p.grad is not None and p.grad is not v:
+                    v.copy_(p.grad)
+                    p.grad = v
+
+    def kernel_grads(self, grads):
+        """The grads as the kernels see them (real views of complex grads)."""
+        if not self.complex:
+            return grads
+        return [None if g is None else torch.view_as_real(g) for g in grads]
+
+    def hook_buffer(self) -> torch.Tensor:
+        """The flat buffer a comm hook receives (complex for a complex bucket, as torch)."""
+        if self.sparse:
+            return self.sparse_grad
+        return torch.view_as_complex(self.flat.view(-1, 2)) if self.complex else self.flat
+
+    def hook_numel(self) -> int:
+        return self.flat.numel() // 2 if self.complex else self.flat.numel()
+
+    def nbytes(self) -> int:
+        """Bytes of the flat buffer (sparse: of the gradient in flight)."""
+        if self.sparse:
+            g = self.sparse_grad
+            if g is None:
+                return 0
+            g = g if g.is_coalesced() else g.coalesce()
+            return g.values().numel() * g.element_size() + g.indices().numel() * 8
+        return self.flat.numel() * self.flat.element_size()
+
+    def describe(self, names: Sequence[str]) -> dict:
+        return {"index": self.index,
+                "dtype": str(self.params[0].dtype if self.sparse or self.complex else self.flat.dtype),
+                "device": str(self.params[0].device), "numel": self.spec.numel,
+                "bytes": self.nbytes(), "sparse": self.sparse,
+                "params": [names[i] for i in self.indices]}

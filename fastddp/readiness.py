@@ -1,0 +1,260 @@
+"""Which parameters are ready, and what that means this iteration.
+
+The bookkeeping behind the reducer's countdown, as torch's reducer keeps it:
+the ready marks, the unused-parameter protocol (graph walk from the outputs,
+the used-map all-reduce, torch's lazy "globally unused" rule), static-graph
+hook counting (learnt in the first backward, checked after), the ready order
+recorded for the one bucket rebuild, and the errors a user can act on.
+:meth:`Readiness.reset` starts an iteration; :meth:`Readiness.abort` drops a
+failed one so the next starts clean.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import groups
+
+__all__ = ["Readiness"]
+
+
+class Readiness:
+    def __init__(self, names: Sequence[str], pg, device, *, static: bool, find_unused: bool,
+                 should_rebuild: Callable[[], bool], on_first_hook: Callable[[], None] | None = None):
+        n = len(names)
+        self.names, self.pg, self.device = list(names), pg, device
+        self.rank, self.world = groups.rank(pg), groups.size(pg)
+        self.static = static
+        self.dynamic_find_unused = find_unused and not static
+        self.should_rebuild = should_rebuild
+        self.on_first_hook = on_first_hook
+        self.expect_hooks = False
+        self.marked = bytearray(n)
+        self.marked_unused = False
+        self.unused: list[int] = []
+        self.local_used = bytearray(n)
+        self.global_used: list[int] | None = None
+        self.used_work = None
+        self.used_tensor: torch.Tensor | None = None
+        self.hook_counts = [0] * n        # static graph: hooks per param in the first backward
+        self.per_iter_counts: list[int] = []
+        self.ready_order: list[int] = []  # for the one bucket rebuild
+        self.collect_order = False
+        self.num_bwd_calls = 0            # torch's num_bwd_calls_: backwards that fired a hook
+        self.first_hook_called = False
+        self.reduced_since_forward = False
+        self.warned_extra_backward = False
+
+    # torch counts backward passes, not forwards: a forward re-run inside
+    # backward (non-reentrant checkpoint around the whole module) must not end
+    # the first iteration early.
+    @property
+    def static_first_iteration(self) -> bool:
+        return self.static and self.num_bwd_calls <= 1
+
+    @property
+    def static_after_first_iteration(self) -> bool:
+        return self.static and self.num_bwd_calls > 1
+
+    @property
+    def track_used(self) -> bool:
+        return self.dynamic_find_unused or self.static_first_iteration
+
+    @property
+    def require_finalize(self) -> bool:
+        """torch's require_finalize_: this backward marked some parameter
+        ready and its end-of-backward finalize has not run."""
+        return self.expect_hooks and any(self.marked)
+
+    # ------------------------------------------------------------ iteration
+    def reset(self, outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> None:
+        """A backward that DDP reduces is coming (after its forward)."""
+        self.expect_hooks = True
+        self.first_hook_called = False
+        self.marked = bytearray(len(self.names))
+        self.marked_unused = False
+        if self.dynamic_find_unused:
+            self.global_used = None
+            self.unused = self._search_unused(outputs, index_of)
+        if self.static:
+            self.per_iter_counts = list(self.hook_counts)
+        self.collect_order = self.should_rebuild()
+
+    def _search_unused(self, outputs, index_of) -> list[int]:
+        """Params whose AccumulateGrad node is not reachable from the outputs."""
+        seen, reached = set(), set()
+        stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                i = index_of.get(id(var))
+                if i is not None:
+                    reached.add(i)
+            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None and nxt not in seen)
+        return [i for i in range(len(self.names)) if i not in reached]
+
+    def on_hook(self, index: int, has_grad: bool) -> list[int]:
+        """One post-accumulate hook fired: the indices to mark ready now."""
+        if not self.first_hook_called:
+            self.first_hook_called = True
+            self.num_bwd_calls += 1
+            if self.on_first_hook is not None and self.expect_hooks:
+                self.on_first_hook()
+        if self.track_used and has_grad:
+            self.local_used[index] = 1
+        if self.static_first_iteration:
+            self.hook_counts[index] += 1
+            return []
+        if not self.expect_hooks:
+            if self.reduced_since_forward and not self.warned_extra_backward:
+                # Not an error: calling ``ddp.module`` directly for a local
+                # step is a known pattern; retain_graph twice is the usual bug.
+                self.warned_extra_backward = True
+                warnings.warn(
+                    f"fastddp: parameter {self.names[index]!r} got a gradient from a backward "
+                    "that no DDP forward prepared, after this iteration's gradients were "
+                    "already averaged (e.g. backward(retain_graph=True) twice over one "
+                    "forward, or a forward through ddp.module). Those gradients are LOCAL, "
+                    "not synchronised across ranks, and are added to the averaged ones. Run a "
+                    "new forward through the DDP module for every backward, or accumulate "
+                    "inside no_sync() and reduce with the last backward. (Warned once.)",
+                    RuntimeWarning, stacklevel=3)
+            return []  # no_sync(), eval, or a backward that DDP did not prepare
+        out = []
+        if not self.marked_unused:
+            self.marked_unused = True
+            out.extend(self.unused)
+        if self.static:
+            left = self.per_iter_counts[index]
+            if left <= 0:
+                self.abort()
+                raise RuntimeError(
+                    "Your training graph has changed in this iteration, e.g., one parameter is "
+                    "unused in first iteration, but then got used in the second iteration. this "
+                    "is not compatible with static_graph set to True. "
+                    f"fastddp: parameter {self.names[index]!r} (index {index}) produced more "
+                    "gradients in this backward than in the first iteration. Pass "
+                    "static_graph=False (with find_unused_parameters=True if some parameters "
+                    "are unused in some iterations).")
+            self.per_iter_counts[index] = left - 1
+            if left > 1:
+                return out
+        if self.collect_order:
+            self.ready_order.append(index)
+        out.append(index)
+        return out
+
+    def mark(self, index: int) -> None:
+        if self.marked[index]:
+            self.abort()
+            raise RuntimeError(
+                "Expected to mark a variable ready only once. "
+                f"fastddp: parameter {self.names[index]!r} (index {index}) was marked ready twice in "
+                "one iteration: several autograd hooks fired for it. This happens when a parameter "
+                "is used outside forward(), when parameters are shared across concurrent "
+                "forward/backward passes, or when reentrant backward passes (checkpoint with "
+                "use_reentrant=True) reuse it. If your graph does not change between iterations, "
+                "pass static_graph=True.")
+        self.marked[index] = 1
+
+    # ---------------------------------------------------------- unused map
+    def all_reduce_used_map(self) -> None:
+        self.used_tensor = torch.tensor(list(self.local_used), dtype=torch.int32, device=self.device)
+        self.used_work = groups.all_reduce(self.used_tensor, self.pg, async_op=True)
+
+    def learn_static_unused(self) -> None:
+        """static_graph, end of the first backward: the params that never fired."""
+        self.all_reduce_used_map()
+        self.unused = [i for i, c in enumerate(self.hook_counts) if c == 0]
+
+    def globally_unused(self, index: int) -> bool:
+        """torch's lazy rule: a param used locally is used globally; otherwise
+        wait for the all-reduced used-map (once) and look there.  With
+        static_graph the map of the first iteration holds for good."""
+        if self.local_used[index]:
+            return False
+        if self.global_used is None:
+            if self.used_work is None:
+                return False  # no map was reduced: nothing is known to be unused
+            self._wait_used_map()
+        return self.global_used[index] == 0
+
+    def _wait_used_map(self) -> None:
+        groups.wait(self.used_work)
+        self.used_work = None
+        self.global_used = self.used_tensor.tolist()
+
+    def finish(self) -> None:
+        """The iteration's buckets are reduced."""
+        self.expect_hooks = False
+        self.first_hook_called = False
+        self.reduced_since_forward = True
+        if self.used_work is not None:
+            self._wait_used_map()  # never let the next iteration's map race this one
+        if self.dynamic_find_unused:
+            self.local_used = bytearray(len(self.names))
+            self.global_used = None
+        if self.static_after_first_iteration and self.should_rebuild():
+            self.ready_order.extend(self.unused)
+
+    def abort(self) -> None:
+        """An error is being raised in this iteration: nothing of it (armed
+        hooks, marks, a partial ready order) may leak into the next one."""
+        self.expect_hooks = False
+        self.first_hook_called = False
+        self.ready_order = []
+
+    # --------------------------------------------------------------- errors
+    def unfinished_error(self) -> RuntimeError:
+        missing = [i for i in range(len(self.names)) if not self.marked[i]]
+        names = ", ".join(f"{self.names[i]!r} (index {i})" for i in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        if self.static:
+            hint = ("With static_graph=True the set of parameters used must be the same in every "
+                    "iteration as in the first one: your graph has changed (a parameter used in "
+                    "the first iteration is unused now). Pass static_graph=False with "
+                    "find_unused_parameters=True if the graph changes between iterations.")
+        else:
+            hint = ("You can enable unused parameter detection by passing the keyword argument "
+                    "`find_unused_parameters=True` to `fastddp.DistributedDataParallel` (as with "
+                    "torch's DDP), and by making sure all `forward` function outputs participate "
+                    "in calculating loss.")
+        return RuntimeError(
+            "Expected to have finished reduction in the prior iteration before starting a new one. "
+            "This error indicates that your module has parameters that were not used in producing "
+            f"loss. {hint} Parameters that did not receive a gradient on rank {self.rank}: "
+            f"{names}{more}.")
+
+    def check_agreement(self) -> None:
+        """Debug mode: every rank compares which params were marked ready
+        before any bucket is reduced, so a rank whose graph differs raises
+        here instead of leaving its peers blocked in a collective."""
+        if self.world == 1:
+            return
+        marked = torch.tensor(list(self.marked), dtype=torch.uint8, device=self.device)
+        if groups.is_registered(self.pg) and groups.backend_name(self.pg) == "gloo":
+            dist.monitored_barrier(group=self.pg, wait_all_ranks=True)
+        every = [torch.empty_like(marked) for _ in range(self.world)]
+        groups.all_gather(every, marked, self.pg)
+        every = [e.cpu() for e in every]
+        for r in range(self.world):
+            diff = (every[r] != every[0]).nonzero().flatten().tolist()
+            if diff:
+                self.abort()
+                state = lambda rank, i: "ready" if every[rank][i] else "no gradient"  # noqa: E731
+                desc = ", ".join(f"{self.names[i]!r} ({state(0, i)} on rank 0, {state(r, i)} on rank {r})"
+                                 for i in diff[:10])
+                raise RuntimeError(
+                    f"fastddp (debug mode): the ranks disagree on which parameters received a "
+                    f"gradient in this backward: {desc}. Without find_unused_parameters=True "
+                    "every rank must use the same parameters each iteration (otherwise a rank "
+                    "waits forever in a bucket's all-reduce). Pass "
+                    "find_unused_parameters=True, or make the graphs agree.")

@@ -1,0 +1,439 @@
+"""How a bucket is reduced: one strategy per bucket mode.
+
+Every mode answers the same four calls, made by the reducer:
+
+* ``pack(r, bucket, grads)``  -- the bucket's grads into what goes on the wire
+  (ONE fused launch where the grads are separate tensors), scaled by the
+  mode's rule;
+* ``issue(r, bucket)``        -- start the collective, return its ``Pending``;
+* ``unpack(r, bucket, result, track_unused)`` -- the reduced values into
+  ``.grad`` (ONE launch, or none where the grads are bucket views);
+* ``shadow(r, bucket)``       -- join(): the same collective on zeros.
+
+Modes (:func:`choose` is the only place that picks one):
+
+=================  ==================================================  ===============
+mode               what                                                scaling
+=================  ==================================================  ===============
+AllReduce          torch's default path / ``batched_grad_copy`` /      MUL / DIV
+                   fastddp's (or torch's) ``allreduce_hook``
+PythonHook         any other comm hook, called with a GradBucket       NONE (hook divides)
+FusedCompression   fp16/bf16 hooks: scale in fp32, cast, 16-bit wire,  MUL, before the cast
+                   optional error feedback in the same pack launch
+NoOp               ``noop_hook``: nothing on the wire                  NONE
+SparseAllReduce    a sparse parameter's bucket without a hook          DIV (in place)
+=================  ==================================================  ===============
+
+``r`` is the :class:`~fastddp.reducer.Reducer`; strategies use only its
+public surface (``comm``, ``view_mode``, ``divide_factor()``,
+``globally_unused()``, ``before_unpack()``, ``name()``, ``num_buckets``).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from . import kernels
+from .comm import Pending
+
+__all__ = ["Scaling", "Reduction", "AllReduce", "PythonHook", "FusedCompression", "NoOp",
+           "SparseAllReduce", "choose", "fill_flat", "unpack_grads"]
+
+
+class Scaling(enum.IntEnum):
+    """What the pack applies (torch's rules, bit for bit)."""
+
+    NONE = 0  #: a hook divides: the bucket reaches it undivided (torch's rule)
+    MUL = 1   #: torch's default path: ``grad * fp32(1/W)`` (its ``mul_out``)
+    DIV = 2   #: ``batched_grad_copy`` / ``allreduce_hook``: ``grad / W``
+
+
+# ------------------------------------------------------------------ data path
+def _plain(r, bucket, grads) -> bool:
+    """Every grad exists and none aliases the bucket yet: one fused pack
+    serves them straight from the separate tensors."""
+    if any(g is None for g in grads):
+        return False
+    if r.view_mode:
+        return not any(g is v for g, v in zip(grads, bucket.grad_views))
+    return True
+
+
+def _alias_views(r, bucket, grads) -> None:
+    """gradient_as_bucket_view: the grads become views of the bucket.  The
+    grads they replace were just read by a pack queued on the comm stream, so
+    the allocator is told (``release``), or it hands their blocks to later
+    backward kernels before the pack has read them."""
+    if r.view_mode:
+        release = r.comm.release
+        for p, g, v in zip(bucket.params, grads, bucket.grad_views):
+            if g is not None and g is not v:
+                release(g)
+            p.grad = v
+
+
+def fill_flat(r, bucket, grads, scaling: Scaling) -> None:
+    """Write ``grads`` into ``bucket.flat`` under ``scaling`` (torch's
+    mark_variable_ready_dense + flush_deferred_copies, one launch)."""
+    W = r.divide_factor()
+    if _plain(r, bucket, grads):
+        src = bucket.kernel_grads(grads)
+        if scaling is Scaling.MUL:
+            kernels.pack(src, bucket.flat, layout=bucket.layout, scale=1.0 / W)
+        elif scaling is Scaling.DIV:
+            kernels.pack(src, bucket.flat, layout=bucket.layout, divide=W)
+        else:
+            kernels.pack(src, bucket.flat, layout=bucket.layout)
+        _alias_views(r, bucket, grads)
+        return
+    if r.view_mode and all(g is v for g, v in zip(grads, bucket.grad_views)):
+        if scaling is not Scaling.NONE:
+            bucket.flat.div_(W)  # torch: per-view div_ (aliased) / flat div_ (batched)
+        return
+    _fill_flat_mixed(r, bucket, grads, scaling, W)
+
+
+def _fill_flat_mixed(r, bucket, grads, scaling: Scaling, W: int) -> None:
+    """Some grads missing or already aliased: torch's per-parameter rules."""
+    view_mode, batched, release = r.view_mode, scaling is Scaling.DIV, r.comm.release
+    deferred_src, deferred_dst, deferred = [], [], []
+    for p, g, v, gv in zip(bucket.params, grads, bucket.views, bucket.grad_views):
+        if g is None:
+            v.zero_()
+        elif g is gv:
+            if scaling is Scaling.MUL:
+                v.div_(W)
+        else:
+            if g.layout != torch.strided:
+                raise RuntimeError(
+                    f"fastddp: parameter {r.name(p)!r} has a {g.layout} gradient but its module "
+                    "does not declare sparse gradients (nn.Embedding/EmbeddingBag(sparse=True) "
+                    "do); fastddp reduces it only when the module declares it.")
+            src = torch.view_as_real(g) if bucket.complex else g
+            if batched and not g.requires_grad:
+                deferred_src.append(src)
+                deferred_dst.append(v)
+                deferred.append((p, g, gv))
+                continue
+            if scaling is Scaling.NONE:
+                v.copy_(src)
+            else:
+                torch.mul(src, 1.0 / W, out=v)
+            if view_mode:
+                release(g)
+                p.grad = gv
+    if batched:
+        if deferred_src:
+            torch._foreach_copy_(deferred_dst, deferred_src)
+            if view_mode:
+                for p, g, gv in deferred:
+                    release(g)
+                    p.grad = gv
+        bucket.flat.div_(W)
+
+
+def unpack_grads(r, bucket, src: torch.Tensor, track_unused: bool) -> None:
+    """Write the reduced ``src`` back into .grad (torch's finalize_bucket_dense)."""
+    r.before_unpack(bucket)
+    if r.view_mode:
+        if src is not bucket.flat:
+            kernels.unpack(src, [bucket.flat], layout=bucket.flat_layout)  # one launch, casts back
+        for i, p, v in zip(bucket.indices, bucket.params, bucket.grad_views):
+            if track_unused and r.globally_unused(i):
+                continue
+            g = p.grad
+            if g is None:
+                p.grad = v
+            elif g is not v:
+                raise RuntimeError(
+                    f"fastddp: the gradient of {r.name(p)!r} is not the expected bucket view "
+                    "with gradient_as_bucket_view=True (was .grad replaced during backward?)")
+        return
+    grads = [p.grad for p in bucket.params]
+    unused = any(r.globally_unused(i) for i in bucket.indices) if track_unused else False
+    if not unused and all(g is not None for g in grads):
+        kernels.unpack(src, bucket.kernel_grads(grads), layout=bucket.layout)
+        return
+    for i, p, g, v in zip(bucket.indices, bucket.params, grads, bucket.layout.views(src)):
+        if track_unused and r.globally_unused(i):
+            continue  # globally unused: .grad untouched, as torch
+        if bucket.complex:
+            v = torch.view_as_complex(v)
+        if g is None:
+            p.grad = r.comm.hand_over(torch.empty_like(p, memory_format=torch.preserve_format).copy_(v))
+        else:
+            g.copy_(v)
+
+
+def _take_sparse_grad(r, bucket):
+    p = bucket.params[0]
+    g = p.grad
+    if g is None or g.layout != torch.sparse_coo:
+        raise RuntimeError(
+            ("Expected sparse gradient to be defined." if g is None else
+             "Expected variable to have sparse gradient.") +
+            f" fastddp: parameter {r.name(p)!r} belongs to a module with sparse gradients "
+            f"(sparse=True) but its .grad is {'None' if g is None else g.layout} on rank {r.rank}. "
+            "Sparse parameters must get a gradient in every iteration.")
+    bucket.sparse_grad = g
+    return g
+
+
+def _sparse_zeros(bucket):
+    p = bucket.params[0]
+    return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64, device=p.device),
+                                   torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
+                                   p.shape)
+
+
+def _unpack_sparse(bucket, result) -> None:
+    """The reduced sparse gradient replaces .grad (torch copies it into the
+    bucket's gradient, which is the .grad tensor)."""
+    p, g = bucket.params[0], bucket.sparse_grad
+    bucket.sparse_grad = None
+    if isinstance(result, (list, tuple)):
+        result = result[0] if result else None
+    if isinstance(result, torch.Tensor) and result is not g:
+        g.copy_(result)
+    if p.grad is not g:
+        p.grad = g
+
+
+# ----------------------------------------------------------------- strategies
+class Reduction:
+    """One bucket mode (see the module docstring)."""
+
+    kind: str = "?"
+    scaling: Scaling = Scaling.NONE
+    fused: tuple | None = None  #: (kind, dtype) of a fused fastddp hook, for stats
+
+    def pack(self, r, bucket, grads) -> None:
+        fill_flat(r, bucket, grads, self.scaling)
+
+    def issue(self, r, bucket) -> Pending:
+        return r.comm.all_reduce(bucket.flat)
+
+    def unpack(self, r, bucket, result, track_unused: bool) -> None:
+        unpack_grads(r, bucket, bucket.flat, track_unused)
+
+    def shadow(self, r, bucket) -> Pending:
+        return r.comm.all_reduce(torch.zeros_like(bucket.flat))
+
+    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
+        """A rebuild replaced the buckets: move per-parameter state along."""
+
+
+class AllReduce(Reduction):
+    """SUM all-reduce of the flat bucket, pre-scaled by torch's rule."""
+
+    kind = "allreduce"
+
+    def __init__(self, scaling: Scaling, fused: bool = False):
+        self.scaling = scaling
+        self.fused = ("allreduce", None) if fused else None
+
+
+class NoOp(Reduction):
+    kind = "noop"
+    fused = ("noop", None)
+
+    def issue(self, r, bucket) -> Pending:
+        return Pending()
+
+    def shadow(self, r, bucket) -> Pending:
+        return Pending()
+
+
+class SparseAllReduce(Reduction):
+    """A sparse parameter's bucket: its sparse .grad, divided by W in place,
+    SUM-all-reduced (gloo gathers the indices)."""
+
+    kind = "sparse-allreduce"
+
+    def pack(self, r, bucket, grads) -> None:
+        _take_sparse_grad(r, bucket).div_(r.divide_factor())
+
+    def issue(self, r, bucket) -> Pending:
+        return r.comm.all_reduce(bucket.sparse_grad, nbytes=bucket.nbytes())
+
+    def unpack(self, r, bucket, result, track_unused: bool) -> None:
+        _unpack_sparse(bucket, result)
+
+    def shadow(self, r, bucket) -> Pending:
+        return r.comm.all_reduce(_sparse_zeros(bucket), nbytes=0)
+
+
+class PythonHook(Reduction):
+    """A comm hook called with a :class:`~fastddp.hooks.GradBucket` (torch's
+    contract: the bucket undivided; the Future holds the reduced tensor)."""
+
+    kind = "hook"
+
+    def __init__(self, hook, state):
+        self.hook, self.state = hook, state
+
+    def pack(self, r, bucket, grads) -> None:
+        if bucket.sparse:
+            _take_sparse_grad(r, bucket)
+        else:
+            fill_flat(r, bucket, grads, Scaling.NONE)
+
+    def _call(self, r, bucket, buffer) -> Pending:
+        from .hooks import GradBucket
+
+        layout = None if bucket.sparse else bucket.hook_layout
+        fut = self.hook(self.state, GradBucket(bucket.index, r.num_buckets, buffer, bucket.params,
+                                               None, layout))
+        if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
+            raise TypeError(
+                f"fastddp: the comm hook {getattr(self.hook, '__name__', self.hook)!r} returned "
+                f"{type(fut).__name__} for bucket {bucket.index}; it must return a "
+                "torch.futures.Future whose value is the reduced bucket tensor")
+        nbytes = bucket.nbytes() if bucket.sparse else buffer.numel() * buffer.element_size()
+        return r.comm.hook(fut, nbytes)
+
+    def issue(self, r, bucket) -> Pending:
+        return self._call(r, bucket, bucket.hook_buffer())
+
+    def unpack(self, r, bucket, result, track_unused: bool) -> None:
+        if isinstance(result, (list, tuple)):
+            result = result[0] if result else None
+        if not isinstance(result, torch.Tensor):
+            raise TypeError(
+                f"fastddp: the comm hook's Future for bucket {bucket.index} resolved to "
+                f"{type(result).__name__}; it must hold one tensor (the reduced bucket)")
+        if bucket.sparse:
+            _unpack_sparse(bucket, result)
+            return
+        if bucket.complex and not result.is_complex() and result.numel() == bucket.flat.numel():
+            src = result.reshape(-1)  # c10d reduced the complex buffer as its real view
+        elif result.numel() != bucket.hook_numel():
+            raise ValueError(
+                f"fastddp: the comm hook returned {result.numel()} elements for bucket "
+                f"{bucket.index}, which holds {bucket.hook_numel()}; a hook must return a tensor "
+                "with the bucket's numel")
+        elif result.is_complex():
+            src = torch.view_as_real(result.reshape(-1)).reshape(-1)
+        else:
+            src = result.reshape(-1)
+        unpack_grads(r, bucket, src, track_unused)
+
+    def shadow(self, r, bucket) -> Pending:
+        if bucket.sparse:
+            bucket.sparse_grad = _sparse_zeros(bucket)
+            try:
+                return self._call(r, bucket, bucket.sparse_grad)
+            finally:
+                bucket.sparse_grad = None
+        return self._call(r, bucket, torch.zeros_like(bucket.hook_buffer()))
+
+
+class FusedCompression(Reduction):
+    """fastddp's fp16/bf16 hooks as a fused path: the pack scales by fp32(1/W)
+    and casts into a 16-bit wire buffer (allocated once per bucket) in ONE
+    launch, optionally with error feedback (an fp32 residual per bucket, read
+    and rewritten by the same launch); all-reduce on the wire; the unpack
+    casts back."""
+
+    kind = "compress"
+    scaling = Scaling.MUL
+
+    def __init__(self, dtype: torch.dtype, error_feedback: bool):
+        self.dtype = dtype
+        self.error_feedback = error_feedback
+        self.fused = ("compress", dtype)
+        self.wire: dict[int, torch.Tensor] = {}
+        self.residual: dict[int, torch.Tensor] = {}
+
+    def _wire(self, bucket) -> torch.Tensor:
+        w = self.wire.get(bucket.index)
+        if w is None or w.numel() != bucket.flat.numel():
+            w = self.wire[bucket.index] = torch.empty(bucket.flat.numel(), dtype=self.dtype,
+                                                      device=bucket.flat.device)
+            if self.error_feedback and bucket.index not in self.residual:
+                self.residual[bucket.index] = torch.zeros(bucket.flat.numel(), dtype=torch.float32,
+                                                          device=bucket.flat.device)
+        return w
+
+    def pack(self, r, bucket, grads) -> None:
+        wire = self._wire(bucket)
+        residual = self.residual.get(bucket.index)
+        if kernels.backend(bucket.flat.device) == "reference":
+            # CPU (no Triton): the bucket is the scratch, scaled in place
+            # (x * fp32(1/W), as the kernel) and cast into the wire: no
+            # bucket-sized temporary, a few ops per bucket.
+            fill_flat(r, bucket, grads, Scaling.MUL)
+            kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, residual=residual)
+            return
+        scale = 1.0 / r.divide_factor()
+        if _plain(r, bucket, grads):
+            # ONE launch: separate grads -> scale in fp32 -> 16-bit wire (+ residual).
+            kernels.pack(bucket.kernel_grads(grads), wire, layout=bucket.layout, scale=scale,
+                         residual=residual)
+            _alias_views(r, bucket, grads)
+            return
+        fill_flat(r, bucket, grads, Scaling.NONE)
+        kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, scale=scale, residual=residual)
+
+    def issue(self, r, bucket) -> Pending:
+        return r.comm.all_reduce(self.wire[bucket.index])
+
+    def unpack(self, r, bucket, result, track_unused: bool) -> None:
+        unpack_grads(r, bucket, self.wire[bucket.index], track_unused)
+
+    def shadow(self, r, bucket) -> Pending:
+        return r.comm.all_reduce(torch.zeros_like(self._wire(bucket)))
+
+    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
+        """Error-feedback residuals belong to parameters: they follow them
+        into the rebuilt buckets; wire buffers are made anew."""
+        old_res = self.residual
+        self.wire, self.residual = {}, {}
+        if not old_res:
+            return
+        for b in new_buckets:
+            if b.sparse:
+                continue
+            res = self.residual[b.index] = torch.zeros(b.flat.numel(), dtype=torch.float32,
+                                                       device=b.flat.device)
+            new_views = b.layout.views(res)
+            for pos, i in enumerate(b.indices):
+                ob, opos = old_locate[i]
+                if ob.index in old_res:
+                    new_views[pos].copy_(ob.layout.views(old_res[ob.index])[opos])
+
+
+def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduction, Reduction]:
+    """The bucket modes for a DDP module: ``(dense, sparse)``.
+
+    ``hook``/``state``: the registered comm hook (None: none); a hook tagged
+    by :mod:`fastddp.hooks` runs as its fused path when ``group_ok`` (its
+    state's group is the module's), else as an ordinary callback."""
+    if hook is None:
+        return AllReduce(Scaling.DIV if batched_grad_copy else Scaling.MUL), SparseAllReduce()
+    from .hooks import CompressionState
+
+    tag = getattr(hook, "_fastddp_fused", None)
+    error_feedback = isinstance(state, CompressionState) and state.error_feedback
+    if tag is None:
+        if isinstance(state, CompressionState):
+            raise TypeError(f"CompressionState is the state of fastddp's compression hooks; "
+                            f"{getattr(hook, '__name__', hook)!r} is not one of them")
+        return PythonHook(hook, state), PythonHook(hook, state)
+    kind, dtype = tag
+    if error_feedback and kind != "compress":
+        raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
+                         "compression hooks only")
+    if not group_ok:
+        if error_feedback:
+            raise ValueError("fastddp: CompressionState.process_group must be None or the DDP "
+                             "module's process group")
+        return PythonHook(hook, state), PythonHook(hook, state)
+    sparse = PythonHook(hook, state)  # sparse buckets: the hook itself, as torch
+    if kind == "allreduce":
+        return AllReduce(Scaling.DIV, fused=True), sparse
+    if kind == "noop":
+        return NoOp(), sparse
+    return FusedCompression(dtype, error_feedback), sparse
