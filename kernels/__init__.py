@@ -12,7 +12,9 @@ Backends (chosen by :mod:`fastddp.kernels._backend`, once, cached):
   tensors when ``TRITON_INTERPRET=1`` was set before import (how CI tests the
   kernels);
 * ``reference``: the plain-torch twin (:mod:`fastddp.kernels.reference`), for
-  CPU tensors otherwise and for non-contiguous tensors.
+  CPU tensors otherwise.  Inside a kernel call, a tensor whose memory order
+  is not its layout slot's (a transposed gradient, say) is copied with torch,
+  alone; the rest of the call stays in its one launch per dtype.
 
 The arithmetic contract is written in :mod:`fastddp.kernels.reference`.
 """

@@ -34,37 +34,39 @@ SUPPORTS_RESIDUAL = True
 
 @triton.jit
 def _pack_kernel(
-    ptr_table,  # *Pointer* to int64 [4 + n_tensors]: flat dst address, scale (fp64 bits; fp32 value as fp64 bits), residual address (0: none), source addresses
+    ptr_table,  # *Pointer* to int64 [5 + n_tensors]: flat dst address, scale (fp64 bits; fp32 value as fp64 bits), residual address (0: none), health-flag address (0: none), source addresses (0: the launcher copies that one)
     chunk_table,  # *Pointer* to int64 [n_chunks, 4] rows: (ptr-table slot, start in source, start in dst, length)
     SRC_T: tl.constexpr,  # element type of this launch's sources (bf16 as tl.uint16 bits)
     DST_T: tl.constexpr,  # element type of the flat destination (bf16 as tl.uint16 bits)
     C_T: tl.constexpr,  # compute dtype: the residual's with one, else tl.float64 if source or destination is fp64, else tl.float32
     MODE: tl.constexpr,  # 0 cast only, 1 multiply by the scale, 2 divide by it
     RAW: tl.constexpr,  # same dtype, no scaling, no residual: copy the bits
-    SRC_ALIGNED: tl.constexpr,  # every source chunk starts on 16 bytes (vectorise loads)
-    DST_ALIGNED: tl.constexpr,  # every destination chunk starts on 16 bytes (vectorise stores)
     BLOCK: tl.constexpr,  # elements per program
     HAS_RESIDUAL: tl.constexpr = False,  # error feedback: x += r; dst = cast(x); r = x - upcast(dst)
-    RES_ALIGNED: tl.constexpr = False,  # every residual chunk starts on 16 bytes
 ):
+    SRC_B: tl.constexpr = SRC_T.primitive_bitwidth // 8  # bytes per element
+    DST_B: tl.constexpr = DST_T.primitive_bitwidth // 8
     i_c = tl.program_id(0)
     p_row = chunk_table + i_c * 4
     i_t = tl.load(p_row)
     o_src = tl.load(p_row + 1)
     o_dst = tl.load(p_row + 2)
     n = tl.load(p_row + 3)
-    p_src = tl.load(ptr_table + i_t).to(tl.pointer_type(SRC_T)) + o_src
-    p_dst = tl.load(ptr_table).to(tl.pointer_type(DST_T)) + o_dst
-    if SRC_ALIGNED:
-        p_src = tl.multiple_of(p_src, 16)
-    if DST_ALIGNED:
-        p_dst = tl.multiple_of(p_dst, 16)
+    a_src = tl.load(ptr_table + i_t)  # the source's address; 0: not ours (copied by the launcher)
+    n = tl.where(a_src == 0, 0, n)
+    a_src = a_src + o_src * SRC_B  # this chunk's first byte
+    a_dst = tl.load(ptr_table) + o_dst * DST_B
     o = tl.arange(0, BLOCK)  # [BLOCK]
-    # a full chunk loads and stores unmasked, so aligned accesses vectorise
-    if n == BLOCK:
-        b_x = tl.load(p_src + o)  # [BLOCK]
+    m = o < n  # [BLOCK]
+    # Per chunk, at run time: a full chunk at a 16-byte aligned address loads
+    # (stores) unmasked and vectorised; any other chunk takes masked scalar
+    # accesses.  The hinted pointer is made inside its branch: the hint sits
+    # on the op that makes the value, which the other branch must not share.
+    full = n == BLOCK
+    if full & (a_src % 16 == 0):
+        b_x = tl.load(tl.multiple_of(a_src.to(tl.pointer_type(SRC_T)), 16) + o)  # [BLOCK]
     else:
-        b_x = tl.load(p_src + o, mask=o < n)  # [BLOCK]
+        b_x = tl.load(a_src.to(tl.pointer_type(SRC_T)) + o, mask=m)  # [BLOCK]
     if RAW:
         b_y = b_x
     else:
@@ -87,13 +89,13 @@ def _pack_kernel(
         if HAS_RESIDUAL:
             # the residual is indexed like the destination; rounded separately
             # from the scaling (no FMA: launched with enable_fp_fusion=False)
-            p_res = tl.load(ptr_table + 3).to(tl.pointer_type(C_T)) + o_dst
-            if RES_ALIGNED:
-                p_res = tl.multiple_of(p_res, 16)
-            if n == BLOCK:
-                b_e = tl.load(p_res + o)  # [BLOCK]
+            RES_B: tl.constexpr = C_T.primitive_bitwidth // 8
+            a_res = tl.load(ptr_table + 3) + o_dst * RES_B
+            fast_res = full & (a_res % 16 == 0)
+            if fast_res:
+                b_e = tl.load(tl.multiple_of(a_res.to(tl.pointer_type(C_T)), 16) + o)  # [BLOCK]
             else:
-                b_e = tl.load(p_res + o, mask=o < n)  # [BLOCK]
+                b_e = tl.load(a_res.to(tl.pointer_type(C_T)) + o, mask=m)  # [BLOCK]
             b_x = b_x + b_e
         # narrow to the destination, round to nearest even; fp64 -> fp16/bf16
         # goes through fp32 as torch does (c10::Half/BFloat16 take a float)
@@ -112,14 +114,14 @@ def _pack_kernel(
                 b_w = (b_y.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(C_T)
             else:
                 b_w = b_y.to(C_T)
-            if n == BLOCK:
-                tl.store(p_res + o, b_x - b_w)
+            if fast_res:
+                tl.store(tl.multiple_of(a_res.to(tl.pointer_type(C_T)), 16) + o, b_x - b_w)
             else:
-                tl.store(p_res + o, b_x - b_w, mask=o < n)
-    if n == BLOCK:
-        tl.store(p_dst + o, b_y)
+                tl.store(a_res.to(tl.pointer_type(C_T)) + o, b_x - b_w, mask=m)
+    if full & (a_dst % 16 == 0):
+        tl.store(tl.multiple_of(a_dst.to(tl.pointer_type(DST_T)), 16) + o, b_y)
     else:
-        tl.store(p_dst + o, b_y, mask=o < n)
+        tl.store(a_dst.to(tl.pointer_type(DST_T)) + o, b_y, mask=m)
 
 
 _INTERPRETED = C.is_interpreted(_pack_kernel)
@@ -127,36 +129,45 @@ _INTERPRETED = C.is_interpreted(_pack_kernel)
 
 def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float,
                  divide: float | None, residual: torch.Tensor | None = None) -> int:
-    """Check the inputs, refresh the plan's pointer table and launch one grid of
-    ``n_chunks`` programs per source dtype; the residual, if any, is read and
-    rewritten by those same launches.  Returns the number of launches."""
+    """Check the inputs, refresh the layout's pointer table and launch one grid
+    of ``n_chunks`` programs per source dtype; the residual, if any, is read
+    and rewritten by those same launches.  Sources whose memory order is not
+    their slot's are then copied with torch, alone.  Returns the number of
+    launches."""
     C.check_tensors("pack", dst, srcs, layout)
-    plan = C.get_plan("pack", layout, srcs, dst, C.block_for(_INTERPRETED))
+    binding = C.get_binding("pack", layout, srcs, dst, C.block_for(_INTERPRETED))
+    plan = binding.plan
     mode, s64, s32 = C.scale_slots(scale, divide, dst.device)
     if residual is None:
-        has_res, res_ptr, res_t, res_el = False, 0, None, 0
+        has_res, res_ptr, res_t = False, 0, None
     else:  # error feedback runs in the residual's dtype (the reference's rule)
         res_kind = _check_residual(residual, dst, layout)
-        has_res, res_ptr, res_t, res_el = True, residual.data_ptr(), C.STORAGE[res_kind], C.ELSIZE[res_kind]
+        has_res, res_ptr, res_t = True, residual.data_ptr(), C.STORAGE[res_kind]
     launches = 0
-    with plan.lock:
-        table = plan.refresh(dst, srcs, s64, s32, res_ptr)
-        for gi, g in enumerate(plan.groups):
-            if g.n_chunks == 0:
-                continue  # only empty tensors of this dtype
-            src_aligned, dst_aligned = plan.aligned(gi)
-            _pack_kernel[(g.n_chunks,)](
-                table, g.chunks,
-                SRC_T=C.STORAGE[g.kind], DST_T=C.STORAGE[plan.flat_kind],
-                C_T=res_t if has_res else C.compute_type(g.kind, plan.flat_kind),
-                MODE=mode, RAW=(mode == C.MODE_CAST and g.kind == plan.flat_kind and not has_res),
-                SRC_ALIGNED=src_aligned, DST_ALIGNED=dst_aligned, BLOCK=plan.block,
-                HAS_RESIDUAL=has_res, RES_ALIGNED=has_res and plan.res_aligned(gi, res_el),
-                num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
-            )
-            _bump("launches")
-            launches += 1
-        plan.after_launch()
+    with binding.lock:
+        table, fallback = binding.refresh(dst, srcs, s64, s32, res_ptr)
+        try:
+            for g in plan.groups:
+                if g.n_chunks == 0:
+                    continue  # only empty tensors of this dtype
+                _pack_kernel[(g.n_chunks,)](
+                    table, g.chunks,
+                    SRC_T=C.STORAGE[g.kind], DST_T=C.STORAGE[plan.flat_kind],
+                    C_T=res_t if has_res else C.compute_type(g.kind, plan.flat_kind),
+                    MODE=mode, RAW=(mode == C.MODE_CAST and g.kind == plan.flat_kind and not has_res),
+                    BLOCK=plan.block, HAS_RESIDUAL=has_res,
+                    num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
+                )
+                _bump("launches")
+                launches += 1
+        finally:
+            binding.after_launch()
+    if fallback:
+        _bump("fallback_tensors", len(fallback))
+        views = layout.views(dst)
+        res_views = layout.views(residual) if residual is not None else None
+        reference.pack_views([srcs[i] for i in fallback], [views[i] for i in fallback], scale, divide,
+                             None if res_views is None else [res_views[i] for i in fallback])
     return launches
 
 
@@ -177,12 +188,14 @@ def _check_residual(residual: torch.Tensor, dst: torch.Tensor, layout) -> int:
 def pack_triton(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float = 1.0,
                 divide: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``dst[o_i : o_i + n_i] = cast(srcs[i] * scale)`` (or ``/ divide``) for every i,
-    one launch per source dtype.  ``srcs`` contiguous, on ``dst``'s device.
+    one launch per source dtype.  ``srcs`` on ``dst``'s device.
 
     With ``residual`` (a contiguous 1-D float32/float64 tensor indexed like
     ``dst``) the same launch applies error feedback in the residual's dtype:
     ``x = srcs[i] * scale + r; dst = cast(x); r = x - upcast(dst)``, each op
-    rounded on its own, as :func:`fastddp.kernels.reference.pack_views` does."""
+    rounded on its own, as :func:`fastddp.kernels.reference.pack_views` does.
+    Sources whose memory order is not their layout slot's are copied with
+    torch (that arithmetic too), the rest stay in the one launch."""
     if C.needs_reference(_INTERPRETED, dst.device):
         _bump("reference_calls")
         res_views = layout.views(residual) if residual is not None else None

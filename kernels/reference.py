@@ -24,6 +24,7 @@ torch on that device.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Sequence
 
 import torch
@@ -43,6 +44,38 @@ def default_offsets(numels: Sequence[int]) -> list[int]:
         out.append(acc)
         acc += int(n)
     return out
+
+
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def same_memory_order(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> bool:
+    """Strides ``a`` and ``b`` lay a tensor of ``shape`` out identically (dims of
+    size 1 do not count; an empty tensor has no layout)."""
+    if 0 in shape:
+        return True
+    return len(a) == len(b) == len(shape) and all(x == y for n, x, y in zip(shape, a, b) if n != 1)
+
+
+def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether ``strides`` lay a tensor of ``shape`` out without overlap or gap
+    (torch's ``is_non_overlapping_and_dense``; dims of size 1 do not count)."""
+    if len(shape) != len(strides):
+        return False
+    if 0 in shape:
+        return True
+    expected = 1
+    for st, n in sorted((st, n) for n, st in zip(shape, strides) if n != 1):
+        if st != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _scaled(x: torch.Tensor, scale: float, divide: float | None) -> torch.Tensor:
@@ -86,7 +119,7 @@ def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
         return
     dt = views[0].dtype if views else None
     if dt in (torch.float32, torch.float64) and all(s.dtype is dt for s in srcs) \
-            and all(v.dtype is dt for v in views):
+            and all(v.dtype is dt for v in views) and _same_shapes(srcs, views):
         # The reducer's case: grads, bucket and compute share one dtype.
         if _few_large(srcs):
             # Bandwidth-bound: one pass per tensor (torch's mul_out) beats
@@ -132,6 +165,15 @@ def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
         v.copy_(_scaled(s.reshape(v.shape).to(c), scale, divide))
 
 
+def _same_shapes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """The foreach ops broadcast; a tensor of its slot's numel but another shape
+    is reshaped (row-major order) by the per-tensor paths instead."""
+    return list(map(_shape, a)) == list(map(_shape, b))
+
+
+_shape = attrgetter("shape")
+
+
 def _few_large(tensors: Sequence[torch.Tensor]) -> bool:
     """Few tensors averaging >= 256K elements: per-tensor ops cost little host
     time and save a memory pass."""
@@ -169,7 +211,7 @@ def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
     A plain store (no scale, no accumulate) of any dtype pair is one
     ``_foreach_copy_``: ``copy_`` casts exactly as ``.to`` does."""
     plain = not accumulate and divide is None and scale == 1.0
-    if plain:
+    if plain and _same_shapes(views, dsts):
         torch._foreach_copy_(dsts, views)  # copy_ casts exactly as .to does
         return
     fast_d, fast_v, slow = [], [], []
