@@ -1,8 +1,9 @@
 """fastddp.kernels: fused gradient pack/unpack.
 
-``pack(srcs, dst, offsets=None, scale=1.0, divide=None)`` gathers many
-separate tensors into one flat buffer, scales and casts them, in one launch
-per source dtype.  ``unpack(src, dsts, offsets=None, scale=1.0, divide=None,
+``pack(srcs, dst, offsets=None, scale=1.0, divide=None, *, layout=None,
+residual=None, health=None)`` gathers many separate tensors into one flat
+buffer, scales and casts them (error feedback and a gradient health flag in
+the same launch), in one launch per source dtype.  ``unpack(src, dsts, offsets=None, scale=1.0, divide=None,
 accumulate=False)`` does the reverse in one launch per destination dtype.
 
 Backends (chosen by :mod:`fastddp.kernels._backend`, once, cached):
@@ -39,10 +40,13 @@ if _triton_available():
 
 from ._ops import Layout, pack, unpack
 from . import reference
+from .reference import Health, first_nonfinite
 
 __all__ = [
+    "Health",
     "Layout",
     "backend",
+    "first_nonfinite",
     "launch_count",
     "pack",
     "reference",

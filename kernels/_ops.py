@@ -132,19 +132,29 @@ def _use_triton(flat: torch.Tensor) -> str | None:
 
 def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int] | None = None,
          scale: float = 1.0, divide: float | None = None, *, layout: Layout | None = None,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, health: torch.Tensor | None = None) -> torch.Tensor:
     """Gather ``srcs`` into the flat ``dst`` at element ``offsets`` (default: back to
     back), multiplied by ``scale`` (or divided by ``divide``) and cast to
     ``dst.dtype``; one launch per source dtype.  With ``residual`` (a flat
     float32 tensor indexed like ``dst``) the launch also applies error
-    feedback: ``x = src*scale + residual; dst = cast(x); residual = x - dst``.
-    Returns ``dst``."""
+    feedback: ``x = src*scale + residual; dst = cast(x); residual = x - dst``
+    (0 where that is not finite).
+
+    ``health``: a 1-element int32 tensor on ``dst``'s device.  The same launch
+    (no extra pass, no host sync) ORs :class:`Health` bits into it: a source
+    value NaN/inf (bit 0), finite inputs stored as inf/NaN, i.e. the 16-bit
+    cast overflowed (bit 1), a residual value NaN/inf (bit 2).  The kernel
+    never clears it: zero it once per step (keep every bucket's flag in one
+    tensor: one fill for all), read it when the step is done.  On failure,
+    :func:`first_nonfinite` names the tensor.  Returns ``dst``."""
     # With a Layout the caller (the reducer) vouches for the tensors: only the
     # counts are checked, keeping the per-step host cost O(1) in Python.
     _check_common("pack", dst, srcs if layout is None else (), scale, divide)
     lay = _resolve_layout("pack", srcs, dst, offsets, layout)
     if residual is not None:
         _check_residual(residual, dst, lay)
+    if health is not None:
+        _check_health(health, dst)
     _bump("pack_calls")
     if not srcs:
         return dst
@@ -155,15 +165,20 @@ def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
         _bump("reference_calls")
         res_views = lay.views(residual) if residual is not None else None
         whole = dst if lay.dense and lay.total == dst.numel() else None
-        reference.pack_views(srcs, lay.views(dst), scale, divide, res_views, flat=whole)
+        reference.pack_views(srcs, lay.views(dst), scale, divide, res_views, flat=whole, health=health)
         return dst
     from .pack import pack_triton
 
-    if residual is not None:
-        pack_triton(srcs, dst, lay, scale, divide, residual=residual)
-    else:
-        pack_triton(srcs, dst, lay, scale, divide)
+    pack_triton(srcs, dst, lay, scale, divide, residual=residual, health=health)
     return dst
+
+
+def _check_health(health: torch.Tensor, dst: torch.Tensor) -> None:
+    if not isinstance(health, torch.Tensor) or health.dtype != torch.int32 or health.numel() != 1:
+        raise TypeError("pack: health must be a 1-element int32 tensor (e.g. flags[b:b+1] of a "
+                        f"torch.zeros(n_buckets, dtype=torch.int32)), got {getattr(health, 'dtype', health)!r}")
+    if health.device != dst.device:
+        raise ValueError(f"pack: health is on {health.device} but dst is on {dst.device}")
 
 
 def _check_residual(residual: torch.Tensor, dst: torch.Tensor, lay: Layout) -> None:

@@ -9,8 +9,11 @@ bit for bit.
 Error feedback (``residual=``, 16-bit gradient compression) runs inside the
 same launch: the kernel variant ``HAS_RESIDUAL`` also reads and rewrites the
 residual, whose address sits in the pointer table and whose chunks start at
-the destination's offsets.  Without a residual the kernel compiles to the
-very code it did before the option existed.
+the destination's offsets.  The gradient health flag (``health=``) too: the
+variant ``HAS_HEALTH`` tests each element it already holds in registers and
+ORs :class:`~fastddp.kernels.Health` bits into one int32 with one atomic per
+program that found something (none in a healthy step).  Without either
+option the kernel compiles to the very code it did before they existed.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def _pack_kernel(
     RAW: tl.constexpr,  # same dtype, no scaling, no residual: copy the bits
     BLOCK: tl.constexpr,  # elements per program
     HAS_RESIDUAL: tl.constexpr = False,  # error feedback: x += r; dst = cast(x); r = x - upcast(dst)
+    HAS_HEALTH: tl.constexpr = False,  # OR this chunk's Health bits into the int32 flag at ptr_table[4]
 ):
     SRC_B: tl.constexpr = SRC_T.primitive_bitwidth // 8  # bytes per element
     DST_B: tl.constexpr = DST_T.primitive_bitwidth // 8
@@ -67,6 +71,13 @@ def _pack_kernel(
         b_x = tl.load(tl.multiple_of(a_src.to(tl.pointer_type(SRC_T)), 16) + o)  # [BLOCK]
     else:
         b_x = tl.load(a_src.to(tl.pointer_type(SRC_T)) + o, mask=m)  # [BLOCK]
+    if HAS_HEALTH:
+        # the source as it is, before any scaling or cast
+        if SRC_T == tl.uint16:
+            m_src = (b_x & 0x7F80) != 0x7F80  # [BLOCK] finite (bf16 bits: exponent not all ones)
+        else:
+            m_src = tl.abs(b_x) < float("inf")  # [BLOCK] finite (NaN compares false)
+        b_h = tl.where(m_src, 0, 1)  # [BLOCK] Health.SOURCE_NONFINITE
     if RAW:
         b_y = b_x
     else:
@@ -96,6 +107,10 @@ def _pack_kernel(
                 b_e = tl.load(tl.multiple_of(a_res.to(tl.pointer_type(C_T)), 16) + o)  # [BLOCK]
             else:
                 b_e = tl.load(a_res.to(tl.pointer_type(C_T)) + o, mask=m)  # [BLOCK]
+            if HAS_HEALTH:
+                m_res = tl.abs(b_e) < float("inf")  # [BLOCK] finite
+                b_h = b_h | tl.where(m_res, 0, 4)  # Health.RESIDUAL_NONFINITE
+                m_src = m_src & m_res  # finite inputs
             b_x = b_x + b_e
         # narrow to the destination, round to nearest even; fp64 -> fp16/bf16
         # goes through fp32 as torch does (c10::Half/BFloat16 take a float)
@@ -108,27 +123,46 @@ def _pack_kernel(
             b_y = b_x.to(tl.float32).to(tl.float16)
         else:
             b_y = b_x.to(DST_T)
+        if HAS_HEALTH:
+            # finite inputs stored as inf/NaN: the cast overflowed (or the scaling or the residual's add did)
+            if DST_T == tl.uint16:
+                m_dst = (b_y & 0x7F80) != 0x7F80  # [BLOCK]
+            else:
+                m_dst = tl.abs(b_y) < float("inf")  # [BLOCK]
+            b_h = b_h | tl.where(m_src & ~m_dst, 2, 0)  # Health.OVERFLOW
         if HAS_RESIDUAL:
-            # new residual: what the destination lost, x - upcast(dst), in C_T
+            # new residual: what the destination lost, x - upcast(dst), in C_T;
+            # a non-finite one (x inf/NaN, or dst overflowed) is stored as 0,
+            # so one bad step cannot poison every later one
             if DST_T == tl.uint16:
                 b_w = (b_y.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(C_T)
             else:
                 b_w = b_y.to(C_T)
+            b_n = b_x - b_w  # [BLOCK]
+            b_n = tl.where(tl.abs(b_n) < float("inf"), b_n, 0.0)
             if fast_res:
-                tl.store(tl.multiple_of(a_res.to(tl.pointer_type(C_T)), 16) + o, b_x - b_w)
+                tl.store(tl.multiple_of(a_res.to(tl.pointer_type(C_T)), 16) + o, b_n)
             else:
-                tl.store(a_res.to(tl.pointer_type(C_T)) + o, b_x - b_w, mask=m)
+                tl.store(a_res.to(tl.pointer_type(C_T)) + o, b_n, mask=m)
     if full & (a_dst % 16 == 0):
         tl.store(tl.multiple_of(a_dst.to(tl.pointer_type(DST_T)), 16) + o, b_y)
     else:
         tl.store(a_dst.to(tl.pointer_type(DST_T)) + o, b_y, mask=m)
+    if HAS_HEALTH:
+        # one reduction per program; the exact bits and the one atomic only
+        # where something was found (a healthy step issues no atomic)
+        b_h = tl.where(m, b_h, 0)  # masked-off lanes hold no data
+        if tl.max(b_h, axis=0) != 0:
+            b_bits = tl.max(b_h & 1, axis=0) | tl.max(b_h & 2, axis=0) | tl.max(b_h & 4, axis=0)
+            tl.atomic_or(tl.load(ptr_table + 4).to(tl.pointer_type(tl.int32)), b_bits)
 
 
 _INTERPRETED = C.is_interpreted(_pack_kernel)
 
 
 def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float,
-                 divide: float | None, residual: torch.Tensor | None = None) -> int:
+                 divide: float | None, residual: torch.Tensor | None = None,
+                 health: torch.Tensor | None = None) -> int:
     """Check the inputs, refresh the layout's pointer table and launch one grid
     of ``n_chunks`` programs per source dtype; the residual, if any, is read
     and rewritten by those same launches.  Sources whose memory order is not
@@ -143,9 +177,10 @@ def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale:
     else:  # error feedback runs in the residual's dtype (the reference's rule)
         res_kind = _check_residual(residual, dst, layout)
         has_res, res_ptr, res_t = True, residual.data_ptr(), C.STORAGE[res_kind]
+    flag_ptr = 0 if health is None else _check_health(health, dst)
     launches = 0
     with binding.lock:
-        table, fallback = binding.refresh(dst, srcs, s64, s32, res_ptr)
+        table, fallback = binding.refresh(dst, srcs, s64, s32, res_ptr, flag_ptr)
         try:
             for g in plan.groups:
                 if g.n_chunks == 0:
@@ -155,7 +190,7 @@ def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale:
                     SRC_T=C.STORAGE[g.kind], DST_T=C.STORAGE[plan.flat_kind],
                     C_T=res_t if has_res else C.compute_type(g.kind, plan.flat_kind),
                     MODE=mode, RAW=(mode == C.MODE_CAST and g.kind == plan.flat_kind and not has_res),
-                    BLOCK=plan.block, HAS_RESIDUAL=has_res,
+                    BLOCK=plan.block, HAS_RESIDUAL=has_res, HAS_HEALTH=health is not None,
                     num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
                 )
                 _bump("launches")
@@ -167,7 +202,7 @@ def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale:
         views = layout.views(dst)
         res_views = layout.views(residual) if residual is not None else None
         reference.pack_views([srcs[i] for i in fallback], [views[i] for i in fallback], scale, divide,
-                             None if res_views is None else [res_views[i] for i in fallback])
+                             None if res_views is None else [res_views[i] for i in fallback], health=health)
     return launches
 
 
@@ -185,27 +220,39 @@ def _check_residual(residual: torch.Tensor, dst: torch.Tensor, layout) -> int:
     return C.CODE[residual.dtype]
 
 
+def _check_health(health: torch.Tensor, dst: torch.Tensor) -> int:
+    """The launcher's own flag checks; returns the flag's address."""
+    if health.dtype != torch.int32 or health.numel() != 1:
+        raise TypeError(f"pack: health must be a 1-element int32 tensor, got {health.dtype} {tuple(health.shape)}")
+    if health.device != dst.device:
+        raise ValueError(f"pack: health is on {health.device} but dst is on {dst.device}")
+    return health.data_ptr()
+
+
 def pack_triton(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float = 1.0,
-                divide: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                divide: float | None = None, residual: torch.Tensor | None = None,
+                health: torch.Tensor | None = None) -> torch.Tensor:
     """``dst[o_i : o_i + n_i] = cast(srcs[i] * scale)`` (or ``/ divide``) for every i,
     one launch per source dtype.  ``srcs`` on ``dst``'s device.
 
     With ``residual`` (a contiguous 1-D float32/float64 tensor indexed like
     ``dst``) the same launch applies error feedback in the residual's dtype:
     ``x = srcs[i] * scale + r; dst = cast(x); r = x - upcast(dst)``, each op
-    rounded on its own, as :func:`fastddp.kernels.reference.pack_views` does.
-    Sources whose memory order is not their layout slot's are copied with
-    torch (that arithmetic too), the rest stay in the one launch."""
+    rounded on its own, a non-finite new ``r`` stored as 0, as
+    :func:`fastddp.kernels.reference.pack_views` does.  With ``health`` (a
+    1-element int32 tensor) the same launch ORs :class:`~fastddp.kernels.Health`
+    bits into it.  Sources whose memory order is not their layout slot's are
+    copied with torch (that arithmetic too), the rest stay in the one launch."""
     if C.needs_reference(_INTERPRETED, dst.device):
         _bump("reference_calls")
         res_views = layout.views(residual) if residual is not None else None
-        reference.pack_views(srcs, layout.views(dst), scale, divide, res_views)
+        reference.pack_views(srcs, layout.views(dst), scale, divide, res_views, health=health)
     elif _INTERPRETED:
         with C.INTERPRET_LOCK:
-            _pack_launch(srcs, dst, layout, scale, divide, residual)
+            _pack_launch(srcs, dst, layout, scale, divide, residual, health)
     elif dst.device.index != torch.cuda.current_device():
         with torch.cuda.device(dst.device):
-            _pack_launch(srcs, dst, layout, scale, divide, residual)
+            _pack_launch(srcs, dst, layout, scale, divide, residual, health)
     else:
-        _pack_launch(srcs, dst, layout, scale, divide, residual)
+        _pack_launch(srcs, dst, layout, scale, divide, residual, health)
     return dst

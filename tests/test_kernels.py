@@ -553,7 +553,8 @@ def test_pack_residual_odd_sizes_gaps_and_larger_than_block(dst):
 
 def test_pack_residual_special_values():
     """Infs, NaNs, subnormals, overflow to fp16 inf, rounding ties: the residual
-    turns into what the reference's torch ops make of them (inf - inf = NaN...)."""
+    is what the reference's torch ops make of them, a non-finite one (inf - inf
+    = NaN, x - inf...) stored as 0; it stays finite."""
     for src in (FP32, FP16, BF16):
         for dst in (FP16, BF16):
             for scaling in SCALINGS.values():
@@ -564,6 +565,7 @@ def test_pack_residual_special_values():
                 for step in range(2):
                     assert check_pack_residual(srcs, dst, r_got, r_want, what=f"specials step {step}",
                                                **scaling) == 1
+                    assert bool(r_got.isfinite().all())
 
 
 def test_pack_residual_mixed_source_dtypes_one_launch_per_dtype():

@@ -347,3 +347,72 @@ def test_pack_with_residual_compiles_for_sm90_vectorised_without_fma(src, dst, r
         assert n == n0 + n_vec, (op, n, n0, n_vec)
     # and, on the masked path, its scalar ones
     assert _scalar_ops(ptx, "st") == _scalar_ops(ptx_plain, "st") + 16
+
+
+@pytest.mark.parametrize("src, dst, res", [(0, 2, None), (0, 1, 0), (2, 1, 0), (3, 2, None), (1, 1, None),
+                                           (0, 0, None)])
+def test_health_flag_rides_in_the_same_pass_and_is_absent_without_it(src, dst, res):
+    """HAS_HEALTH=False (the default) is the kernel without the option: no
+    atomic, the very PTX of a launch that does not mention it.  HAS_HEALTH=True
+    adds the flag's one atomic OR and no memory pass: the same 16-byte vector
+    accesses and the same scalar stores."""
+    from fastddp.kernels import _triton_common as TC
+    from fastddp.kernels.pack import _pack_kernel
+
+    kw = dict(SRC_T=TC.STORAGE[src], DST_T=TC.STORAGE[dst], MODE=1, RAW=False, BLOCK=2048,
+              C_T=TC.compute_type(src, dst) if res is None else TC.STORAGE[res], HAS_RESIDUAL=res is not None)
+    plain = _compile_sm90(_pack_kernel, **kw)
+    assert _compile_sm90(_pack_kernel, HAS_HEALTH=False, **kw) == plain
+    assert not re.search(r"\b(?:atom|red)\.", plain)
+    flagged = _compile_sm90(_pack_kernel, HAS_HEALTH=True, **kw)
+    assert len(re.findall(r"\b(?:atom|red)\.global\.[\w.]*or\.b32", flagged)) == 1, \
+        re.findall(r"\b(?:atom|red)\.[\w.]+", flagged)
+    for op in ("ld", "st"):
+        assert _vector_ops(flagged, op) == _vector_ops(plain, op), op
+    assert _scalar_ops(flagged, "st") == _scalar_ops(plain, "st")
+    assert not re.search(r"\bfma\.", flagged) and ".ftz" not in flagged
+
+
+# ------------------------------------------------- health flag (reference)
+def _ref_flag(srcs, dst_dtype, residual=None, **kw):
+    lay = Layout.for_tensors(srcs)
+    flat = torch.zeros(lay.total, dtype=dst_dtype)
+    flag = torch.zeros(1, dtype=torch.int32)
+    K.pack(srcs, flat, layout=lay, residual=residual, health=flag, **kw)
+    return int(flag), flat
+
+
+def test_health_flag_is_the_contract_on_the_reference_path():
+    """The contract in the reference's docstring, written as direct expressions."""
+    H = K.Health
+    assert _ref_flag([torch.ones(3), torch.tensor([2.0, 70000.0])], FP16)[0] == H.OVERFLOW
+    assert _ref_flag([torch.ones(3), torch.tensor([2.0, 70000.0])], FP16, scale=THIRD)[0] == 0  # 70000/3 fits
+    assert _ref_flag([torch.tensor([2.0, 60000.0])], FP16, scale=THIRD)[0] == 0
+    assert _ref_flag([torch.tensor([float("nan"), 1.0])], BF16)[0] == H.SOURCE_NONFINITE
+    assert _ref_flag([torch.tensor([float("inf"), 70000.0])], FP16)[0] == H.SOURCE_NONFINITE | H.OVERFLOW
+    assert _ref_flag([torch.tensor([1e300], dtype=FP64)], FP32)[0] == H.OVERFLOW
+    assert _ref_flag([torch.tensor([3e38])], FP32, scale=4.0)[0] == H.OVERFLOW  # the scaling overflowed
+    r = torch.tensor([0.0, float("nan"), 0.0])
+    flag, flat = _ref_flag([torch.tensor([1.0, 2.0, 3.0])], FP16, residual=r)
+    assert flag == H.RESIDUAL_NONFINITE
+    assert r.isfinite().all(), "the non-finite residual is stored as 0"
+    assert _ref_flag([torch.ones(4)], FP16)[0] == 0 and K.stats()["reference_calls"] > 0
+
+
+def test_error_feedback_zeroes_a_non_finite_residual():
+    """``r = x - cast(x)``, 0 where not finite: an overflowed element (x finite,
+    cast inf) and a NaN source leave r finite; finite elements keep the exact
+    rounding error."""
+    x = torch.tensor([1.0 + 2 ** -12, 70000.0, float("nan"), -1e5, 3.0])
+    r = torch.zeros(5)
+    wire = torch.empty(5, dtype=FP16)
+    K.pack([x], wire, residual=r)
+    want = x - x.to(FP16).to(FP32)
+    want = torch.where(want.isfinite(), want, 0.0)
+    assert_bits(r, want, "residual")
+    assert r[0].item() == 2 ** -12 and r[1].item() == 0.0 and r[2].item() == 0.0
+
+
+def test_first_nonfinite_names_the_tensor():
+    ts = [torch.zeros(2), torch.tensor([1.0, float("inf")]), torch.tensor([float("nan")])]
+    assert K.first_nonfinite(ts) == 1 and K.first_nonfinite(ts[:1]) is None
