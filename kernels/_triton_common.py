@@ -55,7 +55,7 @@ import torch
 import triton.language as tl
 
 from ._counters import _bump
-from .reference import same_memory_order
+from .reference import row_major_strides, same_memory_order
 
 # ----------------------------------------------------------------- dtype codes
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -89,6 +89,7 @@ _numel = torch.Tensor.numel
 _get_device = torch.Tensor.get_device
 _is_cpu = attrgetter("is_cpu")
 _is_contiguous = torch.Tensor.is_contiguous
+_stride = torch.Tensor.stride
 
 
 # The kernels keep their arithmetic inline rather than in shared @triton.jit
@@ -232,9 +233,10 @@ class Binding:
         self.plan = plan
         self.lock = threading.Lock()
         self._strides = list(layout.strides)
-        self._contig = [s is None for s in self._strides]   # what is_contiguous() must say
-        self._strided = [i for i, s in enumerate(self._strides) if s is not None]
+        self._strided = any(s is not None for s in self._strides)
         self._shapes = layout.shapes
+        # every tensor's strides when each has its slot's (row-major slots: row-major strides)
+        self._want = [row_major_strides(sh) if st is None else st for sh, st in zip(layout.shapes, self._strides)]
         self._slots: list[_Slot] = []
         self._cur = -1
         self._last: list[int] | None = None
@@ -278,13 +280,15 @@ class Binding:
 
     def match(self, tensors: Sequence[torch.Tensor]) -> list[int]:
         """Indices of the tensors the kernels cannot serve in memory order."""
-        contig = list(map(_is_contiguous, tensors))
-        if contig == self._contig and not self._strided:
-            return []  # all row-major, as their slots: the common case, at C speed
+        if self._strided:
+            if list(map(_stride, tensors)) == self._want:
+                return []  # every tensor has its slot's strides (C-speed compare)
+        elif all(map(_is_contiguous, tensors)):
+            return []  # all row-major, as their slots: the common case
         bad = []
-        for i, (t, c, want) in enumerate(zip(tensors, contig, self._strides)):
+        for i, (t, want) in enumerate(zip(tensors, self._strides)):
             if want is None:
-                ok = c
+                ok = t.is_contiguous()
             else:
                 ok = t.stride() == want or (t.shape == self._shapes[i] and
                                             same_memory_order(t.shape, t.stride(), want))
