@@ -1,8 +1,9 @@
 """fastddp.kernels: fused gradient pack/unpack.
 
-``pack(srcs, dst, offsets=None, scale=1.0, divide=None)`` gathers many
-separate tensors into one flat buffer, scales and casts them, in one launch
-per source dtype.  ``unpack(src, dsts, offsets=None, scale=1.0, divide=None,
+``pack(srcs, dst, offsets=None, scale=1.0, divide=None, *, layout=None,
+residual=None, health=None)`` gathers many separate tensors into one flat
+buffer, scales and casts them (error feedback and a gradient health flag in
+the same launch), in one launch per source dtype.  ``unpack(src, dsts, offsets=None, scale=1.0, divide=None,
 accumulate=False)`` does the reverse in one launch per destination dtype.
 
 Backends (chosen by :mod:`fastddp.kernels._backend`, once, cached):
@@ -12,7 +13,9 @@ Backends (chosen by :mod:`fastddp.kernels._backend`, once, cached):
   tensors when ``TRITON_INTERPRET=1`` was set before import (how CI tests the
   kernels);
 * ``reference``: the plain-torch twin (:mod:`fastddp.kernels.reference`), for
-  CPU tensors otherwise and for non-contiguous tensors.
+  CPU tensors otherwise.  Inside a kernel call, a tensor whose memory order
+  is not its layout slot's (a transposed gradient, say) is copied with torch,
+  alone; the rest of the call stays in its one launch per dtype.
 
 The arithmetic contract is written in :mod:`fastddp.kernels.reference`.
 """
@@ -37,10 +40,13 @@ if _triton_available():
 
 from ._ops import Layout, pack, unpack
 from . import reference
+from .reference import Health, first_nonfinite
 
 __all__ = [
+    "Health",
     "Layout",
     "backend",
+    "first_nonfinite",
     "launch_count",
     "pack",
     "reference",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 
 _lock = threading.Lock()
-_counts = {"launches": 0, "pack_calls": 0, "unpack_calls": 0, "reference_calls": 0}
+_counts = {"launches": 0, "pack_calls": 0, "unpack_calls": 0, "reference_calls": 0,
+           "fallback_tensors": 0, "table_uploads": 0, "table_waits": 0}
 
 
 def _bump(key: str, n: int = 1) -> None:
@@ -27,7 +28,12 @@ def reset_launch_count() -> None:
 
 def stats() -> dict[str, int]:
     """A copy of all counters: Triton ``launches``, ``pack_calls`` and
-    ``unpack_calls`` (one per public call, any backend) and
-    ``reference_calls`` (calls served by the plain-torch twin)."""
+    ``unpack_calls`` (one per public call, any backend),
+    ``reference_calls`` (whole calls served by the plain-torch twin),
+    ``fallback_tensors`` (tensors of a kernel call copied with torch, alone,
+    because their memory order is not their layout slot's),
+    ``table_uploads`` (pointer tables written: a steady-state step writes
+    none) and ``table_waits`` (times the host waited for a pointer-table
+    slot still in use by the GPU)."""
     with _lock:
         return dict(_counts)

@@ -1,28 +1,33 @@
 """What the pack and unpack kernels share: dtype codes, block sizes, and the
-host-side plan (chunk table + pointer table) a
-:class:`~fastddp.kernels.Layout` caches.
+host-side tables a :class:`~fastddp.kernels.Layout` caches.
 
 Tables (both int64, on the tensors' device)::
 
-    ptr table   [4 + n_tensors]   0: data_ptr() of the flat buffer
+    ptr table   [5 + n_tensors]   0: data_ptr() of the flat buffer
                                   1: the scale as fp64 bits        (fp64 math)
                                   2: fp32(scale) as fp64 bits      (fp32 math)
                                   3: data_ptr() of pack's error-feedback
                                      residual (indexed like the flat
                                      buffer), 0 when there is none
-                                  4 + i: data_ptr() of tensor i
+                                  4: data_ptr() of pack's int32 health
+                                     flag, 0 when there is none
+                                  5 + i: data_ptr() of tensor i, 0 when the
+                                     launcher copies that tensor with torch
     chunk table [n_chunks, 4]     (ptr-table slot of the tensor, start in the
                                    tensor, start in the flat buffer, length)
 
-The chunk table depends only on (numels, offsets, dtypes, BLOCK): it is built
-once per plan (the residual, indexed like the flat buffer, reuses the rows'
-flat starts).  The pointer table is rewritten only when a pointer (the
-residual's included) or the scale changed since the plan's last call.  On
-CUDA it is written into a pinned host buffer and copied with
-``non_blocking=True``; the plan keeps two
-(pinned, device) slots and, before rewriting a slot, waits for the events
-recorded after the launches that read it, so a pinned buffer is never
-overwritten while its copy may still be in flight.
+The chunk table depends only on (numels, offsets, dtypes, BLOCK): a
+:class:`Plan` builds it once and every Layout of that content shares it.
+The pointer table is each Layout's own (:class:`Binding`) and is rewritten
+only when a pointer (the residual's and the flag's included) or the scale
+changed since that layout's last call.  On CUDA it is written into a pinned
+host buffer and copied with ``non_blocking=True``, into a slot of a small
+ring that no launch can still be reading (``Event.query()``), so the host
+never waits unless a layout has :data:`MAX_SLOTS` rewrites in flight.
+
+Alignment is decided per chunk, at run time, inside the one launch: a full
+chunk whose addresses are 16-byte aligned takes the vectorised accesses, any
+other chunk the masked scalar ones.
 
 Bit-exactness (the contract of :mod:`fastddp.kernels.reference`):
 
@@ -39,7 +44,6 @@ Bit-exactness (the contract of :mod:`fastddp.kernels.reference`):
 from __future__ import annotations
 
 import collections
-import math
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -49,6 +53,9 @@ from typing import Sequence
 import numpy as np
 import torch
 import triton.language as tl
+
+from ._counters import _bump
+from .reference import row_major_strides, same_memory_order
 
 # ----------------------------------------------------------------- dtype codes
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -66,7 +73,12 @@ BLOCK_INTERPRET = 16384
 BLOCK_GPU = 2048
 NUM_WARPS_GPU = 4
 
-_HEAD = 4  # ptr-table slots before the tensors' pointers
+_HEAD = 5  # ptr-table slots before the tensors' pointers
+
+# Pointer-table slots per Layout on CUDA.  A slot is reused once the launches
+# that read it are done, so the ring only grows while a layout's pointers
+# change faster than the GPU drains them; at the cap the host waits.
+MAX_SLOTS = 4
 
 # The interpreter is not thread-safe: every interpreted launch takes this lock.
 INTERPRET_LOCK = threading.Lock()
@@ -76,6 +88,8 @@ _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 _get_device = torch.Tensor.get_device
 _is_cpu = attrgetter("is_cpu")
+_is_contiguous = torch.Tensor.is_contiguous
+_stride = torch.Tensor.stride
 
 
 # The kernels keep their arithmetic inline rather than in shared @triton.jit
@@ -135,28 +149,15 @@ class Group:
 
     kind: int                  # dtype code of these tensors
     members: list[int]         # their indices in the call's tensor list
-    index: np.ndarray          # the same, as an index array
     n_chunks: int
     chunks: torch.Tensor | None  # int64 [n_chunks * 4] view on the device
-    flat_aligned: bool         # every offset * flat elsize is a multiple of 16 bytes
-    offset_gcd: int = 0        # gcd of the non-empty members' offsets (residual alignment)
-
-    def res_aligned(self, elsize: int) -> bool:
-        """Every offset * ``elsize`` is a multiple of 16 bytes (a residual indexed like the flat buffer)."""
-        return (self.offset_gcd * elsize) % 16 == 0
-
-
-@dataclass
-class _Slot:
-    host: torch.Tensor          # int64 [3 + n]; pinned on CUDA
-    host_np: np.ndarray
-    dev: torch.Tensor           # == host on CPU
-    events: dict = field(default_factory=dict)  # stream handle -> torch.cuda.Event
 
 
 class Plan:
-    """Everything a (layout, dtypes, BLOCK, device) needs to launch: groups and
-    their chunk tables (immutable) and the pointer-table slots (refreshed)."""
+    """What a (layout content, dtypes, BLOCK, device) needs to launch and never
+    changes: the groups and their chunk tables.  Shared by every Layout of
+    that content (repeated layers give identically shaped buckets); the
+    pointer tables, which do change, belong to each Layout's :class:`Binding`."""
 
     def __init__(self, numels: Sequence[int], offsets: Sequence[int], kinds: Sequence[int],
                  flat_kind: int, block: int, device: torch.device):
@@ -165,8 +166,7 @@ class Plan:
         self.flat_kind = flat_kind
         self.n = len(numels)
         self.numels = [int(n) for n in numels]
-        self.lock = threading.Lock()
-        flat_el = ELSIZE[flat_kind]
+        self.cuda = device.type == "cuda"
         order: dict[int, list[int]] = {}
         for i, k in enumerate(kinds):
             order.setdefault(k, []).append(i)
@@ -184,77 +184,157 @@ class Plan:
                 r[:, 2] = off + starts
                 r[:, 3] = np.minimum(block, n - starts)
                 rows.append(r)
-            n_chunks = sum(r.shape[0] for r in rows)
-            live = [int(offsets[i]) for i in members if numels[i]]
-            spans.append((kind, members, n_chunks, all((o * flat_el) % 16 == 0 for o in live),
-                          math.gcd(*live) if live else 0))
+            spans.append((kind, members, sum(r.shape[0] for r in rows)))
             rows_all.extend(rows)
         table = (np.concatenate(rows_all).reshape(-1) if rows_all else np.zeros(0, dtype=np.int64))
         table_dev = torch.from_numpy(table).to(device)  # once per plan
         self.groups: list[Group] = []
         at = 0
-        for kind, members, n_chunks, flat_aligned, offset_gcd in spans:
+        for kind, members, n_chunks in spans:
             view = table_dev.narrow(0, at * 4, n_chunks * 4) if n_chunks else None
-            self.groups.append(Group(kind, members, np.asarray(members, dtype=np.int64), n_chunks, view,
-                                     flat_aligned, offset_gcd))
+            self.groups.append(Group(kind, members, n_chunks, view))
             at += n_chunks
-        self.cuda = device.type == "cuda"
+        self.lock = threading.Lock()
+        self.shared: Binding | None = None  # the binding of the public API's per-call Layouts
+
+
+@dataclass
+class _Slot:
+    host: torch.Tensor          # int64 [_HEAD + n]; pinned on CUDA
+    host_np: np.ndarray
+    dev: torch.Tensor           # == host on CPU
+    events: dict = field(default_factory=dict)  # stream handle -> Event recorded after its last launch
+    upload: "torch.cuda.Event | None" = None    # recorded after the copy into ``dev``
+    ordered: set = field(default_factory=set)   # streams known to run after that copy
+
+    def idle(self) -> bool:
+        """No launch that read this slot (nor the copy that filled it) may still run."""
+        return all(ev.query() for ev in self.events.values())
+
+
+class Binding:
+    """One Layout's pointer tables for one :class:`Plan`.
+
+    A steady-state call (the same addresses and scale as the previous call of
+    this layout, which the caching allocator gives a bucket's grads step after
+    step) writes nothing and copies nothing.  When a pointer changes, the new
+    table goes into a slot no launch can still read (``Event.query()``): a
+    ring of up to :data:`MAX_SLOTS` pinned slots on CUDA, so the host blocks
+    only when that many rewrites of ONE layout are all still in flight.
+
+    The tensors are also matched with their layout slots here: a tensor whose
+    memory order is its slot's (contiguous for a row-major slot; the slot's
+    shape and strides, dense, for a strided one) is read or written in
+    memory order by the kernels; any other tensor gets a 0 in the table (its
+    chunks do nothing) and is returned as a fallback for the launcher to copy
+    with torch, alone."""
+
+    def __init__(self, plan: Plan, layout):
+        self.plan = plan
+        self.lock = threading.Lock()
+        self._strides = list(layout.strides)
+        self._strided = any(s is not None for s in self._strides)
+        self._shapes = layout.shapes
+        # every tensor's strides when each has its slot's (row-major slots: row-major strides)
+        self._want = [row_major_strides(sh) if st is None else st for sh, st in zip(layout.shapes, self._strides)]
         self._slots: list[_Slot] = []
         self._cur = -1
         self._last: list[int] | None = None
-        self._tensor_aligned: list[bool] = [False] * len(self.groups)
-        self._flat_aligned_ptr = False
-        self._res_aligned_ptr = False
+        self._fallback: list[int] = []
+        self._stream = None  # the stream of the call in progress (CUDA)
 
-    # ----------------------------------------------------------- pointers
     def _new_slot(self) -> _Slot:
-        if self.cuda:
-            host = torch.empty(_HEAD + self.n, dtype=torch.int64, pin_memory=True)
-            dev = torch.empty(_HEAD + self.n, dtype=torch.int64, device=self.device)
+        n = _HEAD + self.plan.n
+        if self.plan.cuda:
+            host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            dev = torch.empty(n, dtype=torch.int64, device=self.plan.device)
         else:
-            host = torch.empty(_HEAD + self.n, dtype=torch.int64)
+            host = torch.empty(n, dtype=torch.int64)
             dev = host
         return _Slot(host, host.numpy(), dev)
 
-    def refresh(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], s64: int, s32: int,
-                res_ptr: int = 0) -> torch.Tensor:
-        """Bring the pointer table up to date; returns the device table to launch with.
-        ``res_ptr``: pack's residual address (0: none).  Called with ``self.lock`` held."""
-        vals = [flat.data_ptr(), s64, s32, res_ptr]
-        vals.extend(map(_data_ptr, tensors))
-        if vals == self._last:
-            return self._slots[self._cur].dev
-        self._vet(flat, tensors)  # new tensors: vet them once
-        if not self.cuda:
-            if not self._slots:
-                self._slots.append(self._new_slot())
+    def _take_slot(self) -> _Slot:
+        """A slot safe to rewrite: an idle one (the current one included), else a
+        new one while the ring is short, else wait for the oldest."""
+        slots = self._slots
+        if not self.plan.cuda:
+            if not slots:
+                slots.append(self._new_slot())
             self._cur = 0
-        elif len(self._slots) < 2:
-            self._slots.append(self._new_slot())
-            self._cur = len(self._slots) - 1
-        else:
-            self._cur ^= 1
-            for ev in self._slots[self._cur].events.values():
-                ev.synchronize()  # the launches that read this slot are done: safe to rewrite
-        slot = self._slots[self._cur]
+            return slots[0]
+        k = len(slots)
+        for step in range(k):
+            i = (self._cur + step) % k  # the current slot first: its copy is the oldest-but-one
+            if slots[i].idle():
+                self._cur = i
+                return slots[i]
+        if k < MAX_SLOTS:
+            slots.append(self._new_slot())
+            self._cur = k
+            return slots[k]
+        self._cur = (self._cur + 1) % k  # the least recently written slot
+        _bump("table_waits")
+        for ev in slots[self._cur].events.values():
+            ev.synchronize()  # genuinely in flight: MAX_SLOTS rewrites are queued
+        return slots[self._cur]
+
+    def match(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Indices of the tensors the kernels cannot serve in memory order."""
+        if self._strided:
+            if list(map(_stride, tensors)) == self._want:
+                return []  # every tensor has its slot's strides (C-speed compare)
+        elif all(map(_is_contiguous, tensors)):
+            return []  # all row-major, as their slots: the common case
+        bad = []
+        for i, (t, want) in enumerate(zip(tensors, self._strides)):
+            if want is None:
+                ok = t.is_contiguous()
+            else:
+                ok = t.stride() == want or (t.shape == self._shapes[i] and
+                                            same_memory_order(t.shape, t.stride(), want))
+            if not ok and self.plan.numels[i]:
+                bad.append(i)
+        return bad
+
+    def refresh(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], s64: int, s32: int,
+                res_ptr: int = 0, flag_ptr: int = 0) -> tuple[torch.Tensor, list[int]]:
+        """Bring the pointer table up to date; returns (the device table to launch
+        with, the fallback tensors' indices).  ``res_ptr`` / ``flag_ptr``: pack's
+        residual and health-flag addresses (0: none).  Called with ``self.lock`` held."""
+        vals = [flat.data_ptr(), s64, s32, res_ptr, flag_ptr]
+        vals.extend(map(_data_ptr, tensors))
+        fallback = self.match(tensors)
+        for i in fallback:
+            vals[_HEAD + i] = 0
+        stream = self._stream = torch.cuda.current_stream(self.plan.device) if self.plan.cuda else None
+        if vals == self._last:
+            slot = self._slots[self._cur]
+            if stream is not None and stream.cuda_stream not in slot.ordered:
+                stream.wait_event(slot.upload)  # a stream new to this table: after its copy (no host wait)
+                slot.ordered.add(stream.cuda_stream)
+            return slot.dev, self._fallback
+        self._vet(flat, tensors)  # new tensors: vet them once
+        slot = self._take_slot()
         slot.host_np[:] = vals
-        if self.cuda:
+        if stream is not None:
             slot.dev.copy_(slot.host, non_blocking=True)
+            if slot.upload is None:
+                slot.upload = torch.cuda.Event()
+            slot.upload.record(stream)
+            slot.ordered = {stream.cuda_stream}
+        _bump("table_uploads")
         self._last = vals
-        misaligned = (slot.host_np[_HEAD:] & 15) != 0
-        self._tensor_aligned = [not misaligned[g.index].any() for g in self.groups]
-        self._flat_aligned_ptr = vals[0] % 16 == 0
-        self._res_aligned_ptr = res_ptr % 16 == 0
-        return slot.dev
+        self._fallback = fallback
+        return slot.dev, fallback
 
     def _vet(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Numels and devices of a new set of tensors (C-speed maps; the slow
         loop only runs to name the offender)."""
-        if list(map(_numel, tensors)) != self.numels:
-            for i, (t, n) in enumerate(zip(tensors, self.numels)):
+        if list(map(_numel, tensors)) != self.plan.numels:
+            for i, (t, n) in enumerate(zip(tensors, self.plan.numels)):
                 if t.numel() != n:
                     raise ValueError(f"tensor {i} has {t.numel()} elements but its layout slot holds {n}")
-        ok = (set(map(_get_device, tensors)) <= {flat.get_device()} if self.cuda
+        ok = (set(map(_get_device, tensors)) <= {flat.get_device()} if self.plan.cuda
               else all(map(_is_cpu, tensors)))
         if not ok:
             for i, t in enumerate(tensors):
@@ -263,20 +343,13 @@ class Plan:
 
     def after_launch(self) -> None:
         """Record that the current slot was read by work on the current stream."""
-        if self.cuda:
-            stream = torch.cuda.current_stream(self.device)
-            ev = self._slots[self._cur].events.get(stream.cuda_stream)
+        stream = self._stream
+        if stream is not None and self._cur >= 0:
+            events = self._slots[self._cur].events
+            ev = events.get(stream.cuda_stream)
             if ev is None:
-                ev = self._slots[self._cur].events[stream.cuda_stream] = torch.cuda.Event()
+                ev = events[stream.cuda_stream] = torch.cuda.Event()
             ev.record(stream)
-
-    def aligned(self, gi: int) -> tuple[bool, bool]:
-        """(tensor side 16-byte aligned, flat side 16-byte aligned) for group ``gi``."""
-        return self._tensor_aligned[gi], self._flat_aligned_ptr and self.groups[gi].flat_aligned
-
-    def res_aligned(self, gi: int, elsize: int) -> bool:
-        """Group ``gi``'s residual chunks (``elsize``-byte elements) all start on 16 bytes."""
-        return self._res_aligned_ptr and self.groups[gi].res_aligned(elsize)
 
 
 _LRU: "collections.OrderedDict[tuple, Plan]" = collections.OrderedDict()
@@ -284,17 +357,19 @@ _LRU_MAX = 64
 _LRU_LOCK = threading.Lock()
 
 
-def get_plan(op: str, layout, tensors: Sequence[torch.Tensor], flat: torch.Tensor, block: int) -> Plan:
-    """The plan of ``layout`` for these tensors' dtypes, cached in
-    ``layout.cache``; plans are also shared through a small LRU keyed on the
-    layout's content, so the per-call Layouts the public API builds when none
-    is passed do not rebuild (and re-upload) their tables each call."""
+def get_binding(op: str, layout, tensors: Sequence[torch.Tensor], flat: torch.Tensor, block: int) -> Binding:
+    """The binding of ``layout`` for these tensors' dtypes, cached in
+    ``layout.cache``.  Its plan (the immutable chunk tables) is shared through
+    a small LRU keyed on the layout's content; its pointer tables are the
+    layout's own, except for the Layouts the public API builds per call when
+    none is passed (``layout.anonymous``), which share one binding per plan so
+    that they do not allocate pointer tables on every call."""
     dtypes = tuple(map(_dtype_of, tensors))
     device = flat.device
     key = (op, device, dtypes, flat.dtype, block)
-    plan = layout.cache.get(key)
-    if plan is not None:
-        return plan
+    binding = layout.cache.get(key)
+    if binding is not None:
+        return binding
     bad = [i for i, d in enumerate(dtypes) if d not in CODE]
     if bad:
         raise TypeError(f"{op}: tensor {bad[0]} has dtype {dtypes[bad[0]]}; supported: fp32, fp16, bf16, fp64")
@@ -309,10 +384,17 @@ def get_plan(op: str, layout, tensors: Sequence[torch.Tensor], flat: torch.Tenso
                 _LRU.popitem(last=False)
         else:
             _LRU.move_to_end(lkey)
+    if layout.anonymous:
+        with plan.lock:
+            if plan.shared is None:
+                plan.shared = Binding(plan, layout)
+            binding = plan.shared
+    else:
+        binding = Binding(plan, layout)
     if len(layout.cache) >= 8:  # a layout meets a handful of (op, dtype) combinations
         layout.cache.clear()
-    layout.cache[key] = plan
-    return plan
+    layout.cache[key] = binding
+    return binding
 
 
 def check_tensors(op: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout) -> None:

@@ -9,8 +9,11 @@ bit for bit.
 Error feedback (``residual=``, 16-bit gradient compression) runs inside the
 same launch: the kernel variant ``HAS_RESIDUAL`` also reads and rewrites the
 residual, whose address sits in the pointer table and whose chunks start at
-the destination's offsets.  Without a residual the kernel compiles to the
-very code it did before the option existed.
+the destination's offsets.  The gradient health flag (``health=``) too: the
+variant ``HAS_HEALTH`` tests each element it already holds in registers and
+ORs :class:`~fastddp.kernels.Health` bits into one int32 with one atomic per
+program that found something (none in a healthy step).  Without either
+option the kernel compiles to the very code it did before they existed.
 """
 
 from __future__ import annotations
@@ -34,37 +37,47 @@ SUPPORTS_RESIDUAL = True
 
 @triton.jit
 def _pack_kernel(
-    ptr_table,  # *Pointer* to int64 [4 + n_tensors]: flat dst address, scale (fp64 bits; fp32 value as fp64 bits), residual address (0: none), source addresses
+    ptr_table,  # *Pointer* to int64 [5 + n_tensors]: flat dst address, scale (fp64 bits; fp32 value as fp64 bits), residual address (0: none), health-flag address (0: none), source addresses (0: the launcher copies that one)
     chunk_table,  # *Pointer* to int64 [n_chunks, 4] rows: (ptr-table slot, start in source, start in dst, length)
     SRC_T: tl.constexpr,  # element type of this launch's sources (bf16 as tl.uint16 bits)
     DST_T: tl.constexpr,  # element type of the flat destination (bf16 as tl.uint16 bits)
     C_T: tl.constexpr,  # compute dtype: the residual's with one, else tl.float64 if source or destination is fp64, else tl.float32
     MODE: tl.constexpr,  # 0 cast only, 1 multiply by the scale, 2 divide by it
     RAW: tl.constexpr,  # same dtype, no scaling, no residual: copy the bits
-    SRC_ALIGNED: tl.constexpr,  # every source chunk starts on 16 bytes (vectorise loads)
-    DST_ALIGNED: tl.constexpr,  # every destination chunk starts on 16 bytes (vectorise stores)
     BLOCK: tl.constexpr,  # elements per program
     HAS_RESIDUAL: tl.constexpr = False,  # error feedback: x += r; dst = cast(x); r = x - upcast(dst)
-    RES_ALIGNED: tl.constexpr = False,  # every residual chunk starts on 16 bytes
+    HAS_HEALTH: tl.constexpr = False,  # OR this chunk's Health bits into the int32 flag at ptr_table[4]
 ):
+    SRC_B: tl.constexpr = SRC_T.primitive_bitwidth // 8  # bytes per element
+    DST_B: tl.constexpr = DST_T.primitive_bitwidth // 8
     i_c = tl.program_id(0)
     p_row = chunk_table + i_c * 4
     i_t = tl.load(p_row)
     o_src = tl.load(p_row + 1)
     o_dst = tl.load(p_row + 2)
     n = tl.load(p_row + 3)
-    p_src = tl.load(ptr_table + i_t).to(tl.pointer_type(SRC_T)) + o_src
-    p_dst = tl.load(ptr_table).to(tl.pointer_type(DST_T)) + o_dst
-    if SRC_ALIGNED:
-        p_src = tl.multiple_of(p_src, 16)
-    if DST_ALIGNED:
-        p_dst = tl.multiple_of(p_dst, 16)
+    a_src = tl.load(ptr_table + i_t)  # the source's address; 0: not ours (copied by the launcher)
+    n = tl.where(a_src == 0, 0, n)
+    a_src = a_src + o_src * SRC_B  # this chunk's first byte
+    a_dst = tl.load(ptr_table) + o_dst * DST_B
     o = tl.arange(0, BLOCK)  # [BLOCK]
-    # a full chunk loads and stores unmasked, so aligned accesses vectorise
-    if n == BLOCK:
-        b_x = tl.load(p_src + o)  # [BLOCK]
+    m = o < n  # [BLOCK]
+    # Per chunk, at run time: a full chunk at a 16-byte aligned address loads
+    # (stores) unmasked and vectorised; any other chunk takes masked scalar
+    # accesses.  The hinted pointer is made inside its branch: the hint sits
+    # on the op that makes the value, which the other branch must not share.
+    full = n == BLOCK
+    if full & (a_src % 16 == 0):
+        b_x = tl.load(tl.multiple_of(a_src.to(tl.pointer_type(SRC_T)), 16) + o)  # [BLOCK]
     else:
-        b_x = tl.load(p_src + o, mask=o < n)  # [BLOCK]
+        b_x = tl.load(a_src.to(tl.pointer_type(SRC_T)) + o, mask=m)  # [BLOCK]
+    if HAS_HEALTH:
+        # the source as it is, before any scaling or cast
+        if SRC_T == tl.uint16:
+            m_src = (b_x & 0x7F80) != 0x7F80  # [BLOCK] finite (bf16 bits: exponent not all ones)
+        else:
+            m_src = tl.abs(b_x) < float("inf")  # [BLOCK] finite (NaN compares false)
+        b_h = tl.where(m_src, 0, 1)  # [BLOCK] Health.SOURCE_NONFINITE
     if RAW:
         b_y = b_x
     else:
@@ -87,13 +100,17 @@ def _pack_kernel(
         if HAS_RESIDUAL:
             # the residual is indexed like the destination; rounded separately
             # from the scaling (no FMA: launched with enable_fp_fusion=False)
-            p_res = tl.load(ptr_table + 3).to(tl.pointer_type(C_T)) + o_dst
-            if RES_ALIGNED:
-                p_res = tl.multiple_of(p_res, 16)
-            if n == BLOCK:
-                b_e = tl.load(p_res + o)  # [BLOCK]
+            RES_B: tl.constexpr = C_T.primitive_bitwidth // 8
+            a_res = tl.load(ptr_table + 3) + o_dst * RES_B
+            fast_res = full & (a_res % 16 == 0)
+            if fast_res:
+                b_e = tl.load(tl.multiple_of(a_res.to(tl.pointer_type(C_T)), 16) + o)  # [BLOCK]
             else:
-                b_e = tl.load(p_res + o, mask=o < n)  # [BLOCK]
+                b_e = tl.load(a_res.to(tl.pointer_type(C_T)) + o, mask=m)  # [BLOCK]
+            if HAS_HEALTH:
+                m_res = tl.abs(b_e) < float("inf")  # [BLOCK] finite
+                b_h = b_h | tl.where(m_res, 0, 4)  # Health.RESIDUAL_NONFINITE
+                m_src = m_src & m_res  # finite inputs
             b_x = b_x + b_e
         # narrow to the destination, round to nearest even; fp64 -> fp16/bf16
         # goes through fp32 as torch does (c10::Half/BFloat16 take a float)
@@ -106,57 +123,86 @@ def _pack_kernel(
             b_y = b_x.to(tl.float32).to(tl.float16)
         else:
             b_y = b_x.to(DST_T)
+        if HAS_HEALTH:
+            # finite inputs stored as inf/NaN: the cast overflowed (or the scaling or the residual's add did)
+            if DST_T == tl.uint16:
+                m_dst = (b_y & 0x7F80) != 0x7F80  # [BLOCK]
+            else:
+                m_dst = tl.abs(b_y) < float("inf")  # [BLOCK]
+            b_h = b_h | tl.where(m_src & ~m_dst, 2, 0)  # Health.OVERFLOW
         if HAS_RESIDUAL:
-            # new residual: what the destination lost, x - upcast(dst), in C_T
+            # new residual: what the destination lost, x - upcast(dst), in C_T;
+            # a non-finite one (x inf/NaN, or dst overflowed) is stored as 0,
+            # so one bad step cannot poison every later one
             if DST_T == tl.uint16:
                 b_w = (b_y.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(C_T)
             else:
                 b_w = b_y.to(C_T)
-            if n == BLOCK:
-                tl.store(p_res + o, b_x - b_w)
+            b_n = b_x - b_w  # [BLOCK]
+            b_n = tl.where(tl.abs(b_n) < float("inf"), b_n, 0.0)
+            if fast_res:
+                tl.store(tl.multiple_of(a_res.to(tl.pointer_type(C_T)), 16) + o, b_n)
             else:
-                tl.store(p_res + o, b_x - b_w, mask=o < n)
-    if n == BLOCK:
-        tl.store(p_dst + o, b_y)
+                tl.store(a_res.to(tl.pointer_type(C_T)) + o, b_n, mask=m)
+    if full & (a_dst % 16 == 0):
+        tl.store(tl.multiple_of(a_dst.to(tl.pointer_type(DST_T)), 16) + o, b_y)
     else:
-        tl.store(p_dst + o, b_y, mask=o < n)
+        tl.store(a_dst.to(tl.pointer_type(DST_T)) + o, b_y, mask=m)
+    if HAS_HEALTH:
+        # one reduction per program; the exact bits and the one atomic only
+        # where something was found (a healthy step issues no atomic)
+        b_h = tl.where(m, b_h, 0)  # masked-off lanes hold no data
+        if tl.max(b_h, axis=0) != 0:
+            b_bits = tl.max(b_h & 1, axis=0) | tl.max(b_h & 2, axis=0) | tl.max(b_h & 4, axis=0)
+            tl.atomic_or(tl.load(ptr_table + 4).to(tl.pointer_type(tl.int32)), b_bits)
 
 
 _INTERPRETED = C.is_interpreted(_pack_kernel)
 
 
 def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float,
-                 divide: float | None, residual: torch.Tensor | None = None) -> int:
-    """Check the inputs, refresh the plan's pointer table and launch one grid of
-    ``n_chunks`` programs per source dtype; the residual, if any, is read and
-    rewritten by those same launches.  Returns the number of launches."""
+                 divide: float | None, residual: torch.Tensor | None = None,
+                 health: torch.Tensor | None = None) -> int:
+    """Check the inputs, refresh the layout's pointer table and launch one grid
+    of ``n_chunks`` programs per source dtype; the residual, if any, is read
+    and rewritten by those same launches.  Sources whose memory order is not
+    their slot's are then copied with torch, alone.  Returns the number of
+    launches."""
     C.check_tensors("pack", dst, srcs, layout)
-    plan = C.get_plan("pack", layout, srcs, dst, C.block_for(_INTERPRETED))
+    binding = C.get_binding("pack", layout, srcs, dst, C.block_for(_INTERPRETED))
+    plan = binding.plan
     mode, s64, s32 = C.scale_slots(scale, divide, dst.device)
     if residual is None:
-        has_res, res_ptr, res_t, res_el = False, 0, None, 0
+        has_res, res_ptr, res_t = False, 0, None
     else:  # error feedback runs in the residual's dtype (the reference's rule)
         res_kind = _check_residual(residual, dst, layout)
-        has_res, res_ptr, res_t, res_el = True, residual.data_ptr(), C.STORAGE[res_kind], C.ELSIZE[res_kind]
+        has_res, res_ptr, res_t = True, residual.data_ptr(), C.STORAGE[res_kind]
+    flag_ptr = 0 if health is None else _check_health(health, dst)
     launches = 0
-    with plan.lock:
-        table = plan.refresh(dst, srcs, s64, s32, res_ptr)
-        for gi, g in enumerate(plan.groups):
-            if g.n_chunks == 0:
-                continue  # only empty tensors of this dtype
-            src_aligned, dst_aligned = plan.aligned(gi)
-            _pack_kernel[(g.n_chunks,)](
-                table, g.chunks,
-                SRC_T=C.STORAGE[g.kind], DST_T=C.STORAGE[plan.flat_kind],
-                C_T=res_t if has_res else C.compute_type(g.kind, plan.flat_kind),
-                MODE=mode, RAW=(mode == C.MODE_CAST and g.kind == plan.flat_kind and not has_res),
-                SRC_ALIGNED=src_aligned, DST_ALIGNED=dst_aligned, BLOCK=plan.block,
-                HAS_RESIDUAL=has_res, RES_ALIGNED=has_res and plan.res_aligned(gi, res_el),
-                num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
-            )
-            _bump("launches")
-            launches += 1
-        plan.after_launch()
+    with binding.lock:
+        table, fallback = binding.refresh(dst, srcs, s64, s32, res_ptr, flag_ptr)
+        try:
+            for g in plan.groups:
+                if g.n_chunks == 0:
+                    continue  # only empty tensors of this dtype
+                _pack_kernel[(g.n_chunks,)](
+                    table, g.chunks,
+                    SRC_T=C.STORAGE[g.kind], DST_T=C.STORAGE[plan.flat_kind],
+                    C_T=res_t if has_res else C.compute_type(g.kind, plan.flat_kind),
+                    MODE=mode, RAW=(mode == C.MODE_CAST and g.kind == plan.flat_kind and not has_res),
+                    BLOCK=plan.block, HAS_RESIDUAL=has_res, HAS_HEALTH=health is not None,
+                    num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
+                )
+                _bump("launches")
+                launches += 1
+        finally:
+            binding.after_launch()
+    if fallback:
+        _bump("fallback_tensors", len(fallback))
+        views = layout.views(dst)
+        res_views = layout.views(residual) if residual is not None else None
+        reference.pack_views([srcs[i] for i in fallback], [views[i] for i in fallback], scale, divide,
+                             None if res_views is None else [res_views[i] for i in fallback], health=health)
     return launches
 
 
@@ -174,25 +220,39 @@ def _check_residual(residual: torch.Tensor, dst: torch.Tensor, layout) -> int:
     return C.CODE[residual.dtype]
 
 
+def _check_health(health: torch.Tensor, dst: torch.Tensor) -> int:
+    """The launcher's own flag checks; returns the flag's address."""
+    if health.dtype != torch.int32 or health.numel() != 1:
+        raise TypeError(f"pack: health must be a 1-element int32 tensor, got {health.dtype} {tuple(health.shape)}")
+    if health.device != dst.device:
+        raise ValueError(f"pack: health is on {health.device} but dst is on {dst.device}")
+    return health.data_ptr()
+
+
 def pack_triton(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float = 1.0,
-                divide: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                divide: float | None = None, residual: torch.Tensor | None = None,
+                health: torch.Tensor | None = None) -> torch.Tensor:
     """``dst[o_i : o_i + n_i] = cast(srcs[i] * scale)`` (or ``/ divide``) for every i,
-    one launch per source dtype.  ``srcs`` contiguous, on ``dst``'s device.
+    one launch per source dtype.  ``srcs`` on ``dst``'s device.
 
     With ``residual`` (a contiguous 1-D float32/float64 tensor indexed like
     ``dst``) the same launch applies error feedback in the residual's dtype:
     ``x = srcs[i] * scale + r; dst = cast(x); r = x - upcast(dst)``, each op
-    rounded on its own, as :func:`fastddp.kernels.reference.pack_views` does."""
+    rounded on its own, a non-finite new ``r`` stored as 0, as
+    :func:`fastddp.kernels.reference.pack_views` does.  With ``health`` (a
+    1-element int32 tensor) the same launch ORs :class:`~fastddp.kernels.Health`
+    bits into it.  Sources whose memory order is not their layout slot's are
+    copied with torch (that arithmetic too), the rest stay in the one launch."""
     if C.needs_reference(_INTERPRETED, dst.device):
         _bump("reference_calls")
         res_views = layout.views(residual) if residual is not None else None
-        reference.pack_views(srcs, layout.views(dst), scale, divide, res_views)
+        reference.pack_views(srcs, layout.views(dst), scale, divide, res_views, health=health)
     elif _INTERPRETED:
         with C.INTERPRET_LOCK:
-            _pack_launch(srcs, dst, layout, scale, divide, residual)
+            _pack_launch(srcs, dst, layout, scale, divide, residual, health)
     elif dst.device.index != torch.cuda.current_device():
         with torch.cuda.device(dst.device):
-            _pack_launch(srcs, dst, layout, scale, divide, residual)
+            _pack_launch(srcs, dst, layout, scale, divide, residual, health)
     else:
-        _pack_launch(srcs, dst, layout, scale, divide, residual)
+        _pack_launch(srcs, dst, layout, scale, divide, residual, health)
     return dst

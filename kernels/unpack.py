@@ -25,7 +25,7 @@ __all__ = ["unpack_triton"]
 
 @triton.jit
 def _unpack_kernel(
-    ptr_table,  # *Pointer* to int64 [4 + n_tensors] (header _HEAD = 4): flat src address, scale (fp64 bits; fp32 value as fp64 bits), destination addresses
+    ptr_table,  # *Pointer* to int64 [5 + n_tensors] (header _HEAD = 5): flat src address, scale (fp64 bits; fp32 value as fp64 bits), two unused slots, destination addresses (0: the launcher copies that one)
     chunk_table,  # *Pointer* to int64 [n_chunks, 4] rows: (ptr-table slot, start in destination, start in src, length)
     SRC_T: tl.constexpr,  # element type of the flat source (bf16 as tl.uint16 bits)
     DST_T: tl.constexpr,  # element type of this launch's destinations (bf16 as tl.uint16 bits)
@@ -33,28 +33,32 @@ def _unpack_kernel(
     MODE: tl.constexpr,  # 0 cast only, 1 multiply by the scale, 2 divide by it
     ACC: tl.constexpr,  # add to the destination (in the compute dtype) instead of overwriting it
     RAW: tl.constexpr,  # same dtype, no scaling, no accumulation: copy the bits
-    SRC_ALIGNED: tl.constexpr,  # every source chunk starts on 16 bytes (vectorise loads)
-    DST_ALIGNED: tl.constexpr,  # every destination chunk starts on 16 bytes (vectorise stores)
     BLOCK: tl.constexpr,  # elements per program
 ):
+    SRC_B: tl.constexpr = SRC_T.primitive_bitwidth // 8  # bytes per element
+    DST_B: tl.constexpr = DST_T.primitive_bitwidth // 8
     i_c = tl.program_id(0)
     p_row = chunk_table + i_c * 4
     i_t = tl.load(p_row)
     o_dst = tl.load(p_row + 1)
     o_src = tl.load(p_row + 2)
     n = tl.load(p_row + 3)
-    p_src = tl.load(ptr_table).to(tl.pointer_type(SRC_T)) + o_src
-    p_dst = tl.load(ptr_table + i_t).to(tl.pointer_type(DST_T)) + o_dst
-    if SRC_ALIGNED:
-        p_src = tl.multiple_of(p_src, 16)
-    if DST_ALIGNED:
-        p_dst = tl.multiple_of(p_dst, 16)
+    a_dst = tl.load(ptr_table + i_t)  # the destination's address; 0: not ours (copied by the launcher)
+    n = tl.where(a_dst == 0, 0, n)
+    a_dst = a_dst + o_dst * DST_B  # this chunk's first byte
+    a_src = tl.load(ptr_table) + o_src * SRC_B
     o = tl.arange(0, BLOCK)  # [BLOCK]
-    # a full chunk loads and stores unmasked, so aligned accesses vectorise
-    if n == BLOCK:
-        b_x = tl.load(p_src + o)  # [BLOCK]
+    m = o < n  # [BLOCK]
+    # Per chunk, at run time: a full chunk at a 16-byte aligned address loads
+    # (stores) unmasked and vectorised; any other chunk takes masked scalar
+    # accesses.  The hinted pointer is made inside its branch: the hint sits
+    # on the op that makes the value, which the other branch must not share.
+    full = n == BLOCK
+    fast_dst = full & (a_dst % 16 == 0)
+    if full & (a_src % 16 == 0):
+        b_x = tl.load(tl.multiple_of(a_src.to(tl.pointer_type(SRC_T)), 16) + o)  # [BLOCK]
     else:
-        b_x = tl.load(p_src + o, mask=o < n)  # [BLOCK]
+        b_x = tl.load(a_src.to(tl.pointer_type(SRC_T)) + o, mask=m)  # [BLOCK]
     if RAW:
         b_y = b_x
     else:
@@ -74,10 +78,10 @@ def _unpack_kernel(
             else:
                 b_x = tl.math.div_rn(b_x, b_s)  # IEEE division; fp32 `/` may be approximate
         if ACC:
-            if n == BLOCK:
-                b_d = tl.load(p_dst + o)  # [BLOCK]
+            if fast_dst:
+                b_d = tl.load(tl.multiple_of(a_dst.to(tl.pointer_type(DST_T)), 16) + o)  # [BLOCK]
             else:
-                b_d = tl.load(p_dst + o, mask=o < n)  # [BLOCK]
+                b_d = tl.load(a_dst.to(tl.pointer_type(DST_T)) + o, mask=m)  # [BLOCK]
             if DST_T == tl.uint16:
                 b_d = (b_d.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
             b_x = b_d.to(C_T) + b_x
@@ -92,10 +96,10 @@ def _unpack_kernel(
             b_y = b_x.to(tl.float32).to(tl.float16)
         else:
             b_y = b_x.to(DST_T)
-    if n == BLOCK:
-        tl.store(p_dst + o, b_y)
+    if fast_dst:
+        tl.store(tl.multiple_of(a_dst.to(tl.pointer_type(DST_T)), 16) + o, b_y)
     else:
-        tl.store(p_dst + o, b_y, mask=o < n)
+        tl.store(a_dst.to(tl.pointer_type(DST_T)) + o, b_y, mask=m)
 
 
 _INTERPRETED = C.is_interpreted(_unpack_kernel)
@@ -103,38 +107,46 @@ _INTERPRETED = C.is_interpreted(_unpack_kernel)
 
 def _unpack_launch(src: torch.Tensor, dsts: Sequence[torch.Tensor], layout, scale: float,
                    divide: float | None, accumulate: bool) -> int:
-    """Check the inputs, refresh the plan's pointer table and launch one grid of
-    ``n_chunks`` programs per destination dtype.  Returns the number of launches."""
+    """Check the inputs, refresh the layout's pointer table and launch one grid
+    of ``n_chunks`` programs per destination dtype; destinations whose memory
+    order is not their slot's are then written with torch, alone.  Returns
+    the number of launches."""
     C.check_tensors("unpack", src, dsts, layout)
-    plan = C.get_plan("unpack", layout, dsts, src, C.block_for(_INTERPRETED))
+    binding = C.get_binding("unpack", layout, dsts, src, C.block_for(_INTERPRETED))
+    plan = binding.plan
     mode, s64, s32 = C.scale_slots(scale, divide, src.device)
     launches = 0
-    with plan.lock:
-        table = plan.refresh(src, dsts, s64, s32)
-        for gi, g in enumerate(plan.groups):
-            if g.n_chunks == 0:
-                continue  # only empty tensors of this dtype
-            dst_aligned, src_aligned = plan.aligned(gi)
-            _unpack_kernel[(g.n_chunks,)](
-                table, g.chunks,
-                SRC_T=C.STORAGE[plan.flat_kind], DST_T=C.STORAGE[g.kind],
-                C_T=C.compute_type(plan.flat_kind, g.kind),
-                MODE=mode, ACC=bool(accumulate),
-                RAW=(mode == C.MODE_CAST and not accumulate and g.kind == plan.flat_kind),
-                SRC_ALIGNED=src_aligned, DST_ALIGNED=dst_aligned,
-                BLOCK=plan.block, num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
-            )
-            _bump("launches")
-            launches += 1
-        plan.after_launch()
+    with binding.lock:
+        table, fallback = binding.refresh(src, dsts, s64, s32)
+        try:
+            for g in plan.groups:
+                if g.n_chunks == 0:
+                    continue  # only empty tensors of this dtype
+                _unpack_kernel[(g.n_chunks,)](
+                    table, g.chunks,
+                    SRC_T=C.STORAGE[plan.flat_kind], DST_T=C.STORAGE[g.kind],
+                    C_T=C.compute_type(plan.flat_kind, g.kind),
+                    MODE=mode, ACC=bool(accumulate),
+                    RAW=(mode == C.MODE_CAST and not accumulate and g.kind == plan.flat_kind),
+                    BLOCK=plan.block, num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
+                )
+                _bump("launches")
+                launches += 1
+        finally:
+            binding.after_launch()
+    if fallback:
+        _bump("fallback_tensors", len(fallback))
+        views = layout.views(src)
+        reference.unpack_views([views[i] for i in fallback], [dsts[i] for i in fallback], scale, divide,
+                               accumulate)
     return launches
 
 
 def unpack_triton(src: torch.Tensor, dsts: Sequence[torch.Tensor], layout, scale: float = 1.0,
                   divide: float | None = None, accumulate: bool = False) -> Sequence[torch.Tensor]:
     """``dsts[i] (=|+=) cast(src[o_i : o_i + n_i] * scale)`` (or ``/ divide``) for
-    every i, one launch per destination dtype.  ``dsts`` contiguous, on ``src``'s
-    device."""
+    every i, one launch per destination dtype.  ``dsts`` on ``src``'s device;
+    those whose memory order is not their layout slot's are written with torch."""
     if C.needs_reference(_INTERPRETED, src.device):
         _bump("reference_calls")
         reference.unpack_views(layout.views(src), dsts, scale, divide, accumulate)

@@ -236,7 +236,8 @@ def test_cpu_backend_is_reference_without_the_interpreter():
     K.pack([torch.ones(3)], torch.zeros(3), scale=0.5)
     K.unpack(torch.ones(3), [torch.zeros(3)])
     s = K.stats()
-    assert s == {"launches": 0, "pack_calls": 1, "unpack_calls": 1, "reference_calls": 2}
+    assert s == {"launches": 0, "pack_calls": 1, "unpack_calls": 1, "reference_calls": 2,
+                 "fallback_tensors": 0, "table_uploads": 0, "table_waits": 0}
 
 
 def test_public_names_are_the_functions():
@@ -275,27 +276,46 @@ def _compile_sm90(fn, **constexprs):
                           options={"enable_fp_fusion": False, "num_warps": 4}).asm["ptx"]
 
 
+def _vector_ops(ptx: str, op: str, bits: str = "32|64") -> int:
+    return len(re.findall(rf"{op}\.global\.v\d\.b(?:{bits})", ptx))
+
+
+def _scalar_ops(ptx: str, op: str) -> int:
+    return len(re.findall(rf"{op}\.global\.b(?:8|16|32|64)\b", ptx))
+
+
+def _n_vec(elsize: int, block: int = 2048, threads: int = 128) -> int:
+    """16-byte vector accesses one thread makes for a full chunk of ``elsize``-byte elements."""
+    return block // threads * elsize // 16
+
+
 @pytest.mark.parametrize("op, src, dst, mode", [("pack", 0, 2, 1), ("unpack", 2, 0, 1), ("pack", 3, 1, 2),
-                                                ("unpack", 1, 3, 1)])
+                                                ("unpack", 1, 3, 1), ("pack", 0, 0, 1), ("unpack", 2, 2, 0)])
 def test_kernels_compile_for_sm90_vectorised_without_fma(op, src, dst, mode):
-    """No GPU needed: PTX for sm_90 from the very kernel source.  Aligned
-    chunks use 16-byte vector accesses; no FMA contraction; no flush-to-zero."""
+    """No GPU needed: PTX for sm_90 from the very kernel source.  One kernel
+    holds both paths, chosen per chunk at run time: a full chunk at 16-byte
+    aligned addresses is read and written entirely with 16-byte vector
+    accesses, any other chunk with masked scalar ones; no FMA contraction;
+    no flush-to-zero."""
     from fastddp.kernels import _triton_common as TC
     from fastddp.kernels.pack import _pack_kernel
     from fastddp.kernels.unpack import _unpack_kernel
 
     fn = _pack_kernel if op == "pack" else _unpack_kernel
-    extra = {} if op == "pack" else {"ACC": True}
+    raw = mode == 0 and src == dst  # a bit copy (the launcher never accumulates then)
+    extra = {} if op == "pack" else {"ACC": not raw}
     kw = dict(SRC_T=TC.STORAGE[src], DST_T=TC.STORAGE[dst], C_T=TC.compute_type(src, dst), MODE=mode,
-              RAW=False, BLOCK=2048, **extra)
-    ptx = _compile_sm90(fn, SRC_ALIGNED=True, DST_ALIGNED=True, **kw)
-    vec = set(re.findall(r"(?:ld|st)\.global\.v\d\.b\d+", ptx))
-    assert any(v.startswith("ld") for v in vec) and any(v.startswith("st") for v in vec), vec
+              RAW=raw, BLOCK=2048, **extra)
+    ptx = _compile_sm90(fn, **kw)
+    # the fast path: every element of a full chunk moves in 16-byte vectors
+    n_ld = _n_vec(TC.ELSIZE[src]) + (_n_vec(TC.ELSIZE[dst]) if extra.get("ACC") else 0)  # ACC loads dst
+    assert _vector_ops(ptx, "ld") == n_ld, (_vector_ops(ptx, "ld"), n_ld)
+    assert _vector_ops(ptx, "st") == _n_vec(TC.ELSIZE[dst])
+    # the masked path: scalar accesses, one per element a thread holds
+    assert _scalar_ops(ptx, "ld") >= 16 and _scalar_ops(ptx, "st") == 16
     assert not re.search(r"\bfma\.", ptx) and ".ftz" not in ptx
     if mode == 2:
         assert re.search(r"div\.rn\.f(32|64)", ptx)
-    ptx_u = _compile_sm90(fn, SRC_ALIGNED=False, DST_ALIGNED=False, **kw)
-    assert not re.search(r"(?:ld|st)\.global\.v\d\.b(8|16|32)", ptx_u) or src == 3 or dst == 3
 
 
 @pytest.mark.parametrize("src, dst, res, mode", [(0, 2, 0, 1), (0, 1, 0, 2), (2, 1, 0, 1), (1, 2, 0, 0),
@@ -303,7 +323,7 @@ def test_kernels_compile_for_sm90_vectorised_without_fma(op, src, dst, mode):
 def test_pack_with_residual_compiles_for_sm90_vectorised_without_fma(src, dst, res, mode):
     """The error-feedback variant of the pack kernel (HAS_RESIDUAL): the
     residual rides in the same launch, loaded and stored with 16-byte vector
-    accesses when aligned, in the residual's dtype, and ``x * s + r`` is a
+    accesses on the fast path, in the residual's dtype, and ``x * s + r`` is a
     multiply and an add rounded separately (no FMA), like the reference."""
     from fastddp.kernels import _triton_common as TC
     from fastddp.kernels.pack import _pack_kernel
@@ -311,7 +331,7 @@ def test_pack_with_residual_compiles_for_sm90_vectorised_without_fma(src, dst, r
     c = {0: "f32", 3: "f64"}[res]
     kw = dict(SRC_T=TC.STORAGE[src], DST_T=TC.STORAGE[dst], C_T=TC.STORAGE[res], MODE=mode, RAW=False,
               BLOCK=2048, HAS_RESIDUAL=True)
-    ptx = _compile_sm90(_pack_kernel, SRC_ALIGNED=True, DST_ALIGNED=True, RES_ALIGNED=True, **kw)
+    ptx = _compile_sm90(_pack_kernel, **kw)
     assert not re.search(r"\bfma\.", ptx) and ".ftz" not in ptx
     assert re.search(rf"\badd\.rn\.{c}\b", ptx) and re.search(rf"\bsub\.rn\.{c}\b", ptx)
     if mode == 1:
@@ -320,14 +340,79 @@ def test_pack_with_residual_compiles_for_sm90_vectorised_without_fma(src, dst, r
         assert re.search(rf"div\.rn\.{c}\b", ptx)
     # full chunks: the residual adds exactly its 16-byte vector loads and
     # stores (16 elements a thread at BLOCK=2048, 4 warps) to the plain kernel's
-    ptx_plain = _compile_sm90(_pack_kernel, SRC_ALIGNED=True, DST_ALIGNED=True,
-                              **{**kw, "HAS_RESIDUAL": False, "C_T": TC.compute_type(src, dst)})
-    n_vec = 2048 // (32 * 4) * TC.ELSIZE[res] // 16
+    ptx_plain = _compile_sm90(_pack_kernel, **{**kw, "HAS_RESIDUAL": False, "C_T": TC.compute_type(src, dst)})
+    n_vec = _n_vec(TC.ELSIZE[res])
     for op in ("ld", "st"):
-        pat = rf"{op}\.global\.v\d\.b(?:32|64)"
-        n, n0 = len(re.findall(pat, ptx)), len(re.findall(pat, ptx_plain))
+        n, n0 = _vector_ops(ptx, op), _vector_ops(ptx_plain, op)
         assert n == n0 + n_vec, (op, n, n0, n_vec)
-    ptx_u = _compile_sm90(_pack_kernel, SRC_ALIGNED=False, DST_ALIGNED=False, RES_ALIGNED=False, **kw)
-    assert not re.search(r"(?:ld|st)\.global\.v\d\.b(8|16|32)", ptx_u) or res == 3 or src == 3
-    assert not re.search(r"\bfma\.", ptx_u)
+    # and, on the masked path, its scalar ones
+    assert _scalar_ops(ptx, "st") == _scalar_ops(ptx_plain, "st") + 16
 
+
+@pytest.mark.parametrize("src, dst, res", [(0, 2, None), (0, 1, 0), (2, 1, 0), (3, 2, None), (1, 1, None),
+                                           (0, 0, None)])
+def test_health_flag_rides_in_the_same_pass_and_is_absent_without_it(src, dst, res):
+    """HAS_HEALTH=False (the default) is the kernel without the option: no
+    atomic, the very PTX of a launch that does not mention it.  HAS_HEALTH=True
+    adds the flag's one atomic OR and no memory pass: the same 16-byte vector
+    accesses and the same scalar stores."""
+    from fastddp.kernels import _triton_common as TC
+    from fastddp.kernels.pack import _pack_kernel
+
+    kw = dict(SRC_T=TC.STORAGE[src], DST_T=TC.STORAGE[dst], MODE=1, RAW=False, BLOCK=2048,
+              C_T=TC.compute_type(src, dst) if res is None else TC.STORAGE[res], HAS_RESIDUAL=res is not None)
+    plain = _compile_sm90(_pack_kernel, **kw)
+    assert _compile_sm90(_pack_kernel, HAS_HEALTH=False, **kw) == plain
+    assert not re.search(r"\b(?:atom|red)\.", plain)
+    flagged = _compile_sm90(_pack_kernel, HAS_HEALTH=True, **kw)
+    assert len(re.findall(r"\b(?:atom|red)\.global\.[\w.]*or\.b32", flagged)) == 1, \
+        re.findall(r"\b(?:atom|red)\.[\w.]+", flagged)
+    for op in ("ld", "st"):
+        assert _vector_ops(flagged, op) == _vector_ops(plain, op), op
+    assert _scalar_ops(flagged, "st") == _scalar_ops(plain, "st")
+    assert not re.search(r"\bfma\.", flagged) and ".ftz" not in flagged
+
+
+# ------------------------------------------------- health flag (reference)
+def _ref_flag(srcs, dst_dtype, residual=None, **kw):
+    lay = Layout.for_tensors(srcs)
+    flat = torch.zeros(lay.total, dtype=dst_dtype)
+    flag = torch.zeros(1, dtype=torch.int32)
+    K.pack(srcs, flat, layout=lay, residual=residual, health=flag, **kw)
+    return int(flag), flat
+
+
+def test_health_flag_is_the_contract_on_the_reference_path():
+    """The contract in the reference's docstring, written as direct expressions."""
+    H = K.Health
+    assert _ref_flag([torch.ones(3), torch.tensor([2.0, 70000.0])], FP16)[0] == H.OVERFLOW
+    assert _ref_flag([torch.ones(3), torch.tensor([2.0, 70000.0])], FP16, scale=THIRD)[0] == 0  # 70000/3 fits
+    assert _ref_flag([torch.tensor([2.0, 60000.0])], FP16, scale=THIRD)[0] == 0
+    assert _ref_flag([torch.tensor([float("nan"), 1.0])], BF16)[0] == H.SOURCE_NONFINITE
+    assert _ref_flag([torch.tensor([float("inf"), 70000.0])], FP16)[0] == H.SOURCE_NONFINITE | H.OVERFLOW
+    assert _ref_flag([torch.tensor([1e300], dtype=FP64)], FP32)[0] == H.OVERFLOW
+    assert _ref_flag([torch.tensor([3e38])], FP32, scale=4.0)[0] == H.OVERFLOW  # the scaling overflowed
+    r = torch.tensor([0.0, float("nan"), 0.0])
+    flag, flat = _ref_flag([torch.tensor([1.0, 2.0, 3.0])], FP16, residual=r)
+    assert flag == H.RESIDUAL_NONFINITE
+    assert r.isfinite().all(), "the non-finite residual is stored as 0"
+    assert _ref_flag([torch.ones(4)], FP16)[0] == 0 and K.stats()["reference_calls"] > 0
+
+
+def test_error_feedback_zeroes_a_non_finite_residual():
+    """``r = x - cast(x)``, 0 where not finite: an overflowed element (x finite,
+    cast inf) and a NaN source leave r finite; finite elements keep the exact
+    rounding error."""
+    x = torch.tensor([1.0 + 2 ** -12, 70000.0, float("nan"), -1e5, 3.0])
+    r = torch.zeros(5)
+    wire = torch.empty(5, dtype=FP16)
+    K.pack([x], wire, residual=r)
+    want = x - x.to(FP16).to(FP32)
+    want = torch.where(want.isfinite(), want, 0.0)
+    assert_bits(r, want, "residual")
+    assert r[0].item() == 2 ** -12 and r[1].item() == 0.0 and r[2].item() == 0.0
+
+
+def test_first_nonfinite_names_the_tensor():
+    ts = [torch.zeros(2), torch.tensor([1.0, float("inf")]), torch.tensor([float("nan")])]
+    assert K.first_nonfinite(ts) == 1 and K.first_nonfinite(ts[:1]) is None
