@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from . import kernels  # noqa: F401  (installed from the top-level kernels/ folder)
 from . import hooks
 from .ddp import DistributedDataParallel
+from .health import configure
 from .hooks import GradBucket
 
-__all__ = ["DistributedDataParallel", "GradBucket", "hooks", "kernels"]
+__all__ = ["DistributedDataParallel", "GradBucket", "configure", "hooks", "kernels"]

@@ -30,7 +30,7 @@ class Bucket:
 
     __slots__ = ("index", "spec", "params", "indices", "layout", "flat", "views", "size",
                  "pending", "work", "ready_event", "flat_layout", "complex", "grad_views",
-                 "hook_layout", "sparse", "sparse_grad", "reduction")
+                 "hook_layout", "sparse", "sparse_grad", "reduction", "health")
 
     def __init__(self, spec: planner.Bucket, params: Sequence[torch.Tensor], dtype: torch.dtype | None = None):
         self.index = spec.index
@@ -43,6 +43,7 @@ class Bucket:
         self.sparse_grad = None
         self.work: Pending | None = None
         self.reduction = None
+        self.health: torch.Tensor | None = None  # check_finite: this bucket's int32 flag (a view)
         self.ready_event = torch.cuda.Event() if spec.device.type == "cuda" else None
         dtype = dtype or spec.dtype
         self.complex = dtype.is_complex
@@ -58,7 +59,9 @@ class Bucket:
             self.grad_views = [torch.view_as_complex(v) for v in self.views]
             self.hook_layout = kernels.Layout([p.shape for p in self.params], spec.offsets)
         else:
-            self.layout = kernels.Layout([p.shape for p in self.params], spec.offsets)
+            # bucket views keep each dense param's strides (torch's rule): a
+            # channels_last grad is then moved in memory order by the one launch
+            self.layout = kernels.Layout.for_tensors(self.params, spec.offsets, keep_strides=True)
             self.flat = torch.zeros(spec.numel, dtype=dtype, device=spec.device)
             self.views = self.grad_views = self.layout.views(self.flat)
             self.hook_layout = self.layout

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import groups
+from .health import resolve_mode
 
 __all__ = ["DDPConfig", "params_for_reducer"]
 
@@ -74,6 +75,8 @@ class DDPConfig:
     mixed_precision: Any
     skip_all_reduce_unused_params: bool
     batched_grad_copy: bool
+    check_finite: str | None = None
+    """fastddp extension: ``"raise"`` / ``"warn"`` on a non-finite gradient (:mod:`fastddp.health`)."""
 
     @classmethod
     def resolve(cls, module: torch.nn.Module, *, device_ids=None, output_device=None, dim=0,
@@ -81,7 +84,8 @@ class DDPConfig:
                 find_unused_parameters=False, check_reduction=False, gradient_as_bucket_view=False,
                 static_graph=False, delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                 mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
-                bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None) -> "DDPConfig":
+                bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
+                check_finite=None) -> "DDPConfig":
         """Check every argument against the module (torch's errors, torch's
         sentences) and resolve the defaults."""
         if process_group is None and device_mesh is None and (
@@ -189,4 +193,4 @@ class DDPConfig:
             find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph, mixed_precision=mixed_precision,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            batched_grad_copy=batched_grad_copy)
+            batched_grad_copy=batched_grad_copy, check_finite=resolve_mode(check_finite))

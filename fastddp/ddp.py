@@ -83,6 +83,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         bucket_cap_mb_list=None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
+        *,
+        check_finite: bool | str | None = None,
     ):
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -95,7 +97,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
             device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             bucket_cap_mb_list=bucket_cap_mb_list, batched_grad_copy=batched_grad_copy,
-            forward_sync_buffers=forward_sync_buffers)
+            forward_sync_buffers=forward_sync_buffers, check_finite=check_finite)
         self.config = cfg
         self.module = module
         self.process_group, self.device_mesh = cfg.process_group, cfg.device_mesh
@@ -173,6 +175,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             static_graph=static_graph,
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None,
+            check_finite=self.config.check_finite,
         )
         sparse = self._sparse_params if len(self._sparse_params) == len(parameters) else None
         if sparse and any(sparse) and self._mp is not None:

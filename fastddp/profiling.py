@@ -97,6 +97,7 @@ def reducer_stats(r) -> dict:
         "exposed_comm_source": "host",
         **r.comm.exposed_stats(),
         "debug": r.debug,
+        "check_finite": r.opts.check_finite,
         "buckets": [b.describe(r.names) for b in r.buckets],
     }
 

@@ -38,6 +38,7 @@ import torch
 from . import groups, kernels, planner, profiling, reduction
 from .buckets import Bucket
 from .comm import Comm
+from .health import HealthCheck
 from .readiness import Readiness
 
 __all__ = ["Reducer", "ReducerOptions"]
@@ -63,11 +64,12 @@ class ReducerOptions:
     """Do not reduce a bucket whose params were all unused on this rank."""
     reduce_dtype: torch.dtype | None = None
     """mixed_precision: the buckets' (wire) dtype; None: the params' dtype."""
+    check_finite: str | None = None
+    """``"raise"`` / ``"warn"``: gradient health flags set by the packs (:mod:`fastddp.health`)."""
 
 
 class Reducer:
-    """Bucketed, overlapped gradient averaging for one DDP module.  ``debug``:
-    ranks compare readiness before any bucket is reduced (see README)."""
+    """Bucketed, overlapped gradient averaging for one DDP module (``debug``: see README)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  process_group, options: ReducerOptions, sparse: Sequence[bool] | None = None,
@@ -102,6 +104,7 @@ class Reducer:
         self._fwd_use_static_world = True
         self._fast_hooks = False               # see _make_hook
         self._buckets: list[Bucket] = []
+        self.health = HealthCheck(options.check_finite, self.device) if options.check_finite else None
         self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
         # post-accumulate-grad hooks fire as the post hook torch's reducer puts
         # on AccumulateGrad (also for undefined grads), without tuples of grads
@@ -154,6 +157,8 @@ class Reducer:
                          for spec in plan.buckets]
         for b in self._buckets:
             b.reduction = self._sparse_mode if b.sparse else self._dense
+        if self.health is not None:
+            self.health.install(self._buckets)
         self._bucket_of = [self._buckets[plan.locate(i)[0]] for i in range(len(self.params))]
         if not old:
             return
@@ -167,8 +172,7 @@ class Reducer:
         return self.opts.bucket.should_rebuild and not self._has_rebuilt
 
     def rebuild_buckets(self) -> bool:
-        """Called by the front before forward: rebuild the buckets once, in the
-        order gradients became ready (rank 0's order, broadcast), as torch."""
+        """Before a forward: rebuild once, in rank 0's ready order (torch's rule)."""
         self.ensure_prior_reduction_finished()
         order = self.ready.ready_order
         if not self._should_rebuild() or not order:
@@ -195,9 +199,7 @@ class Reducer:
         self._fwd_work, self._fwd_use_static_world = work, use_static_world_size
 
     def divide_factor(self) -> int:
-        """What gradients are averaged over this iteration (torch's
-        set_divide_factor): the world size, or under join(divide_by_initial_
-        world_size=False) the number of ranks that have not joined."""
+        """torch's div_factor_: W, or the ranks not joined (join(divide_by_initial_world_size=False))."""
         if self._div_factor is None:
             d = self.world
             if self._fwd_work is not None and not self._fwd_use_static_world:
@@ -207,8 +209,7 @@ class Reducer:
         return self._div_factor
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Arm the hooks for the coming backward (the front calls it after a
-        forward that should synchronise)."""
+        """Arm the hooks for the backward of a forward that synchronises."""
         self.ensure_prior_reduction_finished()
         self._next_bucket = 0
         for b in self._buckets:
@@ -241,7 +242,7 @@ class Reducer:
                     return  # issued by _debug_check after the cross-rank check
                 self._launch_ready()
             except BaseException:
-                self._abort_iteration()  # e.g. a hook's error: the next iteration starts clean
+                self.abort_iteration()  # e.g. a hook's error: the next iteration starts clean
                 raise
             if self._next_bucket == len(self._buckets):
                 self._all_buckets_issued()
@@ -259,7 +260,7 @@ class Reducer:
         try:
             self.ready.check_agreement()
         except RuntimeError:
-            self._abort_iteration()
+            self.abort_iteration()
             raise
         if all(b.pending == 0 for b in self._buckets):
             self._launch_ready()
@@ -288,9 +289,7 @@ class Reducer:
 
     # -------------------------------------------------------------- finalize
     def delay_all_reduce(self) -> None:
-        """static_graph, first iteration: nothing was reduced during backward;
-        learn the unused params, then reduce every bucket now (torch's
-        ``_delay_all_reduce``)."""
+        """static_graph's first backward (torch's ``_delay_all_reduce``): learn the unused params, reduce all."""
         with self._lock:
             self.ready.learn_static_unused()
             for b in self._buckets:
@@ -304,43 +303,45 @@ class Reducer:
     def _finalize(self) -> None:
         with profiling.range("fastddp/finalize", self.comm.cuda):
             if not self.ready.expect_hooks or self._next_bucket != len(self._buckets):
-                raise RuntimeError(
-                    f"fastddp internal error: finalize with {self._next_bucket} of "
-                    f"{len(self._buckets)} buckets issued (hooks armed: {self.ready.expect_hooks})")
+                raise RuntimeError(f"fastddp internal error: finalize with {self._next_bucket} of "
+                                   f"{len(self._buckets)} buckets issued (armed: {self.ready.expect_hooks})")
             self._fast_hooks = False
             self._div_factor = None  # join may change it by the next iteration
             track = self.ready.static or self.opts.find_unused_parameters
             self.ready.expect_hooks = False
+            live = [b for b in self._buckets if b.work is not None]  # else skipped (unused)
             with self.comm.comm_context(), torch.no_grad():
-                for b in self._buckets:
-                    if b.work is None:
-                        continue  # skipped (skip_all_reduce_unused_params)
-                    with profiling.range(f"fastddp/wait[{b.index}]", self.comm.cuda):
-                        result = self.comm.wait(b.work)
-                    b.work = None
+                results = [self._wait(b) for b in live] if self.health is not None else None
+                if results is not None:
+                    self.health.check(self)  # before any reduced value reaches .grad
+                for k, b in enumerate(live):
+                    result = results[k] if results is not None else self._wait(b)
                     with profiling.range(f"fastddp/unpack[{b.index}]", self.comm.cuda):
                         b.reduction.unpack(self, b, result, track)
             self.comm.join_compute_stream()
             if self.after_finalize is not None:
                 self.after_finalize()
-            # Host view of what backward failed to hide: from the last bucket's
-            # issue (~ the last gradient) to all buckets reduced (CUDA: Comm
-            # also times it with events).
+            # host view of the exposed comm: last bucket issued -> all reduced (CUDA: events too)
             self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
             self.steps_reduced += 1
             self.ready.finish()
 
+    def _wait(self, b: Bucket):
+        with profiling.range(f"fastddp/wait[{b.index}]", self.comm.cuda):
+            result, b.work = self.comm.wait(b.work), None
+        if self.health is not None:
+            b.reduction.check_result(b, result)
+        return result
+
     # ------------------------------------------------------------------ join
     def push_all_rebuilt_params(self) -> None:
-        """A joined rank that never ran a backward still takes part in the one
-        bucket rebuild (torch's _push_all_rebuilt_params)."""
+        """torch's _push_all_rebuilt_params: a joined rank takes part in the rebuild."""
         if self._should_rebuild() and not self.ready.ready_order:
             self.ready.ready_order = list(range(len(self.params)))
 
     # ---------------------------------------------------------------- errors
-    def _abort_iteration(self) -> None:
-        """An error is being raised in this iteration: drop its state so the
-        next well-formed iteration trains normally."""
+    def abort_iteration(self) -> None:
+        """An error is raised in this iteration: the next well-formed one starts clean."""
         self.ready.abort()
         self._fast_hooks = False
         self._next_bucket = 0
@@ -350,7 +351,7 @@ class Reducer:
     def ensure_prior_reduction_finished(self) -> None:
         if self.ready.require_finalize:
             err = self.ready.unfinished_error()
-            self._abort_iteration()  # so the error is not raised forever after a user catches it
+            self.abort_iteration()  # so the error is not raised forever after a user catches it
             raise err
 
     def stats(self) -> dict:

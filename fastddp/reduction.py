@@ -42,6 +42,10 @@ __all__ = ["Scaling", "Reduction", "AllReduce", "PythonHook", "FusedCompression"
            "SparseAllReduce", "choose", "fill_flat", "unpack_grads"]
 
 
+#: check_finite bit for a comm hook's result (beside kernels.Health's bits)
+REDUCED_NONFINITE = 8
+
+
 class Scaling(enum.IntEnum):
     """What the pack applies (torch's rules, bit for bit)."""
 
@@ -74,25 +78,37 @@ def _alias_views(r, bucket, grads) -> None:
             p.grad = v
 
 
-def fill_flat(r, bucket, grads, scaling: Scaling) -> None:
+def _flag_nonfinite(health, t: torch.Tensor, bit: int) -> None:
+    """check_finite where no pack launch reads the values (grads already
+    bucket views, per-parameter copies, sparse values, a hook's result): one
+    device-side reduction, no host sync."""
+    health.bitwise_or_((~torch.isfinite(t)).any().to(torch.int32) * bit)
+
+
+def fill_flat(r, bucket, grads, scaling: Scaling, health=None) -> None:
     """Write ``grads`` into ``bucket.flat`` under ``scaling`` (torch's
-    mark_variable_ready_dense + flush_deferred_copies, one launch)."""
+    mark_variable_ready_dense + flush_deferred_copies, one launch).
+    ``health``: the bucket's check_finite flag, set by that same launch."""
     W = r.divide_factor()
     if _plain(r, bucket, grads):
         src = bucket.kernel_grads(grads)
         if scaling is Scaling.MUL:
-            kernels.pack(src, bucket.flat, layout=bucket.layout, scale=1.0 / W)
+            kernels.pack(src, bucket.flat, layout=bucket.layout, scale=1.0 / W, health=health)
         elif scaling is Scaling.DIV:
-            kernels.pack(src, bucket.flat, layout=bucket.layout, divide=W)
+            kernels.pack(src, bucket.flat, layout=bucket.layout, divide=W, health=health)
         else:
-            kernels.pack(src, bucket.flat, layout=bucket.layout)
+            kernels.pack(src, bucket.flat, layout=bucket.layout, health=health)
         _alias_views(r, bucket, grads)
         return
     if r.view_mode and all(g is v for g, v in zip(grads, bucket.grad_views)):
+        if health is not None:
+            _flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
         if scaling is not Scaling.NONE:
             bucket.flat.div_(W)  # torch: per-view div_ (aliased) / flat div_ (batched)
         return
     _fill_flat_mixed(r, bucket, grads, scaling, W)
+    if health is not None:
+        _flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
 
 
 def _fill_flat_mixed(r, bucket, grads, scaling: Scaling, W: int) -> None:
@@ -210,13 +226,16 @@ class Reduction:
     fused: tuple | None = None  #: (kind, dtype) of a fused fastddp hook, for stats
 
     def pack(self, r, bucket, grads) -> None:
-        fill_flat(r, bucket, grads, self.scaling)
+        fill_flat(r, bucket, grads, self.scaling, bucket.health)
 
     def issue(self, r, bucket) -> Pending:
         return r.comm.all_reduce(bucket.flat)
 
     def unpack(self, r, bucket, result, track_unused: bool) -> None:
         unpack_grads(r, bucket, bucket.flat, track_unused)
+
+    def check_result(self, bucket, result) -> None:
+        """check_finite, after the collective: modes whose packs set the flag need nothing."""
 
     def shadow(self, r, bucket) -> Pending:
         return r.comm.all_reduce(torch.zeros_like(bucket.flat))
@@ -253,7 +272,10 @@ class SparseAllReduce(Reduction):
     kind = "sparse-allreduce"
 
     def pack(self, r, bucket, grads) -> None:
-        _take_sparse_grad(r, bucket).div_(r.divide_factor())
+        g = _take_sparse_grad(r, bucket)
+        if bucket.health is not None:
+            _flag_nonfinite(bucket.health, g._values(), kernels.Health.SOURCE_NONFINITE)
+        g.div_(r.divide_factor())
 
     def issue(self, r, bucket) -> Pending:
         return r.comm.all_reduce(bucket.sparse_grad, nbytes=bucket.nbytes())
@@ -276,9 +298,11 @@ class PythonHook(Reduction):
 
     def pack(self, r, bucket, grads) -> None:
         if bucket.sparse:
-            _take_sparse_grad(r, bucket)
+            g = _take_sparse_grad(r, bucket)
+            if bucket.health is not None:
+                _flag_nonfinite(bucket.health, g._values(), kernels.Health.SOURCE_NONFINITE)
         else:
-            fill_flat(r, bucket, grads, Scaling.NONE)
+            fill_flat(r, bucket, grads, Scaling.NONE, bucket.health)
 
     def _call(self, r, bucket, buffer) -> Pending:
         from .hooks import GradBucket
@@ -320,6 +344,12 @@ class PythonHook(Reduction):
             src = result.reshape(-1)
         unpack_grads(r, bucket, src, track_unused)
 
+    def check_result(self, bucket, result) -> None:
+        """A hook reduces as it likes (PowerSGD, ...): check what it returned."""
+        t = result[0] if isinstance(result, (list, tuple)) and result else result
+        if isinstance(t, torch.Tensor):
+            _flag_nonfinite(bucket.health, t._values() if t.is_sparse else t, REDUCED_NONFINITE)
+
     def shadow(self, r, bucket) -> Pending:
         if bucket.sparse:
             bucket.sparse_grad = _sparse_zeros(bucket)
@@ -359,23 +389,24 @@ class FusedCompression(Reduction):
 
     def pack(self, r, bucket, grads) -> None:
         wire = self._wire(bucket)
-        residual = self.residual.get(bucket.index)
+        residual, health = self.residual.get(bucket.index), bucket.health
         if kernels.backend(bucket.flat.device) == "reference":
             # CPU (no Triton): the bucket is the scratch, scaled in place
             # (x * fp32(1/W), as the kernel) and cast into the wire: no
             # bucket-sized temporary, a few ops per bucket.
-            fill_flat(r, bucket, grads, Scaling.MUL)
-            kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, residual=residual)
+            fill_flat(r, bucket, grads, Scaling.MUL, health)
+            kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, residual=residual, health=health)
             return
         scale = 1.0 / r.divide_factor()
         if _plain(r, bucket, grads):
-            # ONE launch: separate grads -> scale in fp32 -> 16-bit wire (+ residual).
+            # ONE launch: separate grads -> scale in fp32 -> 16-bit wire (+ residual, + health).
             kernels.pack(bucket.kernel_grads(grads), wire, layout=bucket.layout, scale=scale,
-                         residual=residual)
+                         residual=residual, health=health)
             _alias_views(r, bucket, grads)
             return
-        fill_flat(r, bucket, grads, Scaling.NONE)
-        kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, scale=scale, residual=residual)
+        fill_flat(r, bucket, grads, Scaling.NONE, health)
+        kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, scale=scale, residual=residual,
+                     health=health)
 
     def issue(self, r, bucket) -> Pending:
         return r.comm.all_reduce(self.wire[bucket.index])

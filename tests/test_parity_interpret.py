@@ -36,3 +36,23 @@ def test_parity_w2_triton_in_the_loop(world2, case):
     for checks, launches, ref_calls in world2.run(_case, case):
         assert checks > 0
         assert launches > 0  # the Triton kernels really ran
+
+
+def _health_interpret(rank, world_size, path):
+    import fastddp.kernels as K
+    from tests.test_health import _health_body
+
+    assert K.backend("cpu") == "interpret", K.backend("cpu")
+    K.reset_launch_count()
+    events = _health_body(rank, world_size, path, "fc2.weight", "raise")
+    return events, K.launch_count()
+
+
+@pytest.mark.parametrize("path", ["default", "fused_fp16", "error_feedback"])
+def test_health_flag_from_the_triton_pack(world2, path):
+    """check_finite with the interpreted kernels setting the flag in the pack launch."""
+    for rank, (events, launches) in enumerate(world2.run(_health_interpret, path)):
+        assert launches > 0
+        assert [e[0] for e in events] == ["ok", "ok", "raised", "ok"], (rank, events)
+        msg = events[2][1]
+        assert ("'fc2.weight'" in msg) if rank == 1 else ("because of rank(s) [1]" in msg), msg
