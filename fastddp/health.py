@@ -83,6 +83,12 @@ class HealthCheck:
         r.abort_iteration()
         raise FloatingPointError(msg)
 
+    def shadow(self, r) -> None:
+        """join(): a joined rank's part of the flags' all-gather (healthy: zeros)."""
+        if r.world > 1:
+            zeros = torch.zeros_like(self.flags)
+            groups.all_gather([torch.empty_like(zeros) for _ in range(r.world)], zeros, r.pg)
+
     def _message(self, r, table: torch.Tensor) -> str:
         H = kernels.Health
         mine = table[r.rank]

@@ -72,6 +72,8 @@ def shadow_backward(reducer) -> None:
     with comm.comm_context(), torch.no_grad():
         for p in [b.reduction.shadow(reducer, b) for b in reducer.buckets]:
             comm.wait(p)
+        if reducer.health is not None:
+            reducer.health.shadow(reducer)  # the check_finite flags' all-gather
 
 
 def global_requires_backward_grad_sync(ddp, is_joined_rank: bool):

@@ -192,3 +192,20 @@ def _ef_recovers_body(rank, world_size):
 def test_error_feedback_residual_recovers_after_an_overflow(world2):
     for out in world2.run(_ef_recovers_body):
         assert out[0] and not out[1] and out[2] and out[3], out
+
+
+def _join_body(rank, world_size):
+    """Uneven inputs with check_finite: the joined rank takes part in the
+    flags' all-gather (no collective mismatch)."""
+    m = make_model("mlp")
+    ddp = ddp_class()(m, check_finite="raise")
+    steps = 3 if rank == 0 else 1
+    with ddp.join():
+        for step in range(steps):
+            x, y = make_batch("mlp", rank, step)
+            loss_fn(ddp(x), y).backward()
+    return all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+
+
+def test_check_finite_with_join(world2):
+    assert world2.run(_join_body, timeout=120) == [True, True]
