@@ -44,10 +44,12 @@ class _Two(nn.Module):
         return self.b(self.a(x))
 
 
-def _names_body(rank, world_size):
+def _wrap_body(rank, world_size, kind):
+    """Wrap a model that differs on rank 1 (or rank 0) in a short-timeout group."""
+    model = _Two(swap=rank == 1) if kind == "names" else _Buf(3 if rank == 0 else 5)
     pg = _short_group(world_size)
     try:
-        ddp_class()(_Two(swap=rank == 1), process_group=pg)
+        ddp_class()(model, process_group=pg)
         return "no error"
     except RuntimeError as e:
         return str(e)
@@ -56,7 +58,7 @@ def _names_body(rank, world_size):
 
 
 def test_parameter_names_differ_across_ranks(world2):
-    for rank, msg in enumerate(world2.run(_names_body)):
+    for rank, msg in enumerate(world2.run(_wrap_body, "names")):
         assert msg != "no error", f"rank {rank} accepted parameters registered in another order"
         assert "'a.weight'" in msg and "'b.weight'" in msg and "rank 1" in msg, msg
 
@@ -71,19 +73,8 @@ class _Buf(nn.Module):
         return self.fc(x) + self.stats.sum()
 
 
-def _buffer_body(rank, world_size):
-    pg = _short_group(world_size)
-    try:
-        ddp_class()(_Buf(3 if rank == 0 else 5), process_group=pg)
-        return "no error"
-    except RuntimeError as e:
-        return str(e)
-    finally:
-        dist.destroy_process_group(pg)
-
-
 def test_buffer_shapes_differ_across_ranks(world2):
-    for rank, msg in enumerate(world2.run(_buffer_body)):
+    for rank, msg in enumerate(world2.run(_wrap_body, "buffers")):
         assert msg != "no error", f"rank {rank} accepted buffers that differ across ranks"
         assert "buffer" in msg and "'stats'" in msg and "[3]" in msg and "[5]" in msg, msg
 
