@@ -4,6 +4,7 @@ the command line (spawned once for the module)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -13,6 +14,7 @@ import torch
 
 from fastddp.bench import report as R
 from fastddp.bench.wrappers import (DEFAULT_WRAPPERS, SimulatedWire, computed_wire_bytes, registry)
+from tests._dist import world2  # noqa: F401  (module-scoped 2-rank gloo fixture)
 
 
 # -- statistics ------------------------------------------------------------------
@@ -290,6 +292,121 @@ def test_simulated_wire_waits_for_the_real_collective():
 def test_simulated_wire_rejects_nonpositive():
     with pytest.raises(ValueError):
         SimulatedWire(0.0, torch.device("cpu"))
+
+
+# -- torch-batched on a torch without batched_grad_copy -------------------------------
+
+def test_torch_batched_stand_in_is_labelled_and_averages(tmp_path, monkeypatch):
+    """torch 2.11's DDP has no batched_grad_copy: the torch-batched row is then
+    torch DDP + the builtin ALLREDUCE hook, and its note says so."""
+    from fastddp.bench import wrappers as W
+    from tests._dist import single_rank_group
+
+    monkeypatch.setattr(W, "torch_has_batched_grad_copy", lambda: False)
+    with single_rank_group(tmp_path):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+        ref = copy.deepcopy(model)
+        ddp, note = W.build_wrapper("torch-batched", model, None, W.WrapperOptions())
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+        assert note.startswith("stand-in: torch ") and "no batched_grad_copy" in note, note
+        assert "ALLREDUCE" in note
+        x = torch.randn(5, 8)
+        ddp(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for p, q in zip(ddp.module.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)  # W = 1: the average is the local grad
+
+
+def test_torch_batched_uses_the_real_argument_where_torch_has_it(tmp_path):
+    from fastddp.bench import wrappers as W
+    from tests._dist import single_rank_group
+
+    import inspect
+    has = "batched_grad_copy" in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    assert W.torch_has_batched_grad_copy() == has
+    with single_rank_group(tmp_path):
+        _, note = W.build_wrapper("torch-batched", torch.nn.Linear(4, 4), None, W.WrapperOptions())
+    assert note.startswith("stand-in") != has, note
+
+
+def _stand_in_vs_batched(rank, world_size):
+    """Inside each of 2 gloo ranks: the stand-in's grads against torch's
+    batched_grad_copy (where this torch has it) and against the rule itself
+    (grad / W, SUM), bit for bit, over a few SGD steps."""
+    import torch.distributed as dist
+
+    from fastddp.bench import wrappers as W
+
+    torch.manual_seed(3)
+    base = torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(6)], torch.nn.Linear(24, 5))
+    real = W.torch_has_batched_grad_copy()
+    saved = W.torch_has_batched_grad_copy
+    W.torch_has_batched_grad_copy = lambda: False
+    try:
+        stand_in, note = W.build_wrapper("torch-batched", copy.deepcopy(base), None,
+                                         W.WrapperOptions(bucket_cap_mb=0.002))
+    finally:
+        W.torch_has_batched_grad_copy = saved
+    assert note.startswith("stand-in"), note
+    ref = None
+    if real:
+        ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.002,
+                                                        batched_grad_copy=True)
+    rule = copy.deepcopy(base)
+    models = [m for m in (stand_in, ref, rule) if m is not None]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    checks = 0
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(7, 24, generator=gen) * (10.0 ** (rank - step))  # magnitudes that round differently
+        for m, o in zip(models, opts):
+            o.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+        with torch.no_grad():
+            for p in rule.parameters():
+                p.grad.div_(world_size)
+                dist.all_reduce(p.grad)
+        for other in models[1:]:
+            for (n, a), b in zip(stand_in.module.named_parameters(), other.parameters()):
+                assert torch.equal(a.grad, b.grad), (step, n, (a.grad - b.grad).abs().max().item())
+                checks += 1
+        for o in opts:
+            o.step()
+    return checks, real
+
+
+def test_torch_batched_stand_in_equals_batched_grad_copy_bit_for_bit(world2):
+    for checks, real in world2.run(_stand_in_vs_batched):
+        assert checks == 3 * 14 * (2 if real else 1)
+
+
+def test_exit_status_is_nonzero_when_a_fastddp_row_is_not_ok(tmp_path, monkeypatch, capsys):
+    from fastddp.bench import runner
+    from fastddp.bench.__main__ import main, not_ok_fastddp_rows
+
+    def fake_run(sections):
+        def run(cfg):
+            rep = R.Report({"label": "t", "device": "Unit CPU", "date": "2026-01-03"}, sections)
+            return rep, {"md": tmp_path / "r.md", "json": tmp_path / "r.json", "charts": []}
+        return run
+
+    argv = ["--models", "tiny", "--no-progress", "--out", str(tmp_path)]
+    monkeypatch.setattr(runner, "run", fake_run([_section()]))  # fastddp-view unavailable
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "m fastddp-view: unavailable: not built" in err
+    assert not_ok_fastddp_rows(R.Report({}, [_section(), _section(2.0)])) == [
+        "m fastddp-view: unavailable: not built", "m-bw2 fastddp-view: unavailable: not built"]
+
+    ok_rows = [r for r in _section().rows if r.wrapper != "fastddp-view"]
+    failed_torch = _row("m", "torch-view", [], status="failed: boom")
+    monkeypatch.setattr(runner, "run", fake_run([R.derive(R.Section(None, ok_rows + [failed_torch]))]))
+    assert main(argv) == 0  # a torch row that failed does not fail the run
+
+    failed = _row("m", "fastddp-fp16", [], baselines=("torch-fp16",), status="failed: RuntimeError: x")
+    monkeypatch.setattr(runner, "run", fake_run([R.derive(R.Section(None, ok_rows + [failed]))]))
+    assert main(argv) == 1
 
 
 # -- one tiny end-to-end run ------------------------------------------------------
