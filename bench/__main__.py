@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-charts", action="store_true", help="write the report without PNG charts")
     p.add_argument("--list", action="store_true", help="list models and wrappers, then exit")
     return p
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         world=args.world, steps=args.steps, warmup=args.warmup,
         bucket_cap_mb=args.bucket_cap_mb, out=args.out, label=args.label, quick=args.quick,
         trace_dir=args.trace, bandwidths=bandwidths, threads=args.threads, cpu=args.cpu,
-        seed=args.seed, progress=not args.no_progress,
+        seed=args.seed, progress=not args.no_progress, charts=not args.no_charts,
         command=" ".join(shlex.quote(a) for a in ["fastddp-bench", *(sys.argv[1:] if argv is None else argv)]),
     )
     try:
