@@ -13,26 +13,32 @@
 # STAGES   the stages to run after env (default: kernels reducer kernels-bw bench),
 #          e.g. STAGES="reducer bench" to redo two in a second window
 #
-# Stages, in order of value, each under its own `timeout` (sum 400 s), none
-# stopping the next (no -x; a failed stage is reported, the rest still run):
+# Stages, in order of value, each under `timeout` (GPU budgets sum to 390 s; a
+# stage may also use what earlier stages left unused), none stopping the next
+# (no -x: a failed stage is reported and the rest still run):
 #
-#   stage         budget  GPU                                   --dry-run (CPU twin)
-#   1 env           45 s  versions, nvidia-smi, tools; install  the same
-#                         fastddp (pip -e --no-build-isolation
-#                         --no-deps, else a symlink shim)
-#   2 kernels      110 s  tests/test_kernels.py -m "interpret   the same under TRITON_INTERPRET=1
-#                         or gpu": the kernel suite compiled
-#                         for the GPU + the gpu-marked tests,
-#                         KSHARDS processes in parallel
-#   3 reducer      100 s  tests/test_gpu_reducer.py: NCCL       its world-2 bodies on gloo CPU,
-#                         world 1; world 2 on ONE GPU (gloo,    interpreter in the loop
-#                         CUDA tensors) vs torch DDP; slow      (FASTDDP_GPU_TESTS_ON_CPU=1)
-#                         comm stream
-#   4 kernels-bw    65 s  bench/gpu_kernels.py: GB/s vs the     --cpu-smoke (tiny bucket,
-#                         measured copy bandwidth               interpreter)
-#   5 bench         80 s  fastddp-bench, world 1 (NCCL), small  --models tiny at world 1, then 2
-#                         transformer mlp25m, every torch row
-#                         beside its fastddp row
+#   stage       GPU budget  GPU                                 --dry-run (CPU twin; budget)
+#   1 env          40 s     versions, nvidia-smi, tools;        the same (90 s)
+#                           fastddp installed: pip -e
+#                           --no-build-isolation --no-deps,
+#                           else a symlink shim
+#   2 kernels     105 s     tests/test_kernels.py -m            the same under TRITON_INTERPRET=1
+#                           "interpret or gpu": the kernel      (150 s)
+#                           suite compiled for the GPU + the
+#                           gpu-marked tests, KSHARDS parallel
+#                           pytest processes, 60 s per test
+#   3 reducer     100 s     tests/test_gpu_reducer.py: NCCL     4 world-2 cases on gloo CPU, the
+#                           world 1; world 2 on ONE GPU (gloo,  interpreted kernels in the loop
+#                           CUDA tensors) vs torch DDP; slow    (FASTDDP_GPU_TESTS_ON_CPU=1; 120 s)
+#                           comm stream; 150 s per test
+#   4 kernels-bw   60 s     bench/gpu_kernels.py: GB/s vs the   --cpu-smoke: a tiny bucket,
+#                           measured copy bandwidth (stops      interpreter (60 s)
+#                           new cases 20 s before the budget)
+#   5 bench        85 s     fastddp-bench --world 1 (NCCL):     --models tiny at world 1 (every
+#                           small transformer mlp25m, 15        wrapper) and world 2 (5), on CPU
+#                           steps, every fastddp row beside     (120 s)
+#                           its torch row (torch-batched: a
+#                           labelled stand-in on torch 2.11)
 #
 # Files written into the folder (8, each capped at 15 MiB):
 #   summary.md      stage table (status, seconds, budget) + the headline numbers
@@ -45,6 +51,7 @@
 # Exit status: 0 all stages ok; 1 a stage failed or timed out; 2 no CUDA
 # device (without --dry-run) or fastddp could not be installed.
 set -uo pipefail
+CALLER_DIR=$(pwd)
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 py=${PYTHON:-python3}
@@ -52,7 +59,7 @@ DRY=0
 case "${1:-}" in
     --dry-run) DRY=1 ;;
     "") ;;
-    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,52p' "$0"; exit 0 ;;
     *) echo "usage: bash bench/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1
@@ -72,19 +79,18 @@ if [ "$DRY" = 1 ]; then
     B_ENV=90; B_KERN=150; B_RED=120; B_KBW=60; B_BENCH=120
 else
     KSHARDS=${KSHARDS:-4}
-    B_ENV=45; B_KERN=110; B_RED=100; B_KBW=65; B_BENCH=80
+    B_ENV=40; B_KERN=105; B_RED=100; B_KBW=60; B_BENCH=85
 fi
 CAP=$((15 * 1024 * 1024))
 STAGES=" ${STAGES:-kernels reducer kernels-bw bench} "
 wanted() { [[ "$STAGES" == *" $1 "* ]]; }
 
 say() { echo "[gpu_check] $*"; }
-log_to() { tee -a "$LOG" >/dev/null; }  # stdin -> the combined log
 
 # Results go to $OUT, else (dry run) a temp dir, else reports/<gpu-slug>/ once
 # stage 1 knows the GPU; until then the files live in $work.
 if [ -n "${OUT:-}" ]; then
-    dest=$OUT
+    case "$OUT" in /*) dest=$OUT ;; *) dest=$CALLER_DIR/$OUT ;; esac
 elif [ "$DRY" = 1 ]; then
     dest=$(mktemp -d "${TMPDIR:-/tmp}/fastddp-gpu-check-out.XXXXXX")
 else
@@ -99,9 +105,12 @@ NAMES=(); STATUS=(); SECS=(); BUDGETS=(); DETAIL=()
 record() { NAMES+=("$1"); STATUS+=("$2"); SECS+=("$3"); BUDGETS+=("$4"); DETAIL+=("$5"); }
 
 # run_stage NAME BUDGET STAGE_LOG CMD...: the command under `timeout`, its
-# output appended to STAGE_LOG (if not "-") and the combined log.
+# output appended to STAGE_LOG (if not "-") and the combined log.  A stage
+# may use its budget plus what the stages before it left unused (CARRY), so
+# the total never exceeds the sum of the budgets.
+CARRY=0
 run_stage() {
-    local name=$1 budget=$2 slog=$3; shift 3
+    local name=$1 budget=$(( $2 + CARRY )) slog=$3; shift 3
     local t0=$SECONDS tmp="$work/$name.out" rc
     printf '\n===== [%s] %s  budget %ss: %s\n' "$name" "$(date -u +%H:%M:%S)" "$budget" "$*" >> "$LOG"
     [ "$slog" != "-" ] && printf '\n===== [%s] %s\n' "$name" "$*" >> "$slog"
@@ -111,6 +120,8 @@ run_stage() {
     [ "$slog" != "-" ] && cat "$tmp" >> "$slog"
     STAGE_RC=$rc
     STAGE_SECS=$((SECONDS - t0))
+    STAGE_BUDGET=$budget
+    CARRY=$(( budget > STAGE_SECS ? budget - STAGE_SECS : 0 ))
     printf '===== [%s] rc=%s after %ss\n' "$name" "$rc" "$STAGE_SECS" >> "$LOG"
 }
 
@@ -123,14 +134,14 @@ status_of() {  # rc -> status word
     esac
 }
 
-have_pytest_timeout() { "$py" -c "import pytest_timeout" 2>/dev/null; }
+have_pytest_timeout() { grep -q "^pytest_timeout [0-9]" "$dest/env.txt"; }
 
 # ---------------------------------------------------------------- 1 env
 # One interpreter start prints the versions and tries fastddp from THIS
 # checkout (probe.* lines are read back below); pip or the shim only when
 # that import fails, then the probe runs once more.
 env_probe() {
-    (cd "$REPO" && "$py" - <<'PY'
+    (cd "$REPO" && timeout -k 5 60 "$py" - <<'PY'
 import importlib, os, platform, sys
 from importlib import metadata
 import torch
@@ -199,7 +210,8 @@ stage_env() {
     else
         if [ "${INSTALL:-auto}" != shim ]; then
             echo "pip install --no-build-isolation --no-deps -e . :"
-            "$py" -m pip install -q --no-build-isolation --no-deps -e "$REPO" 2>&1 | tail -20
+            timeout -k 5 90 "$py" -m pip install -q --no-build-isolation --no-deps --no-index \
+                --disable-pip-version-check -e "$REPO" 2>&1 | tail -20
             out=$(env_probe 2>&1)
             if echo "$out" | grep -qx 'probe.import=ok'; then
                 how="pip install --no-build-isolation --no-deps -e ."
@@ -260,6 +272,7 @@ elif [ "$DRY" = 0 ] && [ "$cuda" != 1 ]; then
 else
     record env ok $((SECONDS - t0)) $B_ENV "$env_detail"
 fi
+CARRY=$(( B_ENV > SECONDS - t0 ? B_ENV - (SECONDS - t0) : 0 ))
 say "1/5 env        ${STATUS[0]}  $((SECONDS - t0)) s  | ${gpu_name:-no GPU} | $versions"
 say "             install: ${install_line:-FAILED}"
 
@@ -289,7 +302,7 @@ else
         cat "$f" | tee -a "$TESTS_LOG" >> "$LOG"
     done
     unset TRITON_INTERPRET
-    record kernels "$(status_of $STAGE_RC)" $STAGE_SECS $B_KERN \
+    record kernels "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
         "$(grep -E '^===== .* shards\) =====|^pytest_shards: shard' "$work/kernels.out" | tail -1 | sed 's/=//g; s/^ *//')"
 fi
 say "2/5 kernels    ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
@@ -309,7 +322,7 @@ else
     else
         run_stage reducer $B_RED "$TESTS_LOG" "$py" -m pytest tests/test_gpu_reducer.py -m gpu "${PT_RED[@]}"
     fi
-    record reducer "$(status_of $STAGE_RC)" $STAGE_SECS $B_RED \
+    record reducer "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
         "$("$py" bench/check_summary.py pytest "$work/reducer.out" | head -1 | sed 's/^ *//')"
 fi
 say "3/5 reducer    ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
@@ -322,11 +335,11 @@ elif ! wanted kernels-bw; then
 else
     if [ "$DRY" = 1 ]; then
         TRITON_INTERPRET=1 run_stage kernels-bw $B_KBW - \
-            "$py" bench/gpu_kernels.py --cpu-smoke --dest "$dest" --time-budget $((B_KBW - 20))
+            "$py" bench/gpu_kernels.py --cpu-smoke --dest "$dest" --time-budget $((B_KBW + CARRY - 20))
     else
-        run_stage kernels-bw $B_KBW - "$py" bench/gpu_kernels.py --dest "$dest" --time-budget $((B_KBW - 20))
+        run_stage kernels-bw $B_KBW - "$py" bench/gpu_kernels.py --dest "$dest" --time-budget $((B_KBW + CARRY - 20))
     fi
-    record kernels-bw "$(status_of $STAGE_RC)" $STAGE_SECS $B_KBW \
+    record kernels-bw "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
         "$(grep -o 'copy bandwidth .*' "$work/kernels-bw.out" | head -1)"
 fi
 say "4/5 kernels-bw ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
@@ -348,7 +361,7 @@ elif ! wanted bench; then
 else
     if [ "$DRY" = 1 ]; then
         # CPU twin: the tiny model at world 1 (what the GPU run does) and 2 (gloo), interpreter in the loop.
-        t_b=$SECONDS
+        t_b=$SECONDS; b0=$((B_BENCH + CARRY))
         TRITON_INTERPRET=1 run_stage bench-w1 $((B_BENCH / 2)) - "$py" -m fastddp.bench --world 1 --cpu \
             --models tiny --wrappers "${WRAPPERS[@]}" --steps 2 --warmup 1 --label dry-run-1rank \
             --out "$work/bench1" --no-progress --no-charts
@@ -358,7 +371,7 @@ else
             --models tiny --wrappers local torch fastddp torch-fp16 fastddp-fp16 \
             --steps 2 --warmup 1 --label dry-run-2rank --out "$work/bench2" --no-progress --no-charts
         rc2=$STAGE_RC
-        STAGE_RC=$(( rc1 != 0 ? rc1 : rc2 )); STAGE_SECS=$((SECONDS - t_b))
+        STAGE_RC=$(( rc1 != 0 ? rc1 : rc2 )); STAGE_SECS=$((SECONDS - t_b)); STAGE_BUDGET=$b0
         detail="world 1 rc=$rc1, world 2 rc=$rc2"
     else
         run_stage bench $B_BENCH - "$py" -m fastddp.bench --world 1 --models small transformer mlp25m \
@@ -367,7 +380,7 @@ else
         copy_bench "$work/bench"
         detail="world 1 (NCCL), 3 models, 11 wrappers, 15 steps"
     fi
-    record bench "$(status_of $STAGE_RC)" $STAGE_SECS $B_BENCH "$detail"
+    record bench "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET "$detail"
 fi
 say "5/5 bench      ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
 
