@@ -63,6 +63,7 @@ case "${1:-}" in
     *) echo "usage: bash bench/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1
+export COLUMNS=${COLUMNS:-200}  # pytest: room for the reason on each FAILED line
 unset TRITON_INTERPRET FASTDDP_GPU_TESTS_ON_CPU  # each stage says what it wants
 START=$SECONDS
 work=$(mktemp -d "${TMPDIR:-/tmp}/fastddp-gpu-check.XXXXXX")
