@@ -9,7 +9,8 @@
 # PYTHON   the interpreter (default: python3)
 # OUT      the results folder (default: reports/<gpu-slug>/; --dry-run: a new temp dir)
 # KSHARDS  parallel pytest processes for the kernel suite (default 4; --dry-run 1)
-# INSTALL  auto (default) | shim (skip pip: symlink fastddp/kernels, fastddp/bench)
+# INSTALL  auto (default: pip -e when fastddp is not importable at all; the shim
+#          when pip fails or another checkout's fastddp is installed) | shim
 # STAGES   the stages to run after env (default: kernels reducer kernels-bw bench),
 #          e.g. STAGES="reducer bench" to redo two in a second window
 #
@@ -209,7 +210,11 @@ stage_env() {
     if [ "${INSTALL:-auto}" != shim ] && echo "$out" | grep -qx 'probe.import=ok'; then
         how="already importable from this checkout"
     else
-        if [ "${INSTALL:-auto}" != shim ]; then
+        if echo "$out" | grep -q '^probe.import=not this checkout'; then
+            # Another checkout's fastddp is installed in this interpreter:
+            # leave that install alone; the shim below takes precedence.
+            echo "fastddp is installed from another checkout: not re-pointing it with pip"
+        elif [ "${INSTALL:-auto}" != shim ]; then
             echo "pip install --no-build-isolation --no-deps -e . :"
             timeout -k 5 90 "$py" -m pip install -q --no-build-isolation --no-deps --no-index \
                 --disable-pip-version-check -e "$REPO" 2>&1 | tail -20
