@@ -45,7 +45,7 @@ from tests._dist import world2  # noqa: F401  (module-scoped 2-rank gloo fixture
 ON_CPU = os.environ.get("FASTDDP_GPU_TESTS_ON_CPU", "0") not in ("", "0")
 DEVICE = "cpu" if ON_CPU else "cuda"
 
-pytestmark = [pytest.mark.timeout(200)] + ([] if ON_CPU else [pytest.mark.gpu])
+pytestmark = [pytest.mark.timeout(150)] + ([] if ON_CPU else [pytest.mark.gpu])
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -279,7 +279,7 @@ def _w2_parity(rank, world_size, device, case, steps=4, set_to_none=True):
 @pytest.mark.parametrize("case", list(W2_CASES))
 def test_w2_one_device_grads_equal_torch_ddp(world2, case):
     n_params = (12 if DEVICE == "cuda" else 4) * 4 + 2  # per block: Linear w, b + LayerNorm w, b
-    for checks, backend, launches in world2.run(_w2_parity, DEVICE, case, timeout=240):
+    for checks, backend, launches in world2.run(_w2_parity, DEVICE, case, timeout=120):
         assert checks == 4 * n_params
         if backend != "reference":
             assert launches > 0, (case, backend)  # the Triton kernels ran in the loop
@@ -289,7 +289,7 @@ def test_w2_one_device_zero_grad_in_place(world2):
     """set_to_none=False: the grads persist between steps (torch's other
     zero_grad mode), with bucket views and without."""
     for case in ("default", "view"):
-        for checks, _, _ in world2.run(_w2_parity, DEVICE, case, 3, False, timeout=240):
+        for checks, _, _ in world2.run(_w2_parity, DEVICE, case, 3, False, timeout=120):
             assert checks > 0
 
 
@@ -398,7 +398,7 @@ def test_slow_comm_stream_fused_hooks_nccl1(nccl1, hook):
 @needs_cuda
 @pytest.mark.parametrize("case", ["view-tiny", "view-batched-tiny"])
 def test_slow_comm_stream_w2_one_device(world2, case):
-    for checks, waited, floor_ms in world2.run(_slow_comm_stream, SLOW_CASES[case], timeout=240):
+    for checks, waited, floor_ms in world2.run(_slow_comm_stream, SLOW_CASES[case], timeout=120):
         assert checks > 0
         assert waited >= floor_ms, (waited, floor_ms)
 
