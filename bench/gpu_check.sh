@@ -45,8 +45,8 @@
 #   summary.md      stage table (status, seconds, budget) + the headline numbers
 #   env.txt         stage 1: versions, GPU, tools, how fastddp was installed
 #   tests.log       stages 2 + 3: pytest output
-#   kernels.md/json stage 4
-#   bench.md/json   stage 5 (world 1)
+#   kernels.md, kernels.json   stage 4
+#   bench.md, bench.json       stage 5 (world 1)
 #   gpu_check.log   everything, in order
 # The terminal shows one line per stage and ends with the summary.
 # Exit status: 0 all stages ok; 1 a stage failed or timed out; 2 no CUDA
@@ -60,7 +60,7 @@ DRY=0
 case "${1:-}" in
     --dry-run) DRY=1 ;;
     "") ;;
-    -h|--help) sed -n '2,52p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "usage: bash bench/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1

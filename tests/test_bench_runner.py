@@ -409,6 +409,67 @@ def test_exit_status_is_nonzero_when_a_fastddp_row_is_not_ok(tmp_path, monkeypat
     assert main(argv) == 1
 
 
+# -- bench/gpu_check.sh helpers ------------------------------------------------------
+
+def test_gpu_check_script_parses_and_documents_its_stages():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for word in ("--dry-run", "OUT", "PYTHON", "summary.md", "env.txt", "tests.log", "kernels.json",
+                 "bench.json", "gpu_check.log"):
+        assert word in out.stdout, word
+    assert subprocess.run(["bash", str(script), "--bogus"], capture_output=True).returncode == 2
+
+
+def test_pytest_shards_reads_pytest_result_lines(tmp_path):
+    from fastddp.bench import pytest_shards as S
+
+    log = tmp_path / "shard-0.log"
+    log.write_text("....F\nFAILED tests/x.py::t[a] - AssertionError: boom\n"
+                   "1 failed, 20 passed, 3 skipped, 2 warnings in 3.21s\n")
+    line = S.summary_line(log)
+    assert line == "1 failed, 20 passed, 3 skipped, 2 warnings in 3.21s"
+    assert S.counts(line) == {"failed": 1, "passed": 20, "skipped": 3, "warnings": 2}
+    log.write_text("========== 5 passed, 1 error in 0.50s ==========\n")
+    assert S.counts(S.summary_line(log)) == {"passed": 5, "errors": 1}
+    assert S.summary_line(tmp_path / "missing.log") == ""
+
+
+def test_check_summary_lines(tmp_path):
+    from fastddp.bench import check_summary as C
+
+    log = tmp_path / "tests.log"
+    log.write_text("x\nFAILED tests/a.py::t1 - AssertionError\nERROR tests/b.py::t2 - RuntimeError\n"
+                   "===== 1 failed, 7 passed, 1 error in 2.00s =====\n")
+    lines = C.pytest_lines(log)
+    assert lines[0].strip() == "1 failed, 7 passed, 1 error in 2.00s"
+    assert any("FAILED tests/a.py::t1" in ln for ln in lines) and any("ERROR tests/b.py::t2" in ln for ln in lines)
+
+    kern = {"meta": {"copy_GB/s": 4000.0, "backend": "triton", "truncated": True},
+            "rows": [{"op": "pack", "wire": "bf16", "shape": "few_large", "method": "fastddp",
+                      "device_us": 50.0, "pct_copy": 80.0, "bit_exact": True},
+                     {"op": "pack", "wire": "bf16", "shape": "few_large", "method": "foreach",
+                      "device_us": 100.0, "pct_copy": 40.0}]}
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(kern))
+    text = "\n".join(C.kernels_lines(path))
+    assert "80% 2.0x" in text and "TRUNCATED" in text and "bit-exact vs reference: all" in text
+
+    rep = R.Report({"label": "t", "device": "Unit GPU", "date": "2026-01-04", "world_size": 1,
+                    "backend": "nccl", "torch": "2.11"}, [_section()])
+    path = tmp_path / "bench.json"
+    path.write_text(R.to_json(rep))
+    text = "\n".join(C.bench_lines(path))
+    assert "0.50" in text          # m / fastddp against torch
+    assert "UNAVAILABLE" in text   # m / fastddp-view
+    assert "not ok: m fastddp-view: unavailable: not built" in text
+    assert C.main(["kernels", str(tmp_path / "nope.json")]) == 0
+
+
 # -- one tiny end-to-end run ------------------------------------------------------
 
 SIM_GBPS = 0.002  # 2 MB/s: the tiny model's 4.9 KB take ~2.4 ms on the wire
