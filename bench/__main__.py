@@ -3,6 +3,8 @@
 Runs the model zoo under local (no DDP), torch DDP and fastddp side by side,
 interleaved, on 2 gloo ranks (CPU) or one NCCL rank per GPU, prints a table
 and writes ``<out>/<device>/<date>-<label>.md`` + ``.json`` + PNG charts.
+Exits 1 when any fastddp row is unavailable or failed (the report is still
+written), 2 on bad arguments.
 See reports/README.md for what every column means.
 """
 
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-charts", action="store_true", help="write the report without PNG charts")
     p.add_argument("--list", action="store_true", help="list models and wrappers, then exit")
     return p
 
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         world=args.world, steps=args.steps, warmup=args.warmup,
         bucket_cap_mb=args.bucket_cap_mb, out=args.out, label=args.label, quick=args.quick,
         trace_dir=args.trace, bandwidths=bandwidths, threads=args.threads, cpu=args.cpu,
-        seed=args.seed, progress=not args.no_progress,
+        seed=args.seed, progress=not args.no_progress, charts=not args.no_charts,
         command=" ".join(shlex.quote(a) for a in ["fastddp-bench", *(sys.argv[1:] if argv is None else argv)]),
     )
     try:
@@ -110,7 +113,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chart:  {c}")
     if cfg.trace_dir:
         print(f"traces: {cfg.trace_dir}/")
+    bad = not_ok_fastddp_rows(report)
+    if bad:
+        print(f"fastddp-bench: {len(bad)} fastddp row(s) not ok (exit 1):", file=sys.stderr)
+        for line in bad:
+            print(f"  {line}", file=sys.stderr)
+        return 1
     return 0
+
+
+def not_ok_fastddp_rows(report) -> list[str]:
+    """``"<model><section tag> <wrapper>: <status>"`` for every fastddp row that
+    is not ``ok`` (unavailable or failed): a run with one exits non-zero, so a
+    broken fastddp path is never a green benchmark."""
+    return [f"{r.model}{s.tag} {r.wrapper}: {r.status}"
+            for s in report.sections for r in s.rows if r.family == "fastddp" and not r.ok]
 
 
 if __name__ == "__main__":

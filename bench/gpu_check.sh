@@ -1,64 +1,447 @@
 #!/usr/bin/env bash
-# GPU check of the fused pack/unpack kernels, for a single-GPU machine, in
-# under 8 minutes.  torch (a CUDA build, which brings triton) is expected to
-# be installed already: this script never installs torch.
+# The GPU check, for a short window on a single-GPU machine: ONE command,
+# about 7 minutes at most, every result in one folder.  torch (a CUDA build,
+# which brings triton) must be installed; this script installs only fastddp.
 #
-#   1. installs fastddp (editable, --no-deps) if it is not importable;
-#   2. runs the tests marked `gpu` (all of tests/), then the whole kernel
-#      suite tests/test_kernels.py on CUDA (without TRITON_INTERPRET every
-#      kernel test runs the compiled kernels on the GPU);
-#   3. runs bench/gpu_kernels.py: copy bandwidth, kernels' GB/s, launches per
-#      call, host overhead, vs the torch ways; writes
-#      reports/<gpu-name-slug>/kernels.md and kernels.json;
-#   4. runs fastddp-bench on 1 NCCL rank (step time, launches per step,
-#      wrappers side by side); writes reports/<gpu-name-slug>/<date>-gpu-1rank.*
+#   bash bench/gpu_check.sh              # on the GPU machine
+#   bash bench/gpu_check.sh --dry-run    # the same stages on a CPU machine, < 3 minutes
 #
-# Usage: bash bench/gpu_check.sh [reports-dir]      (exit 0: all passed)
+# PYTHON   the interpreter (default: python3)
+# OUT      the results folder (default: reports/<gpu-slug>/; --dry-run: a new temp dir)
+# KSHARDS  parallel pytest processes for the kernel suite (default 4; --dry-run 1)
+# INSTALL  auto (default: pip -e when fastddp is not importable at all; the shim
+#          when pip fails or another checkout's fastddp is installed) | shim
+# STAGES   the stages to run after env (default: kernels reducer kernels-bw bench),
+#          e.g. STAGES="reducer bench" to redo two in a second window
+#
+# Stages, in order of value, each under `timeout` (GPU budgets sum to 390 s; a
+# stage may also use what earlier stages left unused), none stopping the next
+# (no -x: a failed stage is reported and the rest still run):
+#
+#   stage       GPU budget  GPU                                 --dry-run (CPU twin; budget)
+#   1 env          40 s     versions, nvidia-smi, tools;        the same (90 s)
+#                           fastddp installed: pip -e
+#                           --no-build-isolation --no-deps,
+#                           else a symlink shim
+#   2 kernels     105 s     tests/test_kernels.py -m            the same under TRITON_INTERPRET=1
+#                           "interpret or gpu": the kernel      (150 s)
+#                           suite compiled for the GPU + the
+#                           gpu-marked tests, KSHARDS parallel
+#                           pytest processes, 60 s per test
+#   3 reducer     100 s     tests/test_gpu_reducer.py: NCCL     4 world-2 cases on gloo CPU, the
+#                           world 1; world 2 on ONE GPU (gloo,  interpreted kernels in the loop
+#                           CUDA tensors) vs torch DDP; slow    (FASTDDP_GPU_TESTS_ON_CPU=1; 120 s)
+#                           comm stream; 150 s per test
+#   4 kernels-bw   60 s     bench/gpu_kernels.py: GB/s vs the   --cpu-smoke: a tiny bucket,
+#                           measured copy bandwidth (stops      interpreter (60 s)
+#                           new cases 20 s before the budget)
+#   5 bench        85 s     fastddp-bench --world 1 (NCCL):     --models tiny at world 1 (every
+#                           small transformer mlp25m, 15        wrapper) and world 2 (5), on CPU
+#                           steps, every fastddp row beside     (120 s)
+#                           its torch row (torch-batched: a
+#                           labelled stand-in on torch 2.11)
+#
+# Files written into the folder (8, each capped at 15 MiB):
+#   summary.md      stage table (status, seconds, budget) + the headline numbers
+#   env.txt         stage 1: versions, GPU, tools, how fastddp was installed
+#   tests.log       stages 2 + 3: pytest output
+#   kernels.md, kernels.json   stage 4
+#   bench.md, bench.json       stage 5 (world 1)
+#   gpu_check.log   everything, in order
+# The terminal shows one line per stage and ends with the summary.
+# Exit status: 0 all stages ok; 1 a stage failed or timed out; 2 no CUDA
+# device (without --dry-run) or fastddp could not be installed.
 set -uo pipefail
+CALLER_DIR=$(pwd)
 cd "$(dirname "$0")/.."
-py=${PYTHON:-python}
-out_dir=${1:-reports}
-unset TRITON_INTERPRET  # the compiled kernels, not the interpreter
-start=$SECONDS
+REPO=$(pwd)
+py=${PYTHON:-python3}
+DRY=0
+case "${1:-}" in
+    --dry-run) DRY=1 ;;
+    "") ;;
+    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    *) echo "usage: bash bench/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1
-
-"$py" - <<'PY' || { echo "gpu_check: needs torch with a visible CUDA device"; exit 2; }
-import torch
-assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
-print("gpu_check:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
-PY
-
-if ! "$py" -c "import fastddp.kernels" 2>/dev/null; then
-    echo "gpu_check: installing fastddp (editable, no dependencies)"
-    "$py" -m pip install -q --no-deps --no-build-isolation -e . \
-        || "$py" -m pip install -q --no-deps -e . \
-        || { echo "gpu_check: pip install failed"; exit 1; }
-fi
-"$py" -c "import fastddp.kernels as K, triton; print('gpu_check: fastddp.kernels backend on cuda:', K.backend('cuda'), '| triton', triton.__version__)" \
-    || exit 1
-
-rc=0
-if "$py" -c "import pytest" 2>/dev/null; then
-    timeout 180 "$py" -m pytest tests -m gpu -q -x -p no:cacheprovider || { echo "gpu_check: gpu-marked tests FAILED"; rc=1; }
-    timeout 150 "$py" -m pytest tests/test_kernels.py -q -m "interpret or gpu" -p no:cacheprovider \
-        || { echo "gpu_check: kernel suite on CUDA FAILED"; rc=1; }
+export COLUMNS=${COLUMNS:-200}  # pytest: room for the reason on each FAILED line
+unset TRITON_INTERPRET FASTDDP_GPU_TESTS_ON_CPU  # each stage says what it wants
+START=$SECONDS
+work=$(mktemp -d "${TMPDIR:-/tmp}/fastddp-gpu-check.XXXXXX")
+SHIM=()
+cleanup() {
+    for l in "${SHIM[@]}"; do [ -L "$l" ] && rm -f "$l"; done
+    rm -rf "$work"
+}
+trap cleanup EXIT
+if [ "$DRY" = 1 ]; then
+    # Generous: a CPU machine shared with other jobs must not turn slowness
+    # into a failure (typical: about 2-3 minutes in all on 2 cores).
+    KSHARDS=${KSHARDS:-1}
+    B_ENV=90; B_KERN=150; B_RED=120; B_KBW=60; B_BENCH=120
 else
-    echo "gpu_check: pytest is not installed; tests skipped"
-    rc=1
+    KSHARDS=${KSHARDS:-4}
+    B_ENV=40; B_KERN=105; B_RED=100; B_KBW=60; B_BENCH=85
 fi
+CAP=$((15 * 1024 * 1024))
+STAGES=" ${STAGES:-kernels reducer kernels-bw bench} "
+wanted() { [[ "$STAGES" == *" $1 "* ]]; }
 
-timeout 240 "$py" bench/gpu_kernels.py --out "$out_dir" || { echo "gpu_check: gpu_kernels.py FAILED"; rc=1; }
+say() { echo "[gpu_check] $*"; }
 
-# End to end on this GPU (1 NCCL rank: the wrappers' own work and launches;
-# the collective itself is trivial at world size 1).
-timeout 150 "$py" -m fastddp.bench --world 1 --models small transformer mlp25m \
-    --wrappers local torch torch-batched fastddp fastddp-batched fastddp-fp16 fastddp-bf16 \
-    --steps 20 --label gpu-1rank --out "$out_dir" --no-progress \
-    || { echo "gpu_check: fastddp-bench FAILED"; rc=1; }
-
-# Where the caller collects files from a folder named by $OUT, leave them there too.
-if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-    cp "$out_dir"/*/kernels.md "$out_dir"/*/kernels.json "$out_dir"/*/*gpu-1rank* "$OUT"/ 2>/dev/null || true
+# Results go to $OUT, else (dry run) a temp dir, else reports/<gpu-slug>/ once
+# stage 1 knows the GPU; until then the files live in $work.
+if [ -n "${OUT:-}" ]; then
+    case "$OUT" in /*) dest=$OUT ;; *) dest=$CALLER_DIR/$OUT ;; esac
+elif [ "$DRY" = 1 ]; then
+    dest=$(mktemp -d "${TMPDIR:-/tmp}/fastddp-gpu-check-out.XXXXXX")
+else
+    dest=""
 fi
-echo "gpu_check: finished in $((SECONDS - start)) s, rc=$rc"
+stage_dir=${dest:-$work/out}
+mkdir -p "$stage_dir"
+LOG=$stage_dir/gpu_check.log
+: > "$LOG"
+
+NAMES=(); STATUS=(); SECS=(); BUDGETS=(); DETAIL=()
+record() { NAMES+=("$1"); STATUS+=("$2"); SECS+=("$3"); BUDGETS+=("$4"); DETAIL+=("$5"); }
+
+# run_stage NAME BUDGET STAGE_LOG CMD...: the command under `timeout`, its
+# output appended to STAGE_LOG (if not "-") and the combined log.  A stage
+# may use its budget plus what the stages before it left unused (CARRY), so
+# the total never exceeds the sum of the budgets.
+CARRY=0
+run_stage() {
+    local name=$1 budget=$(( $2 + CARRY )) slog=$3; shift 3
+    local t0=$SECONDS tmp="$work/$name.out" rc
+    printf '\n===== [%s] %s  budget %ss: %s\n' "$name" "$(date -u +%H:%M:%S)" "$budget" "$*" >> "$LOG"
+    [ "$slog" != "-" ] && printf '\n===== [%s] %s\n' "$name" "$*" >> "$slog"
+    timeout -k 10 "$budget" "$@" > "$tmp" 2>&1
+    rc=$?
+    cat "$tmp" >> "$LOG"
+    [ "$slog" != "-" ] && cat "$tmp" >> "$slog"
+    STAGE_RC=$rc
+    STAGE_SECS=$((SECONDS - t0))
+    STAGE_BUDGET=$budget
+    CARRY=$(( budget > STAGE_SECS ? budget - STAGE_SECS : 0 ))
+    printf '===== [%s] rc=%s after %ss\n' "$name" "$rc" "$STAGE_SECS" >> "$LOG"
+}
+
+status_of() {  # rc -> status word
+    case "$1" in
+        0) echo ok ;;
+        124|137) echo TIMEOUT ;;
+        5) echo "NO-TESTS" ;;
+        *) echo "FAILED($1)" ;;
+    esac
+}
+
+have_pytest_timeout() { grep -q "^pytest_timeout [0-9]" "$dest/env.txt"; }
+
+# ---------------------------------------------------------------- 1 env
+# One interpreter start prints the versions and tries fastddp from THIS
+# checkout (probe.* lines are read back below); pip or the shim only when
+# that import fails, then the probe runs once more.
+env_probe() {
+    (cd "$REPO" && timeout -k 5 60 "$py" - <<'PY'
+import importlib, os, platform, sys
+from importlib import metadata
+import torch
+import torch.distributed as dist
+cuda = torch.cuda.is_available()
+print(f"torch {torch.__version__} | CUDA {torch.version.cuda} | cuDNN {torch.backends.cudnn.version()} | "
+      f"cuda available {cuda} | devices {torch.cuda.device_count()}")
+if cuda:
+    p = torch.cuda.get_device_properties(0)
+    print(f"device 0: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.1f} GiB, "
+          f"{p.multi_processor_count} SMs")
+    try:
+        print("nccl", ".".join(map(str, torch.cuda.nccl.version())))
+    except Exception as e:  # noqa: BLE001
+        print("nccl: n/a", e)
+print(f"distributed: nccl {dist.is_nccl_available()}, gloo {dist.is_gloo_available()}")
+for name, dist_name in (("triton", "triton"), ("numpy", "numpy"), ("pytest", "pytest"),
+                        ("pytest_timeout", "pytest-timeout"), ("hypothesis", "hypothesis"),
+                        ("matplotlib", "matplotlib"), ("tqdm", "tqdm"), ("setuptools", "setuptools")):
+    try:
+        importlib.import_module(name)
+        print(f"{name} {metadata.version(dist_name)}")
+    except Exception as e:  # noqa: BLE001
+        print(f"{name}: NOT importable ({type(e).__name__}: {e})")
+try:
+    import triton; tv = triton.__version__
+except Exception:  # noqa: BLE001
+    tv = "n/a"
+print(f"probe.cuda={int(cuda)}")
+print(f"probe.gpu={torch.cuda.get_device_name(0) if cuda else ''}")
+print(f"probe.versions=torch {torch.__version__} | triton {tv} | CUDA {torch.version.cuda} | "
+      f"python {platform.python_version()}")
+repo = os.path.realpath(os.getcwd()) + os.sep
+try:
+    import fastddp, fastddp.kernels as K, fastddp.bench.runner  # noqa: F401
+    where = {m.__name__: os.path.realpath(m.__file__) for m in (fastddp, K, fastddp.bench)}
+    bad = [f"{n} from {f}" for n, f in where.items() if not f.startswith(repo)]
+    if bad:
+        print(f"probe.import=not this checkout: {'; '.join(bad)}")
+    else:
+        print(f"fastddp {fastddp.__version__} from {where['fastddp']}; fastddp.kernels from {where['fastddp.kernels']}")
+        print(f"fastddp.kernels backend: cpu {K.backend('cpu')}, cuda {K.backend('cuda')}")
+        print("probe.import=ok")
+except Exception as e:  # noqa: BLE001
+    print(f"probe.import={type(e).__name__}: {e}")
+PY
+    )
+}
+
+stage_env() {
+    echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')  host: $(hostname)  mode: $([ "$DRY" = 1 ] && echo dry-run || echo gpu)"
+    echo "repo: $REPO  git: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo n/a)"
+    echo "python: $(command -v "$py") ($("$py" -V 2>&1))"
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit,compute_mode \
+            --format=csv 2>&1
+    else
+        echo "nvidia-smi: not found"
+    fi
+    for t in ncu compute-sanitizer nsys nvcc; do echo "$t: $(command -v $t || echo not found)"; done
+    local out how=""
+    out=$(env_probe 2>&1)
+    echo "$out"
+    if [ "${INSTALL:-auto}" != shim ] && echo "$out" | grep -qx 'probe.import=ok'; then
+        how="already importable from this checkout"
+    else
+        if echo "$out" | grep -q '^probe.import=not this checkout'; then
+            # Another checkout's fastddp is installed in this interpreter:
+            # leave that install alone; the shim below takes precedence.
+            echo "fastddp is installed from another checkout: not re-pointing it with pip"
+        elif [ "${INSTALL:-auto}" != shim ]; then
+            echo "pip install --no-build-isolation --no-deps -e . :"
+            timeout -k 5 90 "$py" -m pip install -q --no-build-isolation --no-deps --no-index \
+                --disable-pip-version-check -e "$REPO" 2>&1 | tail -20
+            out=$(env_probe 2>&1)
+            if echo "$out" | grep -qx 'probe.import=ok'; then
+                how="pip install --no-build-isolation --no-deps -e ."
+            fi
+        fi
+        if [ -z "$how" ]; then
+            # fastddp.kernels / fastddp.bench are the top-level kernels/ and
+            # bench/ folders (setuptools package-dir): symlinks inside fastddp/
+            # give a plain `import` from the repository root the same layout.
+            echo "no usable install: symlink shim"
+            for sub in kernels bench; do
+                if [ ! -e "$REPO/fastddp/$sub" ]; then
+                    ln -s "../$sub" "$REPO/fastddp/$sub" && echo "shim: fastddp/$sub -> ../$sub"
+                fi
+            done
+            out=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" env_probe 2>&1)
+            if echo "$out" | grep -qx 'probe.import=ok'; then
+                how="symlink shim (fastddp/kernels, fastddp/bench -> ../kernels, ../bench) + PYTHONPATH=$REPO"
+            fi
+        fi
+        echo "$out" | grep -v '^probe\.\(cuda\|gpu\|versions\)=' | grep -E '^(fastddp|probe.import)'
+    fi
+    if [ -z "$how" ]; then
+        echo "install: FAILED (neither pip nor the shim gives an importable fastddp; probe above)"
+        return 3
+    fi
+    echo "install: $how"
+}
+
+env_out=$work/env.txt
+printf '\n===== [env] %s\n' "$(date -u +%H:%M:%S)" >> "$LOG"
+t0=$SECONDS
+stage_env > "$env_out" 2>&1
+env_rc=$?
+# The shim's links, if made, are removed on exit; PYTHONPATH for scripts run
+# from bench/ and for spawned ranks.
+for pair in kernels bench; do [ -L "$REPO/fastddp/$pair" ] && SHIM+=("$REPO/fastddp/$pair"); done
+[ ${#SHIM[@]} -gt 0 ] && export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+probe() { grep "^probe\.$1=" "$env_out" | tail -1 | cut -d= -f2-; }
+cuda=$(probe cuda); cuda=${cuda:-0}
+gpu_name=$(probe gpu)
+versions=$(probe versions)
+if [ -z "$dest" ]; then
+    slug=$(echo "${gpu_name:-unknown-gpu}" | tr 'A-Z' 'a-z' | sed -E 's/\((r|tm|c)\)//g; s/[^a-z0-9]+/-/g; s/^-+|-+$//g')
+    dest=$REPO/reports/${slug:-unknown-gpu}
+    mkdir -p "$dest"
+    cat "$LOG" > "$dest/gpu_check.log"
+    LOG=$dest/gpu_check.log
+fi
+cp "$env_out" "$dest/env.txt"
+cat "$env_out" >> "$LOG"
+install_line=$(grep '^install: ' "$env_out" | tail -1 | cut -c10-)
+env_detail="${gpu_name:-no GPU}; ${install_line:-install failed}"
+if [ $env_rc -ne 0 ]; then
+    record env "FAILED($env_rc)" $((SECONDS - t0)) $B_ENV "$env_detail"
+elif [ "$DRY" = 0 ] && [ "$cuda" != 1 ]; then
+    record env "NO-CUDA" $((SECONDS - t0)) $B_ENV "torch.cuda.is_available() is False"
+else
+    record env ok $((SECONDS - t0)) $B_ENV "$env_detail"
+fi
+CARRY=$(( B_ENV > SECONDS - t0 ? B_ENV - (SECONDS - t0) : 0 ))
+say "1/5 env        ${STATUS[0]}  $((SECONDS - t0)) s  | ${gpu_name:-no GPU} | $versions"
+say "             install: ${install_line:-FAILED}"
+
+TESTS_LOG=$dest/tests.log
+: > "$TESTS_LOG"
+skip_rest=""
+[ $env_rc -ne 0 ] && skip_rest="fastddp is not importable (env.txt)"
+[ "$DRY" = 0 ] && [ "$cuda" != 1 ] && skip_rest="no CUDA device (run with --dry-run on a CPU machine)"
+
+PT=(-q -rfE --tb=short --durations=5 -p no:cacheprovider)
+PT_KERN=("${PT[@]}"); PT_RED=("${PT[@]}")
+if have_pytest_timeout; then PT_KERN+=(--timeout=60); PT_RED+=(--timeout=150); fi
+
+# ---------------------------------------------------------------- 2 kernels
+if [ -n "$skip_rest" ]; then
+    record kernels skipped 0 $B_KERN "$skip_rest"
+elif ! wanted kernels; then
+    record kernels skipped 0 $B_KERN "not in STAGES"
+else
+    if [ "$DRY" = 1 ]; then export TRITON_INTERPRET=1; fi
+    run_stage kernels $B_KERN "$TESTS_LOG" \
+        "$py" bench/pytest_shards.py --shards "$KSHARDS" --logdir "$work/kernels-shards" -- \
+        tests/test_kernels.py -m "interpret or gpu" "${PT_KERN[@]}"
+    for f in "$work"/kernels-shards/shard-*.log; do
+        [ -f "$f" ] || continue
+        printf '\n----- %s\n' "$(basename "$f")" | tee -a "$TESTS_LOG" >> "$LOG"
+        cat "$f" | tee -a "$TESTS_LOG" >> "$LOG"
+    done
+    unset TRITON_INTERPRET
+    record kernels "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
+        "$(grep -E '^===== .* shards\) =====|^pytest_shards: shard' "$work/kernels.out" | tail -1 | sed 's/=//g; s/^ *//')"
+fi
+say "2/5 kernels    ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
+
+# ---------------------------------------------------------------- 3 reducer
+if [ -n "$skip_rest" ]; then
+    record reducer skipped 0 $B_RED "$skip_rest"
+elif ! wanted reducer; then
+    record reducer skipped 0 $B_RED "not in STAGES"
+else
+    if [ "$DRY" = 1 ]; then
+        # CPU twin: the world-2 bodies on gloo CPU with the interpreted kernels
+        # in the loop (a subset: the interpreter costs ~1 ms per program).
+        sel=(tests/test_gpu_reducer.py::test_w2_one_device_grads_equal_torch_ddp\[{default,batched,view,fp16}\])
+        TRITON_INTERPRET=1 FASTDDP_GPU_TESTS_ON_CPU=1 \
+            run_stage reducer $B_RED "$TESTS_LOG" "$py" -m pytest "${sel[@]}" "${PT_RED[@]}"
+    else
+        run_stage reducer $B_RED "$TESTS_LOG" "$py" -m pytest tests/test_gpu_reducer.py -m gpu "${PT_RED[@]}"
+    fi
+    record reducer "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
+        "$("$py" bench/check_summary.py pytest "$work/reducer.out" | head -1 | sed 's/^ *//')"
+fi
+say "3/5 reducer    ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
+
+# ---------------------------------------------------------------- 4 kernels-bw
+if [ -n "$skip_rest" ]; then
+    record kernels-bw skipped 0 $B_KBW "$skip_rest"
+elif ! wanted kernels-bw; then
+    record kernels-bw skipped 0 $B_KBW "not in STAGES"
+else
+    if [ "$DRY" = 1 ]; then
+        TRITON_INTERPRET=1 run_stage kernels-bw $B_KBW - \
+            "$py" bench/gpu_kernels.py --cpu-smoke --dest "$dest" --time-budget $((B_KBW + CARRY - 20))
+    else
+        run_stage kernels-bw $B_KBW - "$py" bench/gpu_kernels.py --dest "$dest" --time-budget $((B_KBW + CARRY - 20))
+    fi
+    record kernels-bw "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
+        "$(grep -o 'copy bandwidth .*' "$work/kernels-bw.out" | head -1)"
+fi
+say "4/5 kernels-bw ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
+
+# ---------------------------------------------------------------- 5 bench
+WRAPPERS=(local torch torch-batched torch-view torch-fp16 torch-bf16
+          fastddp fastddp-batched fastddp-view fastddp-fp16 fastddp-bf16)
+copy_bench() {  # the newest report under $1 -> $dest/bench.md/json
+    local md js
+    md=$(ls -t "$1"/*/*.md 2>/dev/null | head -1)
+    js=$(ls -t "$1"/*/*.json 2>/dev/null | head -1)
+    [ -n "$md" ] && cp "$md" "$dest/bench.md"
+    [ -n "$js" ] && cp "$js" "$dest/bench.json"
+}
+if [ -n "$skip_rest" ]; then
+    record bench skipped 0 $B_BENCH "$skip_rest"
+elif ! wanted bench; then
+    record bench skipped 0 $B_BENCH "not in STAGES"
+else
+    if [ "$DRY" = 1 ]; then
+        # CPU twin: the tiny model at world 1 (what the GPU run does) and 2 (gloo), interpreter in the loop.
+        t_b=$SECONDS; b0=$((B_BENCH + CARRY))
+        TRITON_INTERPRET=1 run_stage bench-w1 $((B_BENCH / 2)) - "$py" -m fastddp.bench --world 1 --cpu \
+            --models tiny --wrappers "${WRAPPERS[@]}" --steps 2 --warmup 1 --label dry-run-1rank \
+            --out "$work/bench1" --no-progress --no-charts
+        rc1=$STAGE_RC
+        copy_bench "$work/bench1"
+        TRITON_INTERPRET=1 run_stage bench-w2 $((B_BENCH / 2)) - "$py" -m fastddp.bench --world 2 --cpu \
+            --models tiny --wrappers local torch fastddp torch-fp16 fastddp-fp16 \
+            --steps 2 --warmup 1 --label dry-run-2rank --out "$work/bench2" --no-progress --no-charts
+        rc2=$STAGE_RC
+        STAGE_RC=$(( rc1 != 0 ? rc1 : rc2 )); STAGE_SECS=$((SECONDS - t_b)); STAGE_BUDGET=$b0
+        detail="world 1 rc=$rc1, world 2 rc=$rc2"
+    else
+        run_stage bench $B_BENCH - "$py" -m fastddp.bench --world 1 --models small transformer mlp25m \
+            --wrappers "${WRAPPERS[@]}" --steps 15 --warmup 3 --label gpu-1rank --out "$work/bench" --no-progress \
+            --no-charts
+        copy_bench "$work/bench"
+        detail="world 1 (NCCL), 3 models, 11 wrappers, 15 steps"
+    fi
+    record bench "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET "$detail"
+fi
+say "5/5 bench      ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
+
+# ---------------------------------------------------------------- summary
+rc=0
+for i in "${!STATUS[@]}"; do
+    [ "${STATUS[$i]}" = ok ] || [ "${DETAIL[$i]}" = "not in STAGES" ] || rc=1
+done
+[ -n "$skip_rest" ] && rc=2
+total=$((SECONDS - START))
+{
+    echo "# gpu_check $([ "$DRY" = 1 ] && echo '--dry-run (CPU twin; no GPU figures)') on ${gpu_name:-$(uname -n)}"
+    echo
+    echo "$(date -u '+%Y-%m-%d %H:%M UTC') | $versions | git $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo n/a)"
+    echo
+    echo '```'
+    printf '%-11s %-11s %6s %7s  %s\n' stage status time budget detail
+    for i in "${!NAMES[@]}"; do
+        printf '%-11s %-11s %5ss %6ss  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${BUDGETS[$i]}" "${DETAIL[$i]}"
+    done
+    echo "total ${total} s, exit ${rc}"
+    echo
+    for part in kernels reducer; do
+        if [ -f "$work/$part.out" ]; then
+            echo "$part tests:"
+            if [ "$part" = kernels ]; then
+                cat "$work"/kernels-shards/shard-*.log 2>/dev/null > "$work/kernels-all.log"
+                "$py" bench/check_summary.py pytest "$work/kernels-all.log" | grep -v ' in [0-9.]*s' 
+                grep -E '^===== .* =====$' "$work/kernels.out" | sed 's/^/  /'
+            else
+                "$py" bench/check_summary.py pytest "$work/$part.out"
+            fi
+        fi
+    done
+    if [ -f "$dest/kernels.json" ]; then echo "kernels:"; "$py" bench/check_summary.py kernels "$dest/kernels.json" | sed 's/^/  /'; fi
+    if [ -f "$dest/bench.json" ]; then echo "bench:"; "$py" bench/check_summary.py bench "$dest/bench.json" | sed 's/^/  /'; fi
+    if [ "$DRY" = 1 ] && [ -f "$(ls -t "$work"/bench2/*/*.json 2>/dev/null | head -1)" ]; then
+        echo "bench, world 2:"; "$py" bench/check_summary.py bench "$(ls -t "$work"/bench2/*/*.json | head -1)" | sed 's/^/  /'
+    fi
+    echo '```'
+    echo
+    echo "Files: $(cd "$dest" && ls | tr '\n' ' ')"
+} > "$dest/summary.md" 2>&1
+
+# Keep every file under the transfer limit (head and tail of anything larger).
+for f in "$dest"/*; do
+    [ -f "$f" ] || continue
+    size=$(stat -c %s "$f")
+    if [ "$size" -gt "$CAP" ]; then
+        { head -c $((CAP / 3)) "$f"; printf '\n\n[... %s bytes cut by gpu_check.sh ...]\n\n' "$((size - CAP + 4096))"; \
+          tail -c $((CAP * 2 / 3 - 4096)) "$f"; } > "$work/cap" && mv "$work/cap" "$f"
+    fi
+done
+cat "$dest/summary.md" >> "$LOG"
+echo
+sed -n '/^```$/,/^```$/p' "$dest/summary.md" | sed '1d;$d'
+echo "results: $dest/ ($(ls "$dest" | wc -l) files; summary.md first)"
 exit $rc

@@ -1,7 +1,12 @@
 """GPU measurement of fastddp's pack/unpack kernels (bench/gpu_check.sh runs it).
 
-    python bench/gpu_kernels.py [--out reports] [--quick]
+    python bench/gpu_kernels.py [--out reports | --dest DIR] [--quick] [--time-budget S]
     python bench/gpu_kernels.py --cpu-smoke     # exercise this script on CPU (no figures worth keeping)
+
+``--cpu-smoke`` runs every code path on a tiny CPU bucket (7 tensors): with
+``TRITON_INTERPRET=1`` the fastddp rows run the Triton kernel source in the
+interpreter, so bench/gpu_check.sh --dry-run checks this script on a CPU
+machine in seconds.
 
 For each bucket shape and wire dtype, fastddp's kernels and the ways torch
 does it today (per-tensor ``copy_`` + ``mul_``; ``_foreach_copy_`` + one
@@ -18,7 +23,17 @@ measured copy bandwidth (a large ``Tensor.copy_`` timed with CUDA events),
 launches per call (fastddp's counter, and CUDA kernels seen by
 ``torch.profiler``), a bit-exact check against ``fastddp.kernels.reference``,
 and a sweep of the kernels' BLOCK.  Writes ``reports/<gpu-slug>/kernels.md``
-and ``kernels.json`` (with torch / triton / CUDA versions).
+and ``kernels.json`` (with torch / triton / CUDA versions), or
+``<dest>/kernels.md`` / ``.json`` with ``--dest``; both files are rewritten
+after every bucket shape, and ``--time-budget`` stops starting new cases
+once that many seconds have passed (``meta.truncated`` says so), so a run cut
+short still leaves what it measured.
+
+Before ``torch.cuda._sleep`` is calibrated the GPU is kept busy for ~0.3 s
+(matmuls) so its clocks have ramped up: the sleep is counted in SM cycles,
+and a calibration at idle clocks would make the sleeps too short at boost
+clocks.  A measurement whose host enqueue outlasted the sleep (so host time
+leaked into the device figure) is flagged ``host_bound``.
 """
 
 from __future__ import annotations
@@ -42,6 +57,8 @@ SHAPES = {
     "bucket_25mb": (100, 65536),    # a torch-default-sized bucket of mid tensors
     "few_large": (4, 4 << 20),      # bandwidth bound: 16M elements
 }
+#: --cpu-smoke: odd sizes, one tensor larger than the interpreter's BLOCK.
+SMOKE_SHAPES = {"smoke": (7, 2500)}
 WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -60,6 +77,36 @@ class Clock:
         self.device = device
         self.cuda = device.type == "cuda"
         self._cycles_per_us = None
+        self.last_host_bound = False  # the last device_us: host enqueue outlasted the sleep
+
+    def warm_up(self, seconds: float = 0.3) -> None:
+        """Keep the GPU busy so its clocks ramp up before anything is timed."""
+        if not self.cuda:
+            return
+        a = torch.randn(4096, 4096, device=self.device)
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            for _ in range(8):
+                a = (a @ a).clamp_(-1, 1)
+            self.sync()
+        del a
+
+    def calibrate(self) -> float:
+        """Cycles per us of ``torch.cuda._sleep``: after a warm-up, the
+        fastest of 5 trials (the highest clock gives the longest real sleep
+        for a cycle count computed from it)."""
+        if self._cycles_per_us is None and self.cuda:
+            self.warm_up()
+            best = 0.0
+            for _ in range(5):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                torch.cuda._sleep(5_000_000)
+                b.record()
+                b.synchronize()
+                best = max(best, 5_000_000 / max(a.elapsed_time(b) * 1e3, 1.0))
+            self._cycles_per_us = best
+        return self._cycles_per_us or 0.0
 
     def sync(self):
         if self.cuda:
@@ -68,15 +115,7 @@ class Clock:
     def _sleep_us(self, us: float):
         if not self.cuda:
             return
-        if self._cycles_per_us is None:  # calibrate torch.cuda._sleep once
-            self.sync()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            torch.cuda._sleep(10_000_000)
-            b.record()
-            b.synchronize()
-            self._cycles_per_us = 10_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
-        torch.cuda._sleep(int(us * self._cycles_per_us))
+        torch.cuda._sleep(int(us * self.calibrate()))
 
     def host_us(self, fn, reps: int) -> float:
         """Median wall time of ``fn()`` alone (no synchronize in between)."""
@@ -103,16 +142,22 @@ class Clock:
         if not self.cuda:
             return self.synced_us(fn, reps)
         out = []
+        self.last_host_bound = False
         for _ in range(trials):
             self.sync()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self._sleep_us(host_us * reps * 1.5 + 200)
+            sleep_us = host_us * reps * 1.5 + 200
+            self._sleep_us(sleep_us)
+            t = time.perf_counter()
             a.record()
             for _ in range(reps):
                 fn()
             b.record()
+            enqueue_us = (time.perf_counter() - t) * 1e6
             b.synchronize()
             out.append(a.elapsed_time(b) * 1e3 / reps)
+            if enqueue_us > sleep_us:
+                self.last_host_bound = True
         return min(out)
 
 
@@ -152,10 +197,10 @@ def kernels_per_call(fn, device: torch.device, calls: int = 3) -> tuple[float | 
 
 
 # ------------------------------------------------------------- the methods
-def make_bucket(shape: str, wire: str, device: torch.device, seed: int = 0):
+def make_bucket(shape: str, wire: str, device: torch.device, shapes: dict = SHAPES, seed: int = 0):
     import fastddp.kernels as K
 
-    n_t, n = SHAPES[shape]
+    n_t, n = shapes[shape]
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(n, generator=gen).to(device) for _ in range(n_t)]
     flat = torch.empty(n_t * n, dtype=WIRE[wire], device=device)
@@ -212,14 +257,18 @@ def measure(clock: Clock, fn, nbytes: int, reps: int) -> dict:
     synced = clock.synced_us(fn, reps)
     dev = clock.device_us(fn, reps, host)
     kern, memcpy = kernels_per_call(fn, clock.device)
-    return {
+    out = {
         "device_us": round(dev, 2), "synced_us": round(synced, 2), "host_us": round(host, 2),
         "GB/s": round(nbytes / (dev * 1e-6) / 1e9, 1), "triton_launches": launches,
         "cuda_kernels": kern, "memcpys": memcpy,
     }
+    if clock.last_host_bound:
+        out["host_bound"] = True
+    return out
 
 
-def run(args) -> dict:
+def run(args, save=None) -> dict:
+    """Measure; ``save(res)`` is called after every bucket shape (and at the end)."""
     import triton
 
     import fastddp.kernels as K
@@ -227,26 +276,38 @@ def run(args) -> dict:
 
     device = torch.device("cuda" if not args.cpu_smoke else "cpu")
     clock = Clock(device)
-    reps = 5 if args.cpu_smoke else 20
-    shapes = ["many_small"] if args.cpu_smoke else list(SHAPES)
+    reps = 3 if args.cpu_smoke else 20
+    shapes = SMOKE_SHAPES if args.cpu_smoke else SHAPES
+    t_start = time.perf_counter()
+
+    def out_of_time() -> bool:
+        return args.time_budget is not None and time.perf_counter() - t_start > args.time_budget
     name = torch.cuda.get_device_name(device) if clock.cuda else f"cpu-smoke-{platform.machine()}"
     meta = {
         "device": name, "date": _dt.date.today().isoformat(), "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "backend": K.backend(device), "scale": SCALE, "block": TC.BLOCK_GPU, "num_warps": TC.NUM_WARPS_GPU,
     }
-    print(f"[gpu_kernels] {name}: torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    meta["copy_GB/s"] = round(copy_bandwidth_gbs(clock, (64 << 20) if args.cpu_smoke else (1 << 30)), 1)
+    print(f"[gpu_kernels] {name}: torch {torch.__version__}, triton {triton.__version__}, "
+          f"backend {meta['backend']}", flush=True)
+    if clock.cuda:
+        meta["sleep_cycles_per_us"] = round(clock.calibrate(), 1)  # warms the GPU first
+    meta["copy_GB/s"] = round(copy_bandwidth_gbs(clock, (4 << 20) if args.cpu_smoke else (1 << 30)), 1)
     print(f"[gpu_kernels] copy bandwidth {meta['copy_GB/s']} GB/s (read + write)", flush=True)
+    meta["truncated"] = False
+    res = {"meta": meta, "rows": [], "block_sweep": []}
+    rows = res["rows"]
 
-    rows = []
     cases = [("pack", w, False) for w in ("fp32", "bf16", "fp16")] + \
             [("unpack", w, acc) for w in ("fp32", "bf16") for acc in (False, True)]
     if args.quick:
         cases = [("pack", "fp32", False), ("pack", "bf16", False), ("unpack", "bf16", True)]
     for shape in shapes:
         for op, wire, acc in cases:
-            grads, flat, lay, views = make_bucket(shape, wire, device)
+            if out_of_time():
+                meta["truncated"] = True
+                break
+            grads, flat, lay, views = make_bucket(shape, wire, device, shapes)
             nbytes = sum(g.numel() for g in grads) * (4 + flat.element_size()) + \
                 (sum(g.numel() for g in grads) * 4 if acc else 0)  # acc also reads the grads
             if op == "pack":
@@ -266,17 +327,23 @@ def run(args) -> dict:
                 rows.append(r)
                 print(f"  {r['op']:<11}{shape:<12}{wire:<5}{method:<8} dev {r['device_us']:9.1f} us  "
                       f"{r['GB/s']:7.1f} GB/s ({r['pct_copy']:5.1f}%)  host {r['host_us']:7.1f} us  "
-                      f"launches {r['triton_launches']} kernels {r['cuda_kernels']}", flush=True)
+                      f"launches {r['triton_launches']} kernels {r['cuda_kernels']}"
+                      + ("  HOST-BOUND" if r.get("host_bound") else ""), flush=True)
             del grads, flat, lay, views, methods
+        if save is not None:
+            save(res)
 
-    sweep = []
-    if clock.cuda and not args.quick:
+    sweep = res["block_sweep"]
+    if clock.cuda and not args.quick and not out_of_time():
         saved = TC.BLOCK_GPU
         try:
             for shape in ("many_small", "few_large"):
-                grads, flat, lay, views = make_bucket(shape, "bf16", device)
+                grads, flat, lay, views = make_bucket(shape, "bf16", device, shapes)
                 nbytes = sum(g.numel() for g in grads) * 6
                 for block in (1024, 2048, 4096, 8192):
+                    if out_of_time():
+                        meta["truncated"] = True
+                        break
                     TC.BLOCK_GPU = block  # plans are keyed by BLOCK: a new one is built
                     fn = pack_methods(grads, flat, lay, views)["fastddp"]
                     r = measure(clock, fn, nbytes, reps)
@@ -287,7 +354,10 @@ def run(args) -> dict:
                 del grads, flat, lay, views
         finally:
             TC.BLOCK_GPU = saved
-    return {"meta": meta, "rows": rows, "block_sweep": sweep}
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    if save is not None:
+        save(res)
+    return res
 
 
 def to_markdown(res: dict) -> str:
@@ -296,6 +366,8 @@ def to_markdown(res: dict) -> str:
            f"{m['date']} - torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, python {m['python']}; "
            f"BLOCK {m['block']}, {m['num_warps']} warps; scale fp32(1/8).", "",
            f"Device copy bandwidth (large `copy_`, read + write): **{m['copy_GB/s']} GB/s**.", "",
+           *([f"**Truncated**: the time budget ran out after {len(res['rows'])} rows.", ""]
+             if m.get("truncated") else []),
            "device us: GPU time per call (host hidden); synced us: one call + synchronize; host us: the "
            "Python call alone. GB/s = bytes read + written / device time. launches: Triton launches "
            "(fastddp counter); kernels / memcpys: as torch.profiler sees them, per call.", "",
@@ -305,7 +377,7 @@ def to_markdown(res: dict) -> str:
         out.append(f"| {r['op']} | {r['shape']} ({r['tensors']}x{r['elements'] // r['tensors']}) | {r['wire']} | "
                    f"{r['method']} | {r['device_us']} | {r['GB/s']} | {r['pct_copy']} | {r['synced_us']} | "
                    f"{r['host_us']} | {r['triton_launches']} | {r['cuda_kernels']} | {r['memcpys']} | "
-                   f"{r.get('bit_exact', '')} |")
+                   f"{r.get('bit_exact', '')}{' (host-bound)' if r.get('host_bound') else ''} |")
     if res["block_sweep"]:
         out += ["", "BLOCK sweep (pack fp32 -> bf16, fastddp):", "", "| shape | BLOCK | device us | GB/s |",
                 "|---|---:|---:|---:|"]
@@ -315,7 +387,10 @@ def to_markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="reports", help="reports folder (default: reports)")
+    ap.add_argument("--out", default="reports", help="reports folder (default: reports); files go to <out>/<device>/")
+    ap.add_argument("--dest", help="write kernels.md and kernels.json straight into this folder instead")
+    ap.add_argument("--time-budget", type=float, metavar="S",
+                    help="start no new case after S seconds (the files say the run was truncated)")
     ap.add_argument("--quick", action="store_true", help="fewer cases, no BLOCK sweep")
     ap.add_argument("--cpu-smoke", action="store_true", help="run the script's logic on CPU (figures meaningless)")
     args = ap.parse_args(argv)
@@ -324,12 +399,18 @@ def main(argv=None) -> int:
               "nothing measured. Run it on a GPU machine (bench/gpu_check.sh), or pass --cpu-smoke "
               "to exercise the script on CPU.", file=sys.stderr)
         return 2
-    res = run(args)
-    folder = Path(args.out) / slugify(res["meta"]["device"])
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "kernels.json").write_text(json.dumps(res, indent=1) + "\n")
-    (folder / "kernels.md").write_text(to_markdown(res))
-    print(f"[gpu_kernels] wrote {folder / 'kernels.md'} and {folder / 'kernels.json'}")
+    where: list[Path] = []
+
+    def save(res: dict) -> None:
+        folder = Path(args.dest) if args.dest else Path(args.out) / slugify(res["meta"]["device"])
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kernels.json").write_text(json.dumps(res, indent=1) + "\n")
+        (folder / "kernels.md").write_text(to_markdown(res))
+        where[:] = [folder]
+
+    res = run(args, save)
+    print(f"[gpu_kernels] wrote {where[0] / 'kernels.md'} and {where[0] / 'kernels.json'}"
+          + (" (truncated by --time-budget)" if res["meta"]["truncated"] else ""))
     bad = [r for r in res["rows"] if r.get("bit_exact") is False]
     if bad:
         print(f"[gpu_kernels] NOT bit-exact vs reference: {[(r['op'], r['shape'], r['wire']) for r in bad]}",

@@ -545,9 +545,10 @@ def slugify(name: str) -> str:
     return s or "unknown-device"
 
 
-def write_report(report: Report, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``<out>/<device-slug>/<date>-<label>.md``, ``.json`` and the PNG
-    charts; returns ``{"md": ..., "json": ..., "charts": [...]}``."""
+def write_report(report: Report, out_dir: str | Path, charts_on: bool = True) -> dict[str, Path]:
+    """Write ``<out>/<device-slug>/<date>-<label>.md``, ``.json`` and (unless
+    ``charts_on`` is False) the PNG charts; returns ``{"md": ..., "json": ...,
+    "charts": [...]}``."""
     meta = report.meta
     folder = Path(out_dir) / slugify(meta.get("device", ""))
     folder.mkdir(parents=True, exist_ok=True)
@@ -556,13 +557,13 @@ def write_report(report: Report, out_dir: str | Path) -> dict[str, Path]:
     written: list[Path] = []
     for section in report.sections:
         derive(section)
-        for what in ("step", "overhead"):
+        for what in ("step", "overhead") if charts_on else ():
             path = folder / f"{stem}{section.tag}-{what}.png"
             if _plot_bars(section, path, what):
                 charts.setdefault(section.tag, []).append(path.name)
                 written.append(path)
     bw_path = folder / f"{stem}-bandwidth.png"
-    if _plot_bandwidth(report, bw_path):
+    if charts_on and _plot_bandwidth(report, bw_path):
         charts["bandwidth"] = [bw_path.name]
         written.append(bw_path)
     md = folder / f"{stem}.md"

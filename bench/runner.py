@@ -87,6 +87,8 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 900.0
     progress: bool = True
+    charts: bool = True
+    """Write the PNG charts (matplotlib) next to the report."""
     command: str = ""
 
     def resolved_label(self) -> str:
@@ -757,5 +759,5 @@ def run(cfg: BenchConfig) -> tuple[R.Report, dict] | None:
             result = Path(tmp, "result.json")
             mp.spawn(_spawn_entry, args=(world, cfg, init, str(result)), nprocs=world, join=True)
             report = R.from_json(result.read_text())
-    paths = R.write_report(report, cfg.out)
+    paths = R.write_report(report, cfg.out, charts_on=cfg.charts)
     return report, paths

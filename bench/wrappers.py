@@ -19,7 +19,11 @@ comm-floor         local + ONE all-reduce per step, at the end of backward, of a
                    ranks costs any DDP; a bound, not a trainer (its gradients
                    stay local)
 torch              torch.nn.parallel.DistributedDataParallel, defaults
-torch-batched      ... batched_grad_copy=True
+torch-batched      ... batched_grad_copy=True; on a torch whose DDP lacks that
+                   argument (2.11) a labelled stand-in: torch DDP + its C++
+                   ALLREDUCE comm hook, which divides each bucket by W before
+                   the SUM as batched_grad_copy does (same gradients; torch's
+                   per-parameter copies instead of one foreach copy)
 torch-view         ... gradient_as_bucket_view=True
 torch-fp16         ... + default_hooks.fp16_compress_hook
 torch-bf16         ... + default_hooks.bf16_compress_hook (torch allows it on
@@ -66,6 +70,7 @@ __all__ = [
     "registry",
     "sim_allreduce_hook",
     "sim_compress_hook",
+    "torch_has_batched_grad_copy",
     "wire_bytes_counter",
 ]
 
@@ -299,6 +304,30 @@ def _torch(model, process_group, options, hook: str | None = None, **kwargs):
     return ddp, ""
 
 
+def torch_has_batched_grad_copy() -> bool:
+    """Whether this torch's DDP constructor takes ``batched_grad_copy`` (2.13+)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    return "batched_grad_copy" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def _torch_batched(model, process_group, options):
+    if torch_has_batched_grad_copy():
+        return _torch(model, process_group, options, batched_grad_copy=True)
+    # Stand-in: batched_grad_copy = copy the grads unscaled, divide the bucket
+    # by W, all-reduce SUM.  torch's reducer copies unscaled whenever a comm
+    # hook is registered, and its built-in C++ ALLREDUCE hook divides by W
+    # then sums: the same bits, without a Python hook's per-bucket cost.
+    ddp, note = _torch(model, process_group, options)
+    label = f"stand-in: torch {torch.__version__.split('+')[0]} has no batched_grad_copy; "
+    if options.wire is not None:  # the simulated wire's hook divides by W already
+        return ddp, label + note
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    return ddp, label + "DDP + builtin ALLREDUCE hook (divides by W, as batched)"
+
+
 def _fastddp(model, process_group, options, hook: str | None = None, **kwargs):
     import fastddp  # noqa: F401 - ImportError means unavailable
 
@@ -330,7 +359,7 @@ def registry() -> dict[str, WrapperSpec]:
         WrapperSpec("local", "local", "default", _local),
         WrapperSpec("comm-floor", "floor", "default", _comm_floor, baselines=("torch",)),
         WrapperSpec("torch", "torch", "default", _torch),
-        WrapperSpec("torch-batched", "torch", "batched", P(_torch, batched_grad_copy=True)),
+        WrapperSpec("torch-batched", "torch", "batched", _torch_batched),
         WrapperSpec("torch-view", "torch", "view", P(_torch, gradient_as_bucket_view=True)),
         WrapperSpec("torch-fp16", "torch", "fp16", P(_torch, hook="fp16"), wire_itemsize=2),
         WrapperSpec("torch-bf16", "torch", "bf16", P(_torch, hook="bf16"), wire_itemsize=2),

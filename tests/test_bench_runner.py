@@ -4,6 +4,7 @@ the command line (spawned once for the module)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -13,6 +14,7 @@ import torch
 
 from fastddp.bench import report as R
 from fastddp.bench.wrappers import (DEFAULT_WRAPPERS, SimulatedWire, computed_wire_bytes, registry)
+from tests._dist import world2  # noqa: F401  (module-scoped 2-rank gloo fixture)
 
 
 # -- statistics ------------------------------------------------------------------
@@ -290,6 +292,182 @@ def test_simulated_wire_waits_for_the_real_collective():
 def test_simulated_wire_rejects_nonpositive():
     with pytest.raises(ValueError):
         SimulatedWire(0.0, torch.device("cpu"))
+
+
+# -- torch-batched on a torch without batched_grad_copy -------------------------------
+
+def test_torch_batched_stand_in_is_labelled_and_averages(tmp_path, monkeypatch):
+    """torch 2.11's DDP has no batched_grad_copy: the torch-batched row is then
+    torch DDP + the builtin ALLREDUCE hook, and its note says so."""
+    from fastddp.bench import wrappers as W
+    from tests._dist import single_rank_group
+
+    monkeypatch.setattr(W, "torch_has_batched_grad_copy", lambda: False)
+    with single_rank_group(tmp_path):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+        ref = copy.deepcopy(model)
+        ddp, note = W.build_wrapper("torch-batched", model, None, W.WrapperOptions())
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+        assert note.startswith("stand-in: torch ") and "no batched_grad_copy" in note, note
+        assert "ALLREDUCE" in note
+        x = torch.randn(5, 8)
+        ddp(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for p, q in zip(ddp.module.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)  # W = 1: the average is the local grad
+
+
+def test_torch_batched_uses_the_real_argument_where_torch_has_it(tmp_path):
+    from fastddp.bench import wrappers as W
+    from tests._dist import single_rank_group
+
+    import inspect
+    has = "batched_grad_copy" in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    assert W.torch_has_batched_grad_copy() == has
+    with single_rank_group(tmp_path):
+        _, note = W.build_wrapper("torch-batched", torch.nn.Linear(4, 4), None, W.WrapperOptions())
+    assert note.startswith("stand-in") != has, note
+
+
+def _stand_in_vs_batched(rank, world_size):
+    """Inside each of 2 gloo ranks: the stand-in's grads against torch's
+    batched_grad_copy (where this torch has it) and against the rule itself
+    (grad / W, SUM), bit for bit, over a few SGD steps."""
+    import torch.distributed as dist
+
+    from fastddp.bench import wrappers as W
+
+    torch.manual_seed(3)
+    base = torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(6)], torch.nn.Linear(24, 5))
+    real = W.torch_has_batched_grad_copy()
+    saved = W.torch_has_batched_grad_copy
+    W.torch_has_batched_grad_copy = lambda: False
+    try:
+        stand_in, note = W.build_wrapper("torch-batched", copy.deepcopy(base), None,
+                                         W.WrapperOptions(bucket_cap_mb=0.002))
+    finally:
+        W.torch_has_batched_grad_copy = saved
+    assert note.startswith("stand-in"), note
+    ref = None
+    if real:
+        ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.002,
+                                                        batched_grad_copy=True)
+    rule = copy.deepcopy(base)
+    models = [m for m in (stand_in, ref, rule) if m is not None]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    checks = 0
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(7, 24, generator=gen) * (10.0 ** (rank - step))  # magnitudes that round differently
+        for m, o in zip(models, opts):
+            o.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+        with torch.no_grad():
+            for p in rule.parameters():
+                p.grad.div_(world_size)
+                dist.all_reduce(p.grad)
+        for other in models[1:]:
+            for (n, a), b in zip(stand_in.module.named_parameters(), other.parameters()):
+                assert torch.equal(a.grad, b.grad), (step, n, (a.grad - b.grad).abs().max().item())
+                checks += 1
+        for o in opts:
+            o.step()
+    return checks, real
+
+
+def test_torch_batched_stand_in_equals_batched_grad_copy_bit_for_bit(world2):
+    for checks, real in world2.run(_stand_in_vs_batched):
+        assert checks == 3 * 14 * (2 if real else 1)
+
+
+def test_exit_status_is_nonzero_when_a_fastddp_row_is_not_ok(tmp_path, monkeypatch, capsys):
+    from fastddp.bench import runner
+    from fastddp.bench.__main__ import main, not_ok_fastddp_rows
+
+    def fake_run(sections):
+        def run(cfg):
+            rep = R.Report({"label": "t", "device": "Unit CPU", "date": "2026-01-03"}, sections)
+            return rep, {"md": tmp_path / "r.md", "json": tmp_path / "r.json", "charts": []}
+        return run
+
+    argv = ["--models", "tiny", "--no-progress", "--out", str(tmp_path)]
+    monkeypatch.setattr(runner, "run", fake_run([_section()]))  # fastddp-view unavailable
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "m fastddp-view: unavailable: not built" in err
+    assert not_ok_fastddp_rows(R.Report({}, [_section(), _section(2.0)])) == [
+        "m fastddp-view: unavailable: not built", "m-bw2 fastddp-view: unavailable: not built"]
+
+    ok_rows = [r for r in _section().rows if r.wrapper != "fastddp-view"]
+    failed_torch = _row("m", "torch-view", [], status="failed: boom")
+    monkeypatch.setattr(runner, "run", fake_run([R.derive(R.Section(None, ok_rows + [failed_torch]))]))
+    assert main(argv) == 0  # a torch row that failed does not fail the run
+
+    failed = _row("m", "fastddp-fp16", [], baselines=("torch-fp16",), status="failed: RuntimeError: x")
+    monkeypatch.setattr(runner, "run", fake_run([R.derive(R.Section(None, ok_rows + [failed]))]))
+    assert main(argv) == 1
+
+
+# -- bench/gpu_check.sh helpers ------------------------------------------------------
+
+def test_gpu_check_script_parses_and_documents_its_stages():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for word in ("--dry-run", "OUT", "PYTHON", "summary.md", "env.txt", "tests.log", "kernels.json",
+                 "bench.json", "gpu_check.log"):
+        assert word in out.stdout, word
+    assert subprocess.run(["bash", str(script), "--bogus"], capture_output=True).returncode == 2
+
+
+def test_pytest_shards_reads_pytest_result_lines(tmp_path):
+    from fastddp.bench import pytest_shards as S
+
+    log = tmp_path / "shard-0.log"
+    log.write_text("....F\nFAILED tests/x.py::t[a] - AssertionError: boom\n"
+                   "1 failed, 20 passed, 3 skipped, 2 warnings in 3.21s\n")
+    line = S.summary_line(log)
+    assert line == "1 failed, 20 passed, 3 skipped, 2 warnings in 3.21s"
+    assert S.counts(line) == {"failed": 1, "passed": 20, "skipped": 3, "warnings": 2}
+    log.write_text("========== 5 passed, 1 error in 0.50s ==========\n")
+    assert S.counts(S.summary_line(log)) == {"passed": 5, "errors": 1}
+    assert S.summary_line(tmp_path / "missing.log") == ""
+
+
+def test_check_summary_lines(tmp_path):
+    from fastddp.bench import check_summary as C
+
+    log = tmp_path / "tests.log"
+    log.write_text("x\nFAILED tests/a.py::t1 - AssertionError\nERROR tests/b.py::t2 - RuntimeError\n"
+                   "===== 1 failed, 7 passed, 1 error in 2.00s =====\n")
+    lines = C.pytest_lines(log)
+    assert lines[0].strip() == "1 failed, 7 passed, 1 error in 2.00s"
+    assert any("FAILED tests/a.py::t1" in ln for ln in lines) and any("ERROR tests/b.py::t2" in ln for ln in lines)
+
+    kern = {"meta": {"copy_GB/s": 4000.0, "backend": "triton", "truncated": True},
+            "rows": [{"op": "pack", "wire": "bf16", "shape": "few_large", "method": "fastddp",
+                      "device_us": 50.0, "pct_copy": 80.0, "bit_exact": True},
+                     {"op": "pack", "wire": "bf16", "shape": "few_large", "method": "foreach",
+                      "device_us": 100.0, "pct_copy": 40.0}]}
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(kern))
+    text = "\n".join(C.kernels_lines(path))
+    assert "80% 2.0x" in text and "TRUNCATED" in text and "bit-exact vs reference: all" in text
+
+    rep = R.Report({"label": "t", "device": "Unit GPU", "date": "2026-01-04", "world_size": 1,
+                    "backend": "nccl", "torch": "2.11"}, [_section()])
+    path = tmp_path / "bench.json"
+    path.write_text(R.to_json(rep))
+    text = "\n".join(C.bench_lines(path))
+    assert "0.50" in text          # m / fastddp against torch
+    assert "UNAVAILABLE" in text   # m / fastddp-view
+    assert "not ok: m fastddp-view: unavailable: not built" in text
+    assert C.main(["kernels", str(tmp_path / "nope.json")]) == 0
 
 
 # -- one tiny end-to-end run ------------------------------------------------------
