@@ -23,12 +23,13 @@
 #                           fastddp installed: pip -e
 #                           --no-build-isolation --no-deps,
 #                           else a symlink shim
-#   2 kernels     105 s     tests/test_kernels.py -m            the same under TRITON_INTERPRET=1
-#                           "interpret or gpu": the kernel      (150 s)
+#   2 kernels     105 s     tests/test_kernels{,_layout,_health} test_kernels.py alone under
+#                           .py -m "interpret or gpu": the      TRITON_INTERPRET=1 (150 s)
 #                           suite compiled for the GPU + the
 #                           gpu-marked tests, KSHARDS parallel
 #                           pytest processes, 60 s per test
-#   3 reducer     100 s     tests/test_gpu_reducer.py: NCCL     4 world-2 cases on gloo CPU, the
+#   3 reducer     100 s     tests/test_gpu_reducer.py and       4 world-2 cases on gloo CPU, the
+#                           test_gpu_cuda_path.py: NCCL
 #                           world 1; world 2 on ONE GPU (gloo,  interpreted kernels in the loop
 #                           CUDA tensors) vs torch DDP; slow    (FASTDDP_GPU_TESTS_ON_CPU=1; 120 s)
 #                           comm stream; 150 s per test
@@ -298,10 +299,13 @@ if [ -n "$skip_rest" ]; then
 elif ! wanted kernels; then
     record kernels skipped 0 $B_KERN "not in STAGES"
 else
-    if [ "$DRY" = 1 ]; then export TRITON_INTERPRET=1; fi
+    # on the GPU every kernel file; the CPU twin keeps to the main suite (CI
+    # runs the rest under the interpreter anyway)
+    kfiles=(tests/test_kernels.py)
+    if [ "$DRY" = 1 ]; then export TRITON_INTERPRET=1; else kfiles+=(tests/test_kernels_layout.py tests/test_kernels_health.py); fi
     run_stage kernels $B_KERN "$TESTS_LOG" \
         "$py" bench/pytest_shards.py --shards "$KSHARDS" --logdir "$work/kernels-shards" -- \
-        tests/test_kernels.py -m "interpret or gpu" "${PT_KERN[@]}"
+        "${kfiles[@]}" -m "interpret or gpu" "${PT_KERN[@]}"
     for f in "$work"/kernels-shards/shard-*.log; do
         [ -f "$f" ] || continue
         printf '\n----- %s\n' "$(basename "$f")" | tee -a "$TESTS_LOG" >> "$LOG"
@@ -326,7 +330,8 @@ else
         TRITON_INTERPRET=1 FASTDDP_GPU_TESTS_ON_CPU=1 \
             run_stage reducer $B_RED "$TESTS_LOG" "$py" -m pytest "${sel[@]}" "${PT_RED[@]}"
     else
-        run_stage reducer $B_RED "$TESTS_LOG" "$py" -m pytest tests/test_gpu_reducer.py -m gpu "${PT_RED[@]}"
+        run_stage reducer $B_RED "$TESTS_LOG" "$py" -m pytest tests/test_gpu_reducer.py \
+            tests/test_gpu_cuda_path.py -m gpu "${PT_RED[@]}"
     fi
     record reducer "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
         "$("$py" bench/check_summary.py pytest "$work/reducer.out" | head -1 | sed 's/^ *//')"
