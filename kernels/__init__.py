@@ -2,45 +2,47 @@
 
 ``pack(srcs, dst, offsets=None, scale=1.0, divide=None, *, layout=None,
 residual=None, health=None)`` gathers many separate tensors into one flat
-buffer, scales and casts them (error feedback and a gradient health flag in
-the same launch), in one launch per source dtype.  ``unpack(src, dsts, offsets=None, scale=1.0, divide=None,
-accumulate=False)`` does the reverse in one launch per destination dtype.
+buffer, scales and casts them, with error feedback and a gradient health
+flag in the same launch: one launch per source dtype.  ``unpack(src, dsts,
+offsets=None, scale=1.0, divide=None, accumulate=False, *, layout=None)``
+does the reverse in one launch per destination dtype.
 
-Backends (chosen by :mod:`fastddp.kernels._backend`, once, cached):
+Backends (chosen in the op layer, :mod:`fastddp.kernels._ops`, from a
+capability probe made once and cached):
 
 * ``triton``: compiled Triton kernels, for CUDA tensors;
 * ``interpret``: the same kernel source under the Triton interpreter, for CPU
   tensors when ``TRITON_INTERPRET=1`` was set before import (how CI tests the
   kernels);
-* ``reference``: the plain-torch twin (:mod:`fastddp.kernels.reference`), for
-  CPU tensors otherwise.  Inside a kernel call, a tensor whose memory order
-  is not its layout slot's (a transposed gradient, say) is copied with torch,
-  alone; the rest of the call stays in its one launch per dtype.
+* ``reference``: plain torch (:mod:`fastddp.kernels.torch_path`, held to the
+  naive contract :mod:`fastddp.kernels.reference`), for CPU tensors otherwise
+  and CUDA tensors under the interpreter.
 
-The arithmetic contract is written in :mod:`fastddp.kernels.reference`.
+Inside a kernel call, a tensor whose memory order is not its layout slot's
+(a transposed gradient, say) is copied with torch, alone; the rest of the
+call stays in its one launch per dtype.
+
+Modules: ``_ops`` (op layer), ``pack_kernel`` / ``unpack_kernel`` (kernel +
+launcher), ``_triton_common`` (tables shared by the launchers),
+``torch_path`` (fast plain torch), ``reference`` (the arithmetic contract).
 """
 
 from __future__ import annotations
 
-from ._backend import backend, reset_backend, triton_available as _triton_available
-from ._counters import launch_count, reset_launch_count, stats
+from ._ops import (Layout, backend, launch_count, pack, reset_backend, reset_launch_count, stats, unpack,
+                   triton_available as _triton_available)
+from . import reference
+from .reference import Health, first_nonfinite
 
 if _triton_available():
-    # Import the kernel modules *before* binding the functions ``pack`` and
-    # ``unpack``: the first import of a submodule sets it as an attribute of
-    # this package, which would shadow the functions of the same name.  This
-    # is also when TRITON_INTERPRET is read (by @triton.jit).
+    # Import the kernels now: TRITON_INTERPRET is read when @triton.jit runs.
     try:
-        from . import pack as _pack_module, unpack as _unpack_module  # noqa: F401
+        from . import pack_kernel as _pack_kernel, unpack_kernel as _unpack_kernel  # noqa: F401
     except Exception as _exc:  # a broken Triton must not take the reference path down
         import warnings
 
         warnings.warn(f"fastddp.kernels: Triton kernels unavailable ({_exc!r}); "
                       "CPU calls use the reference, kernel calls will raise", RuntimeWarning)
-
-from ._ops import Layout, pack, unpack
-from . import reference
-from .reference import Health, first_nonfinite
 
 __all__ = [
     "Health",

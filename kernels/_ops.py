@@ -1,17 +1,144 @@
-"""The ops the reducer calls: argument checks, backend dispatch, layout cache."""
+"""The op layer: what the reducer calls.  The public :func:`pack`,
+:func:`unpack` and :class:`Layout`; every argument check (done here, once);
+the backend, chosen here, once per call from a capability probe cached for
+the process; the launch counters.
+
+Layers (STYLE.md, Liger's kernel -> launcher -> op)::
+
+    pack()/unpack()   validate, choose the backend
+      |-- "reference"            torch_path (fast plain torch)
+      |-- "triton"/"interpret"   pack_kernel.launch_pack / unpack_kernel.launch_unpack
+      |                          (under the interpreter lock or the device guard),
+      |                          then torch_path for the tensors the kernels left alone
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
 from typing import Sequence
 
 import torch
 
-from . import reference
-from .reference import is_dense, row_major_strides, same_memory_order
-from ._backend import backend
-from ._counters import _bump
+from . import reference, torch_path
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+# ============================================================ capabilities
+# Detected once and cached, behind a guarded Triton import (STYLE.md).
+
+@functools.lru_cache(maxsize=None)
+def _triton_status() -> tuple[bool, bool, str]:
+    """(triton importable, interpreter on, reason-if-not)."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything
+        return False, False, f"triton not importable: {exc!r}"
+    return True, interpret, ""
+
+
+def triton_available() -> bool:
+    return _triton_status()[0]
+
+
+def interpreter_enabled() -> bool:
+    """True when TRITON_INTERPRET was set (it is read when @triton.jit runs,
+    i.e. when fastddp.kernels is imported)."""
+    ok, interp, _ = _triton_status()
+    return ok and interp
+
+
+def backend(device: torch.device | str | None = None) -> str:
+    """The backend that serves tensors on ``device`` (default CPU): ``"triton"``
+    (compiled kernels, CUDA tensors), ``"interpret"`` (the kernels under
+    TRITON_INTERPRET=1, CPU tensors) or ``"reference"`` (plain torch: CPU
+    tensors without the interpreter, CUDA tensors under it).  The one place
+    the choice is made."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    ok, interp, _ = _triton_status()
+    if dev.type == "cuda":
+        return "triton" if ok and not interp else "reference"
+    return "interpret" if ok and interp else "reference"
+
+
+def reset_backend() -> None:
+    """Forget the cached capability probe (tests use it to isolate themselves)."""
+    _triton_status.cache_clear()
+
+
+# ================================================================ counters
+# How tests prove "one launch per bucket" on any backend.
+
+_lock = threading.Lock()
+_counts = {"launches": 0, "pack_calls": 0, "unpack_calls": 0, "reference_calls": 0,
+           "fallback_tensors": 0, "table_uploads": 0, "table_waits": 0}
+
+
+def _bump(key: str, n: int = 1) -> None:
+    with _lock:
+        _counts[key] += n
+
+
+def launch_count() -> int:
+    """Triton kernel launches (compiled or interpreted) since the last reset."""
+    return _counts["launches"]
+
+
+def reset_launch_count() -> None:
+    """Zero every counter (tests call this before the step they measure)."""
+    with _lock:
+        for k in _counts:
+            _counts[k] = 0
+
+
+def stats() -> dict[str, int]:
+    """A copy of all counters: Triton ``launches``, ``pack_calls`` and
+    ``unpack_calls`` (one per public call, any backend),
+    ``reference_calls`` (whole calls served by the plain-torch twin),
+    ``fallback_tensors`` (tensors of a kernel call copied with torch, alone,
+    because their memory order is not their layout slot's),
+    ``table_uploads`` (pointer tables written: a steady-state step writes
+    none) and ``table_waits`` (times the host waited for a pointer-table
+    slot still in use by the GPU)."""
+    with _lock:
+        return dict(_counts)
+
+
+# ================================================================= layouts
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def same_memory_order(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> bool:
+    """Strides ``a`` and ``b`` lay a tensor of ``shape`` out identically (dims of
+    size 1 do not count; an empty tensor has no layout)."""
+    if 0 in shape:
+        return True
+    return len(a) == len(b) == len(shape) and all(x == y for n, x, y in zip(shape, a, b) if n != 1)
+
+
+def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether ``strides`` lay a tensor of ``shape`` out without overlap or gap
+    (torch's ``is_non_overlapping_and_dense``; dims of size 1 do not count)."""
+    if len(shape) != len(strides):
+        return False
+    if 0 in shape:
+        return True
+    expected = 1
+    for st, n in sorted((st, n) for n, st in zip(shape, strides) if n != 1):
+        if st != expected:
+            return False
+        expected *= n
+    return True
 
 
 class Layout:
@@ -94,6 +221,7 @@ def _slot_strides(shapes: Sequence[torch.Size], strides) -> list[tuple[int, ...]
     return out
 
 
+# ============================================================ validation
 def _check_common(op: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale, divide) -> None:
     reference._check_scaling(scale, divide)
     if flat.dim() != 1:
@@ -115,6 +243,8 @@ def _resolve_layout(op: str, tensors, flat, offsets, layout) -> Layout:
             raise ValueError(f"{op}: pass offsets or layout, not both")
         if len(layout.numels) != len(tensors):
             raise ValueError(f"{op}: layout has {len(layout.numels)} tensors, got {len(tensors)}")
+        if flat.numel() < layout.total:
+            raise ValueError(f"{op}: layout needs a flat buffer of >= {layout.total} elements, got {flat.numel()}")
         return layout
     lay = Layout.for_tensors(tensors, offsets)
     lay.anonymous = True
@@ -122,12 +252,39 @@ def _resolve_layout(op: str, tensors, flat, offsets, layout) -> Layout:
     return lay
 
 
-def _use_triton(flat: torch.Tensor) -> str | None:
-    """The kernel backend for ``flat``'s device, or None for the reference.
-    Tensors whose memory order is not their layout slot's are the launcher's
-    business: it copies those alone with torch and launches for the rest."""
-    name = backend(flat.device)
-    return None if name == "reference" else name
+def _check_residual(residual: torch.Tensor, dst: torch.Tensor, lay: Layout) -> None:
+    if residual.dim() != 1 or not residual.is_contiguous():
+        raise ValueError("pack: residual must be a contiguous 1-D tensor indexed like dst")
+    if residual.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"pack: residual must be float32 (or float64), got {residual.dtype}")
+    if residual.device != dst.device:
+        raise ValueError(f"pack: residual is on {residual.device} but dst is on {dst.device}")
+    if residual.numel() < lay.total:
+        raise ValueError(f"pack: residual has {residual.numel()} elements; the layout needs {lay.total}")
+
+
+def _check_health(health: torch.Tensor, dst: torch.Tensor) -> None:
+    if not isinstance(health, torch.Tensor) or health.dtype != torch.int32 or health.numel() != 1:
+        raise TypeError("pack: health must be a 1-element int32 tensor (e.g. flags[b:b+1] of a "
+                        f"torch.zeros(n_buckets, dtype=torch.int32)), got {getattr(health, 'dtype', health)!r}")
+    if health.device != dst.device:
+        raise ValueError(f"pack: health is on {health.device} but dst is on {dst.device}")
+
+
+# ============================================================== dispatch
+# The interpreter is not thread-safe: every interpreted launch takes this lock.
+_INTERPRET_LOCK = threading.Lock()
+
+
+def _launch(name: str, device: torch.device, launcher, *args) -> list[int]:
+    """Run a kernel launcher for backend ``name`` on ``device``'s tensors."""
+    if name == "interpret":
+        with _INTERPRET_LOCK:
+            return launcher(*args)
+    if device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return launcher(*args)
+    return launcher(*args)
 
 
 def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int] | None = None,
@@ -148,7 +305,8 @@ def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
     tensor: one fill for all), read it when the step is done.  On failure,
     :func:`first_nonfinite` names the tensor.  Returns ``dst``."""
     # With a Layout the caller (the reducer) vouches for the tensors: only the
-    # counts are checked, keeping the per-step host cost O(1) in Python.
+    # counts are checked, keeping the per-step host cost O(1) in Python; the
+    # launcher vets new tensors when it builds their pointer table.
     _check_common("pack", dst, srcs if layout is None else (), scale, divide)
     lay = _resolve_layout("pack", srcs, dst, offsets, layout)
     if residual is not None:
@@ -158,47 +316,23 @@ def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
     _bump("pack_calls")
     if not srcs:
         return dst
-    mode = _use_triton(dst)
-    if mode is not None and residual is not None and not _triton_has_residual():
-        mode = None
-    if mode is None:
+    name = backend(dst.device)
+    if name == "reference":
         _bump("reference_calls")
         res_views = lay.views(residual) if residual is not None else None
         whole = dst if lay.dense and lay.total == dst.numel() else None
-        reference.pack_views(srcs, lay.views(dst), scale, divide, res_views, flat=whole, health=health)
+        torch_path.pack_views(srcs, lay.views(dst), scale, divide, res_views, flat=whole, health=health)
         return dst
-    from .pack import pack_triton
+    from .pack_kernel import launch_pack
 
-    pack_triton(srcs, dst, lay, scale, divide, residual=residual, health=health)
+    fallback = _launch(name, dst.device, launch_pack, srcs, dst, lay, scale, divide, residual, health)
+    if fallback:  # tensors not in their slot's memory order: torch, alone
+        _bump("fallback_tensors", len(fallback))
+        views = lay.views(dst)
+        res_views = [lay.views(residual)[i] for i in fallback] if residual is not None else None
+        torch_path.pack_views([srcs[i] for i in fallback], [views[i] for i in fallback], scale, divide,
+                              res_views, health=health)
     return dst
-
-
-def _check_health(health: torch.Tensor, dst: torch.Tensor) -> None:
-    if not isinstance(health, torch.Tensor) or health.dtype != torch.int32 or health.numel() != 1:
-        raise TypeError("pack: health must be a 1-element int32 tensor (e.g. flags[b:b+1] of a "
-                        f"torch.zeros(n_buckets, dtype=torch.int32)), got {getattr(health, 'dtype', health)!r}")
-    if health.device != dst.device:
-        raise ValueError(f"pack: health is on {health.device} but dst is on {dst.device}")
-
-
-def _check_residual(residual: torch.Tensor, dst: torch.Tensor, lay: Layout) -> None:
-    if residual.dim() != 1 or not residual.is_contiguous():
-        raise ValueError("pack: residual must be a contiguous 1-D tensor indexed like dst")
-    if residual.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"pack: residual must be float32 (or float64), got {residual.dtype}")
-    if residual.device != dst.device:
-        raise ValueError(f"pack: residual is on {residual.device} but dst is on {dst.device}")
-    if residual.numel() < lay.total:
-        raise ValueError(f"pack: residual has {residual.numel()} elements; the layout needs {lay.total}")
-
-
-def _triton_has_residual() -> bool:
-    """Whether the Triton pack kernel implements error feedback (else the
-    reference serves those calls)."""
-    import importlib
-
-    # (``from . import pack`` would give the public function of that name)
-    return bool(getattr(importlib.import_module(__package__ + ".pack"), "SUPPORTS_RESIDUAL", False))
 
 
 def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int] | None = None,
@@ -212,12 +346,17 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[in
     _bump("unpack_calls")
     if not dsts:
         return dsts
-    mode = _use_triton(src)
-    if mode is None:
+    name = backend(src.device)
+    if name == "reference":
         _bump("reference_calls")
-        reference.unpack_views(lay.views(src), dsts, scale, divide, accumulate)
+        torch_path.unpack_views(lay.views(src), dsts, scale, divide, accumulate)
         return dsts
-    from .unpack import unpack_triton
+    from .unpack_kernel import launch_unpack
 
-    unpack_triton(src, dsts, lay, scale, divide, accumulate)
+    fallback = _launch(name, src.device, launch_unpack, src, dsts, lay, scale, divide, accumulate)
+    if fallback:
+        _bump("fallback_tensors", len(fallback))
+        views = lay.views(src)
+        torch_path.unpack_views([views[i] for i in fallback], [dsts[i] for i in fallback], scale, divide,
+                                accumulate)
     return dsts

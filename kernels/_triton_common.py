@@ -54,8 +54,7 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from ._counters import _bump
-from .reference import row_major_strides, same_memory_order
+from ._ops import _bump, row_major_strides, same_memory_order
 
 # ----------------------------------------------------------------- dtype codes
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -79,9 +78,6 @@ _HEAD = 5  # ptr-table slots before the tensors' pointers
 # that read it are done, so the ring only grows while a layout's pointers
 # change faster than the GPU drains them; at the cap the host waits.
 MAX_SLOTS = 4
-
-# The interpreter is not thread-safe: every interpreted launch takes this lock.
-INTERPRET_LOCK = threading.Lock()
 
 _dtype_of = attrgetter("dtype")
 _data_ptr = torch.Tensor.data_ptr
@@ -107,13 +103,6 @@ STORAGE = {0: tl.float32, 1: tl.float16, 2: tl.uint16, 3: tl.float64}
 def is_interpreted(kernel) -> bool:
     """True when ``kernel`` was decorated under TRITON_INTERPRET=1."""
     return type(kernel).__name__ == "InterpretedFunction"
-
-
-def needs_reference(interpreted: bool, device: torch.device) -> bool:
-    """The interpreter serves CPU tensors and the compiled kernels CUDA tensors;
-    anything else (CUDA tensors under TRITON_INTERPRET=1, say) takes the
-    plain-torch reference."""
-    return device.type != ("cpu" if interpreted else "cuda")
 
 
 def compute_type(a: int, b: int):
@@ -226,7 +215,7 @@ class Binding:
     memory order is its slot's (contiguous for a row-major slot; the slot's
     shape and strides, dense, for a strided one) is read or written in
     memory order by the kernels; any other tensor gets a 0 in the table (its
-    chunks do nothing) and is returned as a fallback for the launcher to copy
+    chunks do nothing) and is returned as a fallback, for the op layer to copy
     with torch, alone."""
 
     def __init__(self, plan: Plan, layout):
@@ -395,18 +384,6 @@ def get_binding(op: str, layout, tensors: Sequence[torch.Tensor], flat: torch.Te
         layout.cache.clear()
     layout.cache[key] = binding
     return binding
-
-
-def check_tensors(op: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout) -> None:
-    """The launcher's own checks (the public API has done the user-facing ones)."""
-    if flat.dtype not in CODE:
-        raise TypeError(f"{op}: flat buffer dtype {flat.dtype} is not one of fp32/fp16/bf16/fp64")
-    if not flat.is_contiguous() or flat.dim() != 1:
-        raise ValueError(f"{op}: the flat buffer must be 1-D and contiguous")
-    if len(tensors) != len(layout.numels):
-        raise ValueError(f"{op}: layout has {len(layout.numels)} tensors, got {len(tensors)}")
-    if flat.numel() < layout.total:
-        raise ValueError(f"{op}: layout needs a flat buffer of >= {layout.total} elements, got {flat.numel()}")
 
 
 def block_for(interpreted: bool) -> int:

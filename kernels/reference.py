@@ -1,8 +1,11 @@
 """Plain-torch twin of the fused pack/unpack kernels.
 
-One implementation serves three roles (see STYLE.md, "the reference lives in
-the package"): the CPU path of the reducer, the oracle of the kernel tests and
-the baseline of the benchmarks.  Never copy it into tests or benches.
+The arithmetic contract, written naively: one tensor at a time, each step a
+plain torch op, so that it is obviously right.  It is the oracle of the
+kernel tests and of the fast plain-torch path (:mod:`fastddp.kernels.torch_path`,
+which serves CPU tensors without the interpreter), and the baseline of the
+benchmarks' bit-exact checks (see STYLE.md, "the reference lives in the
+package").  Never copy it into tests or benches.
 
 Arithmetic contract (the Triton kernels match it bit for bit):
 
@@ -34,7 +37,6 @@ torch on that device.
 from __future__ import annotations
 
 import enum
-from operator import attrgetter
 from typing import Sequence
 
 import torch
@@ -65,38 +67,6 @@ def default_offsets(numels: Sequence[int]) -> list[int]:
     return out
 
 
-def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(out))
-
-
-def same_memory_order(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> bool:
-    """Strides ``a`` and ``b`` lay a tensor of ``shape`` out identically (dims of
-    size 1 do not count; an empty tensor has no layout)."""
-    if 0 in shape:
-        return True
-    return len(a) == len(b) == len(shape) and all(x == y for n, x, y in zip(shape, a, b) if n != 1)
-
-
-def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether ``strides`` lay a tensor of ``shape`` out without overlap or gap
-    (torch's ``is_non_overlapping_and_dense``; dims of size 1 do not count)."""
-    if len(shape) != len(strides):
-        return False
-    if 0 in shape:
-        return True
-    expected = 1
-    for st, n in sorted((st, n) for n, st in zip(shape, strides) if n != 1):
-        if st != expected:
-            return False
-        expected *= n
-    return True
-
-
 def _scaled(x: torch.Tensor, scale: float, divide: float | None) -> torch.Tensor:
     # ``x`` is already in the compute dtype; python scalars are converted to
     # it by torch exactly as the kernels convert them.
@@ -121,31 +91,44 @@ def _check_scaling(scale: float, divide: float | None) -> None:
 def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
                scale: float = 1.0, divide: float | None = None,
                residuals: Sequence[torch.Tensor] | None = None,
-               flat: torch.Tensor | None = None, health: torch.Tensor | None = None) -> None:
-    """Write each ``srcs[i]`` into ``views[i]`` (a view of the flat bucket shaped
-    like ``srcs[i]``), scaled and cast: the CPU path of the reducer.
+               health: torch.Tensor | None = None) -> None:
+    """Write each ``srcs[i]`` into ``views[i]`` (a view of the flat bucket shaped,
+    and strided, like its layout slot), scaled and cast; with ``residuals``
+    (views of the residual, likewise) apply error feedback; with ``health`` (a
+    1-element int32 tensor) OR the :class:`Health` bits into it."""
+    oks = health_inputs(srcs, views, residuals) if health is not None else None
+    for i, (s, v) in enumerate(zip(srcs, views)):
+        if residuals is None:
+            c = compute_dtype(s.dtype, v.dtype)
+            v.copy_(_scaled(s.reshape(v.shape).to(c), scale, divide))
+            continue
+        r = residuals[i].view(v.shape)
+        c = r.dtype  # error feedback runs in the residual's dtype
+        x = _scaled(s.reshape(v.shape).to(c), scale, divide) + r
+        v.copy_(x)
+        r_new = x - v.to(c)
+        r.copy_(torch.where(torch.isfinite(r_new), r_new, 0.0))
+    if oks is not None:
+        health_update(health, views, *oks)
 
-    Host cost is a handful of C++ calls per bucket, not per tensor: where the
-    source dtype is the compute dtype (fp32, or fp64) the scale runs as one
-    ``_foreach_*`` in that dtype (the contract's ``x * C(scale)``, rounded
-    once) and the cast as one ``_foreach_copy_`` (round to nearest even);
-    fp16/bf16 sources go tensor by tensor (``_foreach_mul_`` on 16-bit
-    tensors would round the scale itself to 16 bits).  ``flat``: the whole
-    buffer, when the views tile it exactly; the scale is then one op on it.
-    ``health``: a 1-element int32 tensor the :class:`Health` bits are ORed
-    into (device ops, no host sync; a few passes, only when asked)."""
-    if health is not None:
-        src_ok = [torch.isfinite(s).reshape(v.shape) for s, v in zip(srcs, views)]
-        res_ok = [torch.isfinite(r) for r in residuals] if residuals is not None else None
-        _pack_plain(srcs, views, scale, divide, residuals, flat)
-        in_ok = src_ok if res_ok is None else [a & b for a, b in zip(src_ok, res_ok)]
-        bits = [_any_not(src_ok) * int(Health.SOURCE_NONFINITE),
-                _any_true([a & ~torch.isfinite(v) for a, v in zip(in_ok, views)]) * int(Health.OVERFLOW)]
-        if res_ok is not None:
-            bits.append(_any_not(res_ok) * int(Health.RESIDUAL_NONFINITE))
-        health.bitwise_or_(sum(bits).to(device=health.device, dtype=torch.int32).reshape(health.shape))
-        return
-    _pack_plain(srcs, views, scale, divide, residuals, flat)
+
+def health_inputs(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
+                  residuals: Sequence[torch.Tensor] | None):
+    """What the health bits need from before the pack: which source (and
+    residual) elements are finite, shaped like the views."""
+    src_ok = [torch.isfinite(s).reshape(v.shape) for s, v in zip(srcs, views)]
+    res_ok = [torch.isfinite(r).reshape(v.shape) for r, v in zip(residuals, views)] if residuals is not None else None
+    return src_ok, res_ok
+
+
+def health_update(health: torch.Tensor, views: Sequence[torch.Tensor], src_ok, res_ok) -> None:
+    """OR the :class:`Health` bits of a finished pack into ``health`` (device ops, no host sync)."""
+    in_ok = src_ok if res_ok is None else [a & b for a, b in zip(src_ok, res_ok)]
+    bits = [_any_not(src_ok) * int(Health.SOURCE_NONFINITE),
+            _any_true([a & ~torch.isfinite(v) for a, v in zip(in_ok, views)]) * int(Health.OVERFLOW)]
+    if res_ok is not None:
+        bits.append(_any_not(res_ok) * int(Health.RESIDUAL_NONFINITE))
+    health.bitwise_or_(sum(bits).to(device=health.device, dtype=torch.int32).reshape(health.shape))
 
 
 def _any_not(oks: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -162,8 +145,7 @@ def first_nonfinite(tensors: Sequence[torch.Tensor]) -> int | None:
     what a health flag's failure path names.  One host sync (per device)."""
     if not tensors:
         return None
-    devices = {t.device for t in tensors}
-    if len(devices) == 1:
+    if len({t.device for t in tensors}) == 1:
         bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).nonzero()
         return int(bad[0, 0]) if bad.numel() else None
     for i, t in enumerate(tensors):
@@ -172,87 +154,15 @@ def first_nonfinite(tensors: Sequence[torch.Tensor]) -> int | None:
     return None
 
 
-def _pack_plain(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor], scale: float,
-                divide: float | None, residuals: Sequence[torch.Tensor] | None,
-                flat: torch.Tensor | None) -> None:
-    if residuals is not None:
-        for s, v, r in zip(srcs, views, residuals):
-            _pack_error_feedback(s, v, r, scale, divide)
-        return
-    dt = views[0].dtype if views else None
-    if dt in (torch.float32, torch.float64) and all(s.dtype is dt for s in srcs) \
-            and all(v.dtype is dt for v in views) and _same_shapes(srcs, views):
-        # The reducer's case: grads, bucket and compute share one dtype.
-        if _few_large(srcs):
-            # Bandwidth-bound: one pass per tensor (torch's mul_out) beats
-            # copy-then-scale's two passes.
-            for s, v in zip(srcs, views):
-                if divide is not None:
-                    torch.div(s, divide, out=v)
-                elif scale != 1.0:
-                    torch.mul(s, scale, out=v)
-                else:
-                    v.copy_(s)
-            return
-        torch._foreach_copy_(views, srcs)
-        if divide is not None:
-            flat.div_(divide) if flat is not None else torch._foreach_div_(views, divide)
-        elif scale != 1.0:
-            flat.mul_(scale) if flat is not None else torch._foreach_mul_(views, scale)
-        return
-    same_s, same_v, cast_s, cast_v, slow = [], [], [], [], []
-    for s, v in zip(srcs, views):
-        if s.shape != v.shape or compute_dtype(s.dtype, v.dtype) != s.dtype:
-            slow.append((s, v))
-        elif s.dtype == v.dtype:
-            same_s.append(s)
-            same_v.append(v)
-        else:
-            cast_s.append(s)
-            cast_v.append(v)
-    if same_v:
-        torch._foreach_copy_(same_v, same_s)
-        if divide is not None:
-            torch._foreach_div_(same_v, divide)
-        elif scale != 1.0:
-            torch._foreach_mul_(same_v, scale)
-    if cast_v:
-        if divide is not None:
-            cast_s = torch._foreach_div(cast_s, divide)
-        elif scale != 1.0:
-            cast_s = torch._foreach_mul(cast_s, scale)
-        torch._foreach_copy_(cast_v, cast_s)
-    for s, v in slow:
-        c = compute_dtype(s.dtype, v.dtype)
-        v.copy_(_scaled(s.reshape(v.shape).to(c), scale, divide))
-
-
-def _same_shapes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    """The foreach ops broadcast; a tensor of its slot's numel but another shape
-    is reshaped (row-major order) by the per-tensor paths instead."""
-    return list(map(_shape, a)) == list(map(_shape, b))
-
-
-_shape = attrgetter("shape")
-
-
-def _few_large(tensors: Sequence[torch.Tensor]) -> bool:
-    """Few tensors averaging >= 256K elements: per-tensor ops cost little host
-    time and save a memory pass."""
-    n = len(tensors)
-    return n <= 64 and sum(t.numel() for t in tensors) >= n * (1 << 18)
-
-
-def _pack_error_feedback(s: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
-                         scale: float, divide: float | None) -> None:
-    """``x = s*scale + r; v = cast(x); r = x - upcast(v)`` in the residual's
-    dtype, a non-finite new ``r`` stored as 0."""
-    c = r.dtype
-    x = _scaled(s.reshape(v.shape).to(c), scale, divide)
-    x = x + r.view(v.shape)
-    v.copy_(x)
-    r_new = x - v.to(c)
-    r.view(v.shape).copy_(torch.where(torch.isfinite(r_new), r_new, 0.0))
+def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
+                 scale: float = 1.0, divide: float | None = None, accumulate: bool = False) -> None:
+    """Reverse of :func:`pack_views`: ``dsts[i] (=|+=) cast(views[i] * scale)``."""
+    for v, d in zip(views, dsts):
+        c = compute_dtype(v.dtype, d.dtype)
+        val = _scaled(v.reshape(d.shape).to(c), scale, divide)
+        if accumulate:
+            val = d.to(c) + val
+        d.copy_(val)
 
 
 def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int] | None = None,
@@ -267,32 +177,6 @@ def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
     views = [dst.narrow(0, o, n).view(s.shape) for o, n, s in zip(offs, numels, srcs)]
     pack_views(srcs, views, scale, divide)
     return dst
-
-
-def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
-                 scale: float = 1.0, divide: float | None = None, accumulate: bool = False) -> None:
-    """Reverse of :func:`pack_views`: ``dsts[i] (=|+=) cast(views[i] * scale)``.
-    A plain store (no scale, no accumulate) of any dtype pair is one
-    ``_foreach_copy_``: ``copy_`` casts exactly as ``.to`` does."""
-    plain = not accumulate and divide is None and scale == 1.0
-    if plain and _same_shapes(views, dsts):
-        torch._foreach_copy_(dsts, views)  # copy_ casts exactly as .to does
-        return
-    fast_d, fast_v, slow = [], [], []
-    for v, d in zip(views, dsts):
-        if plain and v.shape == d.shape:
-            fast_d.append(d)
-            fast_v.append(v)
-        else:
-            slow.append((v, d))
-    if fast_d:
-        torch._foreach_copy_(fast_d, fast_v)
-    for v, d in slow:
-        c = compute_dtype(v.dtype, d.dtype)
-        val = _scaled(v.reshape(d.shape).to(c), scale, divide)
-        if accumulate:
-            val = d.to(c) + val
-        d.copy_(val)
 
 
 def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int] | None = None,

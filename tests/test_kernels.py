@@ -490,9 +490,15 @@ def check_pack_residual(srcs, dst_dtype, res_got, res_want, offsets=None, layout
 
 
 def test_pack_kernel_supports_the_residual():
-    import importlib
-
-    assert importlib.import_module("fastddp.kernels.pack").SUPPORTS_RESIDUAL is True
+    """residual= calls are served by the kernel launch itself (the op layer has
+    no per-option capability flag to consult any more)."""
+    srcs = grads(FP32, [4, 5], seed=0)
+    r = torch.zeros(9, device=DEVICE)
+    before = K.stats()
+    K.pack(srcs, torch.zeros(9, dtype=BF16, device=DEVICE), residual=r)
+    after = K.stats()
+    assert after["launches"] - before["launches"] == 1
+    assert after["reference_calls"] == before["reference_calls"]
 
 
 RES_NUMELS = [1, 7, 64, 133, 0, 31]
@@ -621,17 +627,17 @@ def test_pack_residual_shares_a_layout_across_threads():
 
 
 def test_pack_residual_launcher_checks():
-    from fastddp.kernels.pack import pack_triton
-
+    """Validated once, at the public entry, also when a Layout is passed (the
+    launchers below it no longer re-check)."""
     srcs = grads(FP32, [4, 5], seed=0)
     lay = Layout.for_tensors(srcs)
     flat = torch.zeros(9, dtype=BF16, device=DEVICE)
     with pytest.raises(TypeError, match="float32"):
-        pack_triton(srcs, flat, lay, residual=torch.zeros(9, dtype=FP16, device=DEVICE))
+        K.pack(srcs, flat, layout=lay, residual=torch.zeros(9, dtype=FP16, device=DEVICE))
     with pytest.raises(ValueError, match="layout needs 9"):
-        pack_triton(srcs, flat, lay, residual=torch.zeros(8, device=DEVICE))
+        K.pack(srcs, flat, layout=lay, residual=torch.zeros(8, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous 1-D"):
-        pack_triton(srcs, flat, lay, residual=torch.zeros(18, device=DEVICE)[::2])
+        K.pack(srcs, flat, layout=lay, residual=torch.zeros(18, device=DEVICE)[::2])
     with pytest.raises(TypeError, match="float32"):  # the public API says so first
         K.pack(srcs, flat, residual=torch.zeros(9, dtype=BF16, device=DEVICE))
 

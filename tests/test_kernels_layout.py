@@ -328,13 +328,14 @@ def test_gpu_steady_state_copies_no_table_and_never_waits(monkeypatch):
 def test_gpu_new_addresses_wait_only_when_every_slot_is_in_flight(monkeypatch):
     numels = [4097, 3, 2 * BLOCK + 1]
     lay = Layout([(n,) for n in numels])
-    keep = []
+    # inputs made up front: a pageable host-to-device copy would itself wait for the sleep
+    inputs = [(make(FP32, numels, seed=k), torch.empty(sum(numels), dtype=BF16, device="cuda"))
+              for k in range(TC.MAX_SLOTS + 3)]
+    it = iter(inputs)
 
     def call():
-        srcs = make(FP32, numels, seed=len(keep))
-        flat = torch.empty(sum(numels), dtype=BF16, device="cuda")
+        srcs, flat = next(it)
         K.pack(srcs, flat, layout=lay, scale=THIRD)
-        keep.append((srcs, flat))
 
     call()
     torch.cuda.synchronize()
@@ -351,7 +352,7 @@ def test_gpu_new_addresses_wait_only_when_every_slot_is_in_flight(monkeypatch):
     call()  # slots idle again: no wait
     assert _delta(before, "table_waits") == 1 and len(syncs) == n
     torch.cuda.synchronize()
-    for step, (srcs, flat) in enumerate(keep):
+    for step, (srcs, flat) in enumerate(inputs[:TC.MAX_SLOTS + 3]):
         want = torch.empty_like(flat)
         reference.pack(srcs, want, scale=THIRD)
         assert_bits(flat, want, f"call {step}")

@@ -298,8 +298,8 @@ def test_kernels_compile_for_sm90_vectorised_without_fma(op, src, dst, mode):
     accesses, any other chunk with masked scalar ones; no FMA contraction;
     no flush-to-zero."""
     from fastddp.kernels import _triton_common as TC
-    from fastddp.kernels.pack import _pack_kernel
-    from fastddp.kernels.unpack import _unpack_kernel
+    from fastddp.kernels.pack_kernel import _pack_kernel
+    from fastddp.kernels.unpack_kernel import _unpack_kernel
 
     fn = _pack_kernel if op == "pack" else _unpack_kernel
     raw = mode == 0 and src == dst  # a bit copy (the launcher never accumulates then)
@@ -326,7 +326,7 @@ def test_pack_with_residual_compiles_for_sm90_vectorised_without_fma(src, dst, r
     accesses on the fast path, in the residual's dtype, and ``x * s + r`` is a
     multiply and an add rounded separately (no FMA), like the reference."""
     from fastddp.kernels import _triton_common as TC
-    from fastddp.kernels.pack import _pack_kernel
+    from fastddp.kernels.pack_kernel import _pack_kernel
 
     c = {0: "f32", 3: "f64"}[res]
     kw = dict(SRC_T=TC.STORAGE[src], DST_T=TC.STORAGE[dst], C_T=TC.STORAGE[res], MODE=mode, RAW=False,
@@ -357,7 +357,7 @@ def test_health_flag_rides_in_the_same_pass_and_is_absent_without_it(src, dst, r
     adds the flag's one atomic OR and no memory pass: the same 16-byte vector
     accesses and the same scalar stores."""
     from fastddp.kernels import _triton_common as TC
-    from fastddp.kernels.pack import _pack_kernel
+    from fastddp.kernels.pack_kernel import _pack_kernel
 
     kw = dict(SRC_T=TC.STORAGE[src], DST_T=TC.STORAGE[dst], MODE=1, RAW=False, BLOCK=2048,
               C_T=TC.compute_type(src, dst) if res is None else TC.STORAGE[res], HAS_RESIDUAL=res is not None)
@@ -416,3 +416,31 @@ def test_error_feedback_zeroes_a_non_finite_residual():
 def test_first_nonfinite_names_the_tensor():
     ts = [torch.zeros(2), torch.tensor([1.0, float("inf")]), torch.tensor([float("nan")])]
     assert K.first_nonfinite(ts) == 1 and K.first_nonfinite(ts[:1]) is None
+
+
+@pytest.mark.parametrize("src, dst", [(FP32, FP32), (FP32, BF16), (FP16, FP16), (BF16, FP32), (FP64, FP16),
+                                      (FP32, FP64)])
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+def test_fast_torch_path_is_the_naive_contract(src, dst, scaling):
+    """torch_path (foreach ops, the CPU path) against reference (one tensor at a
+    time): pack with and without the whole-buffer shortcut and a health flag,
+    and unpack store / accumulate, bit for bit; few-large tensors too."""
+    from fastddp.kernels import torch_path
+
+    kw = SCALINGS[scaling]
+    for numels in ([1, 33, 257, 0, 7], [1 << 18, 1 << 18]):
+        srcs = [values(src, n, seed=n) for n in numels]
+        lay = Layout([(n,) for n in numels])
+        fast, naive = torch.full((lay.total,), 7.0, dtype=dst), torch.full((lay.total,), 7.0, dtype=dst)
+        hf, hn = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        torch_path.pack_views(srcs, lay.views(fast), flat=fast, health=hf, **kw)
+        reference.pack_views(srcs, lay.views(naive), health=hn, **kw)
+        assert_bits(fast, naive, f"pack {_name(src)}->{_name(dst)} {kw}")
+        assert int(hf) == int(hn) != 0  # values() plants NaN/inf
+        for acc in (False, True):
+            outs = [values(src, n, seed=n + 1) for n in numels]
+            want = [o.clone() for o in outs]
+            torch_path.unpack_views(lay.views(fast), outs, accumulate=acc, **kw)
+            reference.unpack_views(lay.views(fast), want, accumulate=acc, **kw)
+            for o, w in zip(outs, want):
+                assert_bits(o, w, f"unpack acc={acc}")

@@ -1,11 +1,11 @@
 """Fused unpack: scatter one flat buffer into many tensors, scale, cast back,
 store or accumulate.
 
-Three layers (STYLE.md): the private ``@triton.jit`` :func:`_unpack_kernel`,
-the typed launcher :func:`_unpack_launch` (checks, tables, grid, one launch
-per destination dtype) and the op :func:`unpack_triton` that
-:func:`fastddp.kernels.unpack` dispatches to.  The arithmetic is
-:func:`fastddp.kernels.reference.unpack`'s, bit for bit.
+Two of the three layers (STYLE.md): the private ``@triton.jit``
+:func:`_unpack_kernel` and its launcher :func:`launch_unpack` (tables, grid,
+one launch per destination dtype).  The op, :func:`fastddp.kernels.unpack`,
+validates, chooses the backend and calls the launcher.  The arithmetic is
+:func:`fastddp.kernels.reference.unpack_views`'s, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ import triton
 import triton.language as tl
 
 from . import _triton_common as C
-from . import reference
-from ._counters import _bump
+from ._ops import _bump
 
-__all__ = ["unpack_triton"]
+__all__ = ["launch_unpack"]
 
 
 @triton.jit
 def _unpack_kernel(
-    ptr_table,  # *Pointer* to int64 [5 + n_tensors] (header _HEAD = 5): flat src address, scale (fp64 bits; fp32 value as fp64 bits), two unused slots, destination addresses (0: the launcher copies that one)
+    ptr_table,  # *Pointer* to int64 [5 + n_tensors] (header _HEAD = 5): flat src address, scale (fp64 bits; fp32 value as fp64 bits), two unused slots, destination addresses (0: the op layer copies that one)
     chunk_table,  # *Pointer* to int64 [n_chunks, 4] rows: (ptr-table slot, start in destination, start in src, length)
     SRC_T: tl.constexpr,  # element type of the flat source (bf16 as tl.uint16 bits)
     DST_T: tl.constexpr,  # element type of this launch's destinations (bf16 as tl.uint16 bits)
@@ -105,17 +104,16 @@ def _unpack_kernel(
 _INTERPRETED = C.is_interpreted(_unpack_kernel)
 
 
-def _unpack_launch(src: torch.Tensor, dsts: Sequence[torch.Tensor], layout, scale: float,
-                   divide: float | None, accumulate: bool) -> int:
-    """Check the inputs, refresh the layout's pointer table and launch one grid
-    of ``n_chunks`` programs per destination dtype; destinations whose memory
-    order is not their slot's are then written with torch, alone.  Returns
-    the number of launches."""
-    C.check_tensors("unpack", src, dsts, layout)
+def launch_unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], layout, scale: float,
+                  divide: float | None, accumulate: bool) -> list[int]:
+    """Refresh the layout's pointer table and launch one grid of ``n_chunks``
+    programs per destination dtype.  Inputs were validated by the op layer
+    (:func:`fastddp.kernels.unpack`), which also holds the interpreter lock or
+    the device guard.  Returns the indices of the destinations the kernels
+    left alone (memory order not their slot's): the op layer writes those."""
     binding = C.get_binding("unpack", layout, dsts, src, C.block_for(_INTERPRETED))
     plan = binding.plan
     mode, s64, s32 = C.scale_slots(scale, divide, src.device)
-    launches = 0
     with binding.lock:
         table, fallback = binding.refresh(src, dsts, s64, s32)
         try:
@@ -131,31 +129,6 @@ def _unpack_launch(src: torch.Tensor, dsts: Sequence[torch.Tensor], layout, scal
                     BLOCK=plan.block, num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
                 )
                 _bump("launches")
-                launches += 1
         finally:
             binding.after_launch()
-    if fallback:
-        _bump("fallback_tensors", len(fallback))
-        views = layout.views(src)
-        reference.unpack_views([views[i] for i in fallback], [dsts[i] for i in fallback], scale, divide,
-                               accumulate)
-    return launches
-
-
-def unpack_triton(src: torch.Tensor, dsts: Sequence[torch.Tensor], layout, scale: float = 1.0,
-                  divide: float | None = None, accumulate: bool = False) -> Sequence[torch.Tensor]:
-    """``dsts[i] (=|+=) cast(src[o_i : o_i + n_i] * scale)`` (or ``/ divide``) for
-    every i, one launch per destination dtype.  ``dsts`` on ``src``'s device;
-    those whose memory order is not their layout slot's are written with torch."""
-    if C.needs_reference(_INTERPRETED, src.device):
-        _bump("reference_calls")
-        reference.unpack_views(layout.views(src), dsts, scale, divide, accumulate)
-    elif _INTERPRETED:
-        with C.INTERPRET_LOCK:
-            _unpack_launch(src, dsts, layout, scale, divide, accumulate)
-    elif src.device.index != torch.cuda.current_device():
-        with torch.cuda.device(src.device):
-            _unpack_launch(src, dsts, layout, scale, divide, accumulate)
-    else:
-        _unpack_launch(src, dsts, layout, scale, divide, accumulate)
-    return dsts
+    return fallback

@@ -1,10 +1,10 @@
 """Fused pack: gather many tensors into one flat buffer, scale, cast.
 
-Three layers (STYLE.md): the private ``@triton.jit`` :func:`_pack_kernel`, the
-typed launcher :func:`_pack_launch` (checks, tables, grid, one launch per
-source dtype) and the op :func:`pack_triton` that :func:`fastddp.kernels.pack`
-dispatches to.  The arithmetic is :func:`fastddp.kernels.reference.pack`'s,
-bit for bit.
+Two of the three layers (STYLE.md): the private ``@triton.jit``
+:func:`_pack_kernel` and its launcher :func:`launch_pack` (tables, grid, one
+launch per source dtype).  The op, :func:`fastddp.kernels.pack`, validates,
+chooses the backend and calls the launcher.  The arithmetic is
+:func:`fastddp.kernels.reference.pack_views`'s, bit for bit.
 
 Error feedback (``residual=``, 16-bit gradient compression) runs inside the
 same launch: the kernel variant ``HAS_RESIDUAL`` also reads and rewrites the
@@ -25,19 +25,14 @@ import triton
 import triton.language as tl
 
 from . import _triton_common as C
-from . import reference
-from ._counters import _bump
+from ._ops import _bump
 
-__all__ = ["pack_triton"]
-
-#: :func:`fastddp.kernels.pack` routes ``residual=`` calls here (error feedback
-#: fused into the pack launch) instead of to the reference.
-SUPPORTS_RESIDUAL = True
+__all__ = ["launch_pack"]
 
 
 @triton.jit
 def _pack_kernel(
-    ptr_table,  # *Pointer* to int64 [5 + n_tensors]: flat dst address, scale (fp64 bits; fp32 value as fp64 bits), residual address (0: none), health-flag address (0: none), source addresses (0: the launcher copies that one)
+    ptr_table,  # *Pointer* to int64 [5 + n_tensors]: flat dst address, scale (fp64 bits; fp32 value as fp64 bits), residual address (0: none), health-flag address (0: none), source addresses (0: the op layer copies that one)
     chunk_table,  # *Pointer* to int64 [n_chunks, 4] rows: (ptr-table slot, start in source, start in dst, length)
     SRC_T: tl.constexpr,  # element type of this launch's sources (bf16 as tl.uint16 bits)
     DST_T: tl.constexpr,  # element type of the flat destination (bf16 as tl.uint16 bits)
@@ -160,27 +155,23 @@ def _pack_kernel(
 _INTERPRETED = C.is_interpreted(_pack_kernel)
 
 
-def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float,
-                 divide: float | None, residual: torch.Tensor | None = None,
-                 health: torch.Tensor | None = None) -> int:
-    """Check the inputs, refresh the layout's pointer table and launch one grid
-    of ``n_chunks`` programs per source dtype; the residual, if any, is read
-    and rewritten by those same launches.  Sources whose memory order is not
-    their slot's are then copied with torch, alone.  Returns the number of
-    launches."""
-    C.check_tensors("pack", dst, srcs, layout)
+def launch_pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float,
+                divide: float | None, residual: torch.Tensor | None = None,
+                health: torch.Tensor | None = None) -> list[int]:
+    """Refresh the layout's pointer table and launch one grid of ``n_chunks``
+    programs per source dtype; the residual and the health flag, if any, ride
+    in those same launches.  Inputs were validated by the op layer
+    (:func:`fastddp.kernels.pack`), which also holds the interpreter lock or
+    the device guard.  Returns the indices of the sources the kernels left
+    alone (memory order not their slot's): the op layer copies those."""
     binding = C.get_binding("pack", layout, srcs, dst, C.block_for(_INTERPRETED))
     plan = binding.plan
     mode, s64, s32 = C.scale_slots(scale, divide, dst.device)
-    if residual is None:
-        has_res, res_ptr, res_t = False, 0, None
-    else:  # error feedback runs in the residual's dtype (the reference's rule)
-        res_kind = _check_residual(residual, dst, layout)
-        has_res, res_ptr, res_t = True, residual.data_ptr(), C.STORAGE[res_kind]
-    flag_ptr = 0 if health is None else _check_health(health, dst)
-    launches = 0
+    has_res = residual is not None
+    res_t = C.STORAGE[C.CODE[residual.dtype]] if has_res else None  # error feedback runs in the residual's dtype
     with binding.lock:
-        table, fallback = binding.refresh(dst, srcs, s64, s32, res_ptr, flag_ptr)
+        table, fallback = binding.refresh(dst, srcs, s64, s32, residual.data_ptr() if has_res else 0,
+                                          health.data_ptr() if health is not None else 0)
         try:
             for g in plan.groups:
                 if g.n_chunks == 0:
@@ -194,65 +185,6 @@ def _pack_launch(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale:
                     num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
                 )
                 _bump("launches")
-                launches += 1
         finally:
             binding.after_launch()
-    if fallback:
-        _bump("fallback_tensors", len(fallback))
-        views = layout.views(dst)
-        res_views = layout.views(residual) if residual is not None else None
-        reference.pack_views([srcs[i] for i in fallback], [views[i] for i in fallback], scale, divide,
-                             None if res_views is None else [res_views[i] for i in fallback], health=health)
-    return launches
-
-
-def _check_residual(residual: torch.Tensor, dst: torch.Tensor, layout) -> int:
-    """The launcher's own residual checks (the public API has done the
-    user-facing ones); returns the residual's dtype code."""
-    if residual.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"pack: residual must be float32 (or float64), got {residual.dtype}")
-    if residual.dim() != 1 or not residual.is_contiguous():
-        raise ValueError("pack: residual must be a contiguous 1-D tensor indexed like dst")
-    if residual.device != dst.device:
-        raise ValueError(f"pack: residual is on {residual.device} but dst is on {dst.device}")
-    if residual.numel() < layout.total:
-        raise ValueError(f"pack: residual has {residual.numel()} elements; the layout needs {layout.total}")
-    return C.CODE[residual.dtype]
-
-
-def _check_health(health: torch.Tensor, dst: torch.Tensor) -> int:
-    """The launcher's own flag checks; returns the flag's address."""
-    if health.dtype != torch.int32 or health.numel() != 1:
-        raise TypeError(f"pack: health must be a 1-element int32 tensor, got {health.dtype} {tuple(health.shape)}")
-    if health.device != dst.device:
-        raise ValueError(f"pack: health is on {health.device} but dst is on {dst.device}")
-    return health.data_ptr()
-
-
-def pack_triton(srcs: Sequence[torch.Tensor], dst: torch.Tensor, layout, scale: float = 1.0,
-                divide: float | None = None, residual: torch.Tensor | None = None,
-                health: torch.Tensor | None = None) -> torch.Tensor:
-    """``dst[o_i : o_i + n_i] = cast(srcs[i] * scale)`` (or ``/ divide``) for every i,
-    one launch per source dtype.  ``srcs`` on ``dst``'s device.
-
-    With ``residual`` (a contiguous 1-D float32/float64 tensor indexed like
-    ``dst``) the same launch applies error feedback in the residual's dtype:
-    ``x = srcs[i] * scale + r; dst = cast(x); r = x - upcast(dst)``, each op
-    rounded on its own, a non-finite new ``r`` stored as 0, as
-    :func:`fastddp.kernels.reference.pack_views` does.  With ``health`` (a
-    1-element int32 tensor) the same launch ORs :class:`~fastddp.kernels.Health`
-    bits into it.  Sources whose memory order is not their layout slot's are
-    copied with torch (that arithmetic too), the rest stay in the one launch."""
-    if C.needs_reference(_INTERPRETED, dst.device):
-        _bump("reference_calls")
-        res_views = layout.views(residual) if residual is not None else None
-        reference.pack_views(srcs, layout.views(dst), scale, divide, res_views, health=health)
-    elif _INTERPRETED:
-        with C.INTERPRET_LOCK:
-            _pack_launch(srcs, dst, layout, scale, divide, residual, health)
-    elif dst.device.index != torch.cuda.current_device():
-        with torch.cuda.device(dst.device):
-            _pack_launch(srcs, dst, layout, scale, divide, residual, health)
-    else:
-        _pack_launch(srcs, dst, layout, scale, divide, residual, health)
-    return dst
+    return fallback

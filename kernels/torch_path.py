@@ -1,0 +1,135 @@
+"""The fast plain-torch path: what serves CPU tensors without the Triton
+interpreter, and the tensors a kernel call copies alone.
+
+Same results as :mod:`fastddp.kernels.reference` (the contract, bit for bit;
+tests hold them to it), in a handful of C++ calls per bucket rather than per
+tensor: ``_foreach_*`` ops where the dtypes allow it.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Sequence
+
+import torch
+
+from . import reference
+
+__all__ = ["pack_views", "unpack_views"]
+
+
+def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
+               scale: float = 1.0, divide: float | None = None,
+               residuals: Sequence[torch.Tensor] | None = None,
+               flat: torch.Tensor | None = None, health: torch.Tensor | None = None) -> None:
+    """:func:`fastddp.kernels.reference.pack_views`, fast.
+
+    Where the source dtype is the compute dtype (fp32, or fp64) the scale runs
+    as one ``_foreach_*`` in that dtype (the contract's ``x * C(scale)``,
+    rounded once) and the cast as one ``_foreach_copy_`` (round to nearest
+    even); fp16/bf16 sources go tensor by tensor (``_foreach_mul_`` on 16-bit
+    tensors would round the scale itself to 16 bits).  ``flat``: the whole
+    buffer, when the views tile it exactly; the scale is then one op on it.
+    ``health``: the contract's bits, with device ops (no host sync)."""
+    if health is None:
+        _pack_plain(srcs, views, scale, divide, residuals, flat)
+        return
+    oks = reference.health_inputs(srcs, views, residuals)
+    _pack_plain(srcs, views, scale, divide, residuals, flat)
+    reference.health_update(health, views, *oks)
+
+
+def _pack_plain(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor], scale: float,
+                divide: float | None, residuals: Sequence[torch.Tensor] | None,
+                flat: torch.Tensor | None) -> None:
+    if residuals is not None:  # per tensor in any case: the contract's own loop
+        reference.pack_views(srcs, views, scale, divide, residuals)
+        return
+    dt = views[0].dtype if views else None
+    if dt in (torch.float32, torch.float64) and all(s.dtype is dt for s in srcs) \
+            and all(v.dtype is dt for v in views) and _same_shapes(srcs, views):
+        # The reducer's case: grads, bucket and compute share one dtype.
+        if _few_large(srcs):
+            # Bandwidth-bound: one pass per tensor (torch's mul_out) beats
+            # copy-then-scale's two passes.
+            for s, v in zip(srcs, views):
+                if divide is not None:
+                    torch.div(s, divide, out=v)
+                elif scale != 1.0:
+                    torch.mul(s, scale, out=v)
+                else:
+                    v.copy_(s)
+            return
+        torch._foreach_copy_(views, srcs)
+        if divide is not None:
+            flat.div_(divide) if flat is not None else torch._foreach_div_(views, divide)
+        elif scale != 1.0:
+            flat.mul_(scale) if flat is not None else torch._foreach_mul_(views, scale)
+        return
+    same_s, same_v, cast_s, cast_v, slow = [], [], [], [], []
+    for s, v in zip(srcs, views):
+        if s.shape != v.shape or reference.compute_dtype(s.dtype, v.dtype) != s.dtype:
+            slow.append((s, v))
+        elif s.dtype == v.dtype:
+            same_s.append(s)
+            same_v.append(v)
+        else:
+            cast_s.append(s)
+            cast_v.append(v)
+    if same_v:
+        torch._foreach_copy_(same_v, same_s)
+        if divide is not None:
+            torch._foreach_div_(same_v, divide)
+        elif scale != 1.0:
+            torch._foreach_mul_(same_v, scale)
+    if cast_v:
+        if divide is not None:
+            cast_s = torch._foreach_div(cast_s, divide)
+        elif scale != 1.0:
+            cast_s = torch._foreach_mul(cast_s, scale)
+        torch._foreach_copy_(cast_v, cast_s)
+    for s, v in slow:
+        c = reference.compute_dtype(s.dtype, v.dtype)
+        v.copy_(reference._scaled(s.reshape(v.shape).to(c), scale, divide))
+
+
+def _same_shapes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """The foreach ops broadcast; a tensor of its slot's numel but another shape
+    is reshaped (row-major order) by the per-tensor paths instead."""
+    return list(map(_shape, a)) == list(map(_shape, b))
+
+
+_shape = attrgetter("shape")
+
+
+def _few_large(tensors: Sequence[torch.Tensor]) -> bool:
+    """Few tensors averaging >= 256K elements: per-tensor ops cost little host
+    time and save a memory pass."""
+    n = len(tensors)
+    return n <= 64 and sum(t.numel() for t in tensors) >= n * (1 << 18)
+
+
+def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
+                 scale: float = 1.0, divide: float | None = None, accumulate: bool = False) -> None:
+    """:func:`fastddp.kernels.reference.unpack_views`, fast: a plain store (no
+    scale, no accumulate) of any dtype pair is one ``_foreach_copy_``
+    (``copy_`` casts exactly as ``.to`` does)."""
+    plain = not accumulate and divide is None and scale == 1.0
+    if plain and _same_shapes(views, dsts):
+        torch._foreach_copy_(dsts, views)  # copy_ casts exactly as .to does
+        return
+    fast_d, fast_v, slow = [], [], []
+    for v, d in zip(views, dsts):
+        if plain and v.shape == d.shape:
+            fast_d.append(d)
+            fast_v.append(v)
+        else:
+            slow.append((v, d))
+    if fast_d:
+        torch._foreach_copy_(fast_d, fast_v)
+    for v, d in slow:
+        c = reference.compute_dtype(v.dtype, d.dtype)
+        val = reference._scaled(v.reshape(d.shape).to(c), scale, divide)
+        if accumulate:
+            val = d.to(c) + val
+        d.copy_(val)
