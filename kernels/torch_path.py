@@ -34,9 +34,26 @@ def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
     if health is None:
         _pack_plain(srcs, views, scale, divide, residuals, flat)
         return
-    oks = reference.health_inputs(srcs, views, residuals)
+    if not views or views[0].device.type != "cpu":  # fallback tensors of a kernel call: no host sync
+        oks = reference.health_inputs(srcs, views, residuals)
+        _pack_plain(srcs, views, scale, divide, residuals, flat)
+        reference.health_update(health, views, *oks)
+        return
+    # CPU: a finite destination means no bit is set (a NaN/inf source, residual
+    # or cast overflow all leave a NaN/inf there), so a healthy bucket costs one
+    # reduction over it; the exact bits are worked out only when it is not.
+    res_ok = None
+    if residuals is not None and not all(bool(torch.isfinite(r).all()) for r in residuals):
+        res_ok = [torch.isfinite(r).reshape(v.shape) for r, v in zip(residuals, views)]
     _pack_plain(srcs, views, scale, divide, residuals, flat)
-    reference.health_update(health, views, *oks)
+    if flat is not None:  # min and max: NaN propagates, an inf is one of them; no overflow
+        ends = torch.stack(torch.aminmax(flat))
+    else:
+        ends = torch.stack(torch._foreach_norm(list(views), float("inf")))
+    if res_ok is None and bool(torch.isfinite(ends).all()):
+        return
+    src_ok = [torch.isfinite(s).reshape(v.shape) for s, v in zip(srcs, views)]
+    reference.health_update(health, views, src_ok, res_ok)
 
 
 def _pack_plain(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor], scale: float,
