@@ -3,7 +3,7 @@
 the backend, chosen here, once per call from a capability probe cached for
 the process; the launch counters.
 
-Layers (STYLE.md, Liger's kernel -> launcher -> op)::
+Layers (kernel -> launcher -> op)::
 
     pack()/unpack()   validate, choose the backend
       |-- "reference"            torch_path (fast plain torch)
@@ -27,7 +27,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # ============================================================ capabilities
-# Detected once and cached, behind a guarded Triton import (STYLE.md).
+# Detected once and cached, behind a guarded Triton import: a broken Triton must not break CPU use.
 
 @functools.lru_cache(maxsize=None)
 def _triton_status() -> tuple[bool, bool, str]:

@@ -64,8 +64,8 @@ ELSIZE = {0: 4, 1: 2, 2: 2, 3: 8}
 MODE_CAST, MODE_MUL, MODE_DIV = 0, 1, 2
 
 # ----------------------------------------------------------------- block sizes
-# Elements per program.  The interpreter pays a few ms per program instance
-# (~1-3 ms measured on a 2-core CPU), so it wants few, large programs; on a GPU 2K elements (16 per thread at 4
+# Elements per program.  The interpreter pays milliseconds per program
+# instance, so it wants few, large programs; on a GPU 2K elements (16 per thread at 4
 # warps) keeps many programs in flight on small buckets.  Plans are keyed by
 # BLOCK, so bench/gpu_kernels.py may sweep these.
 BLOCK_INTERPRET = 16384

@@ -1,6 +1,6 @@
 """Fused pack: gather many tensors into one flat buffer, scale, cast.
 
-Two of the three layers (STYLE.md): the private ``@triton.jit``
+Two of the three layers (kernel -> launcher -> op): the private ``@triton.jit``
 :func:`_pack_kernel` and its launcher :func:`launch_pack` (tables, grid, one
 launch per source dtype).  The op, :func:`fastddp.kernels.pack`, validates,
 chooses the backend and calls the launcher.  The arithmetic is

@@ -4,8 +4,8 @@ The arithmetic contract, written naively: one tensor at a time, each step a
 plain torch op, so that it is obviously right.  It is the oracle of the
 kernel tests and of the fast plain-torch path (:mod:`fastddp.kernels.torch_path`,
 which serves CPU tensors without the interpreter), and the baseline of the
-benchmarks' bit-exact checks (see STYLE.md, "the reference lives in the
-package").  Never copy it into tests or benches.
+benchmarks' bit-exact checks: one oracle that lives in the package, so
+tests and benches cannot drift from it.  Never copy it into tests or benches.
 
 Arithmetic contract (the Triton kernels match it bit for bit):
 

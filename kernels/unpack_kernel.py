@@ -1,7 +1,7 @@
 """Fused unpack: scatter one flat buffer into many tensors, scale, cast back,
 store or accumulate.
 
-Two of the three layers (STYLE.md): the private ``@triton.jit``
+Two of the three layers (kernel -> launcher -> op): the private ``@triton.jit``
 :func:`_unpack_kernel` and its launcher :func:`launch_unpack` (tables, grid,
 one launch per destination dtype).  The op, :func:`fastddp.kernels.unpack`,
 validates, chooses the backend and calls the launcher.  The arithmetic is
