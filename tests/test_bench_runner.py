@@ -161,8 +161,28 @@ def test_format_table_rows_and_status():
     assert "0.50" in fast  # the ratio column
 
 
+def test_verdict_lines_and_ratio_whiskers():
+    rows = [_row("small", "local", [10, 11, 10, 12, 10, 11]),
+            _row("small", "torch", [20, 21, 20, 22, 20, 21]),
+            _row("small", "fastddp", [15, 16, 15, 17, 15, 16], baselines=("torch",)),
+            _row("big", "local", [10, 10, 10]),
+            _row("big", "torch", [20, 20, 20]),
+            _row("big", "fastddp", [30, 30, 30], baselines=("torch",))]
+    s = R.derive(R.Section(None, rows))
+    lines = R.verdict_lines(s)
+    assert len(lines) == 2
+    assert lines[0].startswith("small fastddp vs torch: x0.50 [") and lines[0].endswith("target <= 0.8: met")
+    assert lines[1] == "big fastddp vs torch: x2.00, target <= 1.0: median missed, too few rounds for an interval"
+    assert "targets (90% interval):" in R.summary_text(R.Report({}, [s]))
+    fast = {(r.model, r.wrapper): r for r in s.rows}[("small", "fastddp")]
+    lo, hi = R._ratio_whiskers(s, [fast])
+    base = {(r.model, r.wrapper): r for r in s.rows}[("small", "torch")].overhead_ms
+    assert lo[0] == pytest.approx(fast.overhead_ms - fast.ratio_ci[0] * base)
+    assert hi[0] == pytest.approx(fast.ratio_ci[1] * base - fast.overhead_ms)
+
+
 def test_json_roundtrip_and_markdown():
-    rep = R.Report({"label": "t", "device": "Some CPU", "date": "2026-01-01", "notes": ["a note"]},
+    rep = R.Report({"label": "t", "device": "Some CPU", "date": "2026-01-01"},
                    [_section(), _section(1.0)])
     back = R.from_json(R.to_json(rep))
     assert back.meta == rep.meta
@@ -172,7 +192,7 @@ def test_json_roundtrip_and_markdown():
     md = R.to_markdown(rep, {"": ["x-step.png"]})
     assert "## Results" in md and "## Simulated interconnect: 1 GB/s" in md
     assert "![x-step.png](x-step.png)" in md and "unavailable: not built" in md
-    assert "* a note" in md
+    assert "## Notes" not in md  # prose lives in reports/README.md
 
 
 def test_slugify():
