@@ -441,21 +441,20 @@ def _chart_order(rows: list[Row]) -> list[Row]:
     return out
 
 
-def _ratio_whiskers(section: Section, rows: list[Row]) -> list[list[float]]:
-    """Each row's ratio interval drawn on its overhead bar: the ratio is the
-    bar over the baseline's overhead, so the interval in ms is ``ci x`` that
-    overhead (0 where a row has no interval)."""
+def _ratio_whiskers(section: Section, rows: list[Row]) -> list[tuple[float, float] | None]:
+    """Each row's ratio interval drawn on its overhead bar, as (ms below, ms
+    above) the bar's end: the ratio is the bar over the baseline's overhead,
+    so the interval in ms is ``ci x`` that overhead.  None: no interval."""
     base = {(r.model, r.wrapper): r for r in section.rows}
-    lo, hi = [], []
+    out: list[tuple[float, float] | None] = []
     for r in rows:
         b = base.get((r.model, r.ratio_baseline))
-        if r.ratio_ci is None or b is None or b.overhead_ms is None:
-            lo.append(0.0)
-            hi.append(0.0)
+        if r.ratio_ci is None or b is None or b.overhead_ms is None or r.overhead_ms is None:
+            out.append(None)
             continue
-        lo.append(max(r.overhead_ms - r.ratio_ci[0] * b.overhead_ms, 0.0))
-        hi.append(max(r.ratio_ci[1] * b.overhead_ms - r.overhead_ms, 0.0))
-    return [lo, hi]
+        out.append((max(r.overhead_ms - r.ratio_ci[0] * b.overhead_ms, 0.0),
+                    max(r.ratio_ci[1] * b.overhead_ms - r.overhead_ms, 0.0)))
+    return out
 
 
 def _plot_bars(section: Section, path: Path, what: str) -> bool:
@@ -492,14 +491,19 @@ def _plot_bars(section: Section, path: Path, what: str) -> bool:
                 ax.axvline(local.step.median, color="#444444", linestyle="--", linewidth=1)
         else:
             vals = [r.overhead_ms for r in rows]
-            ax.barh(ys, vals, xerr=_ratio_whiskers(section, rows), color=colors, capsize=2, height=0.7)
+            ax.barh(ys, vals, color=colors, height=0.7)
             ax.axvline(0, color="#444444", linewidth=1)
             ax.set_xlabel("ms: median step - local median step; whiskers: 90% interval of x torch",
                           fontsize=8)
-            for y, r in zip(ys, rows):
+            for y, r, w in zip(ys, rows, _ratio_whiskers(section, rows)):
+                if w is not None:
+                    ax.errorbar(r.overhead_ms, y, xerr=[[w[0]], [w[1]]], fmt="none", ecolor="#222222",
+                                capsize=2, linewidth=1)
                 if r.ratio is not None:
                     ci = "" if r.ratio_ci is None else f" [{r.ratio_ci[0]:.2f}, {r.ratio_ci[1]:.2f}]"
-                    ax.annotate(f" x{r.ratio:.2f}{ci}", (max(r.overhead_ms, 0), y), va="center", fontsize=7)
+                    end = r.overhead_ms + (w[1] if w is not None else 0.0)
+                    ax.annotate(f" x{r.ratio:.2f}{ci}", (max(end, 0), y), va="center", fontsize=7)
+            ax.margins(x=0.2)  # room for the labels right of the longest whisker
         ax.set_yticks(ys)
         ax.set_yticklabels([r.wrapper for r in rows], fontsize=8)
         ax.tick_params(axis="x", labelsize=8)

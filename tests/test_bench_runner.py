@@ -175,10 +175,12 @@ def test_verdict_lines_and_ratio_whiskers():
     assert lines[1] == "big fastddp vs torch: x2.00, target <= 1.0: median missed, too few rounds for an interval"
     assert "targets (90% interval):" in R.summary_text(R.Report({}, [s]))
     fast = {(r.model, r.wrapper): r for r in s.rows}[("small", "fastddp")]
-    lo, hi = R._ratio_whiskers(s, [fast])
-    base = {(r.model, r.wrapper): r for r in s.rows}[("small", "torch")].overhead_ms
-    assert lo[0] == pytest.approx(fast.overhead_ms - fast.ratio_ci[0] * base)
-    assert hi[0] == pytest.approx(fast.ratio_ci[1] * base - fast.overhead_ms)
+    by = {(r.model, r.wrapper): r for r in s.rows}
+    (lo, hi), none = R._ratio_whiskers(s, [fast, by[("big", "fastddp")]])
+    base = by[("small", "torch")].overhead_ms
+    assert lo == pytest.approx(fast.overhead_ms - fast.ratio_ci[0] * base)
+    assert hi == pytest.approx(fast.ratio_ci[1] * base - fast.overhead_ms)
+    assert none is None  # 3 rounds: no interval, no whisker
 
 
 def test_json_roundtrip_and_markdown():
