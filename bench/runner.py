@@ -239,6 +239,36 @@ def _step_body(spec: ModelSpec, e: _Entry, batch) -> None:
         e.opt.step()
 
 
+@contextlib.contextmanager
+def _muted_stderr():
+    """File descriptor 2 to /dev/null inside (C++ writes there directly)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+@contextlib.contextmanager
+def _profiler(**kwargs):
+    """``torch.profiler.profile(**kwargs)``, started and stopped with stderr
+    muted: kineto prints a ``USDT: ... profiler_start`` / ``profiler_stop``
+    line each time at any ``KINETO_LOG_LEVEL``, and the runner starts it up
+    to twice per wrapper.  What the profiled code prints is kept."""
+    prof = torch.profiler.profile(**kwargs)
+    with _muted_stderr():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _muted_stderr():
+            prof.__exit__(None, None, None)
+
+
 def _cpu_memory_events(prof) -> list[tuple[int, int]]:
     """(time ns, signed bytes) of every CPU allocator event in ``prof``."""
     out = []
@@ -274,8 +304,7 @@ class _Memory:
             self.ctx.sync()
             out["bytes"] = torch.cuda.memory_allocated(self.ctx.device) - before
             return
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                    profile_memory=True) as prof:
+        with _profiler(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             yield out
         try:
             out["bytes"] = sum(b for _, b in _cpu_memory_events(prof))
@@ -285,8 +314,8 @@ class _Memory:
 
 def _count_ops(prof, cuda: bool) -> int:
     """CPU: aten ops with no aten op around them (same thread); CUDA: kernels
-    (Memcpy/Memset excluded).  Reads the raw kineto events: building
-    ``prof.events()`` costs ~1 s per 10k events."""
+    (Memcpy/Memset excluded).  Reads the raw kineto events: ``prof.events()``
+    builds a Python object per event, slow on a big model's trace."""
     events = prof.profiler.kineto_results.events()
     if cuda:
         return sum(1 for ev in events if ev.device_type() == torch.autograd.DeviceType.CUDA
@@ -325,7 +354,7 @@ def _profile_step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> None:
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
         base = torch.cuda.memory_allocated(ctx.device)
-    with torch.profiler.profile(activities=acts, profile_memory=not ctx.cuda) as prof:
+    with _profiler(activities=acts, profile_memory=not ctx.cuda) as prof:
         _step_body(spec, e, batch)
         ctx.sync()
     e.row.ops_per_step = _count_ops(prof, ctx.cuda)
@@ -355,7 +384,7 @@ def _trace(ctx: _Ctx, spec: ModelSpec, e: _Entry, batches, tag: str) -> None:
         ctx.sync()
         return
     acts = _activities(ctx)
-    with torch.profiler.profile(activities=acts) as prof:
+    with _profiler(activities=acts) as prof:
         for i, b in enumerate(batches):
             with torch.profiler.record_function(f"bench/step[{i}]"):
                 e.opt.zero_grad(set_to_none=True)
