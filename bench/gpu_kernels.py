@@ -10,7 +10,7 @@ machine in seconds.
 
 For each bucket shape and wire dtype, fastddp's kernels and the ways torch
 does it today (per-tensor ``copy_`` + ``mul_``; ``_foreach_copy_`` + one
-``mul_``; ``torch.cat`` + ``mul_``) are timed three ways (STYLE.md):
+``mul_``; ``torch.cat`` + ``mul_``) are timed three ways:
 
 * **device time** per call: a ``torch.cuda._sleep`` holds the stream while the
   host queues R calls, then CUDA events bracket them, so host overhead is
@@ -42,7 +42,6 @@ import argparse
 import datetime as _dt
 import json
 import platform
-import re
 import statistics
 import sys
 import time
@@ -60,13 +59,6 @@ SHAPES = {
 #: --cpu-smoke: odd sizes, one tensor larger than the interpreter's BLOCK.
 SMOKE_SHAPES = {"smoke": (7, 2500)}
 WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def slugify(name: str) -> str:
-    """The folder name of a device (the same rule as bench/report.py)."""
-    s = re.sub(r"\((r|tm|c)\)", "", name.lower())
-    s = re.sub(r"[^a-z0-9]+", "-", s).strip("-")
-    return s or "unknown-device"
 
 
 # ---------------------------------------------------------------- timing
@@ -402,6 +394,8 @@ def main(argv=None) -> int:
     where: list[Path] = []
 
     def save(res: dict) -> None:
+        from fastddp.bench.report import slugify
+
         folder = Path(args.dest) if args.dest else Path(args.out) / slugify(res["meta"]["device"])
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "kernels.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -52,8 +52,7 @@ class ModelSpec:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """``loss(output, target)`` -> scalar."""
     steps: int
-    """Timed steps per wrapper by default (chosen so the default run of the
-    whole zoo takes a few minutes on 2 CPU cores)."""
+    """Timed steps per wrapper by default."""
     quick_steps: int
     """Timed steps per wrapper with ``--quick``."""
 

@@ -26,12 +26,12 @@ from typing import Mapping, Sequence
 __all__ = [
     "Quantiles", "Row", "Section", "Report",
     "quantile", "summarize", "bootstrap_ratio", "derive", "format_table", "targets",
-    "to_markdown", "to_json", "from_json", "slugify", "write_report", "summary_text",
+    "to_markdown", "to_json", "from_json", "slugify", "write_report", "summary_text", "verdict_lines",
     "TARGETS",
 ]
 
-#: Issue 3's targets: fastddp's overhead over local as a fraction of torch
-#: DDP's, per model (other models: :data:`DEFAULT_TARGET`).
+#: fastddp's overhead over local as a fraction of torch DDP's, per model
+#: (other models: :data:`DEFAULT_TARGET`); reports/README.md says why.
 TARGETS = {"small": 0.8}
 DEFAULT_TARGET = 1.0
 
@@ -227,7 +227,7 @@ def derive(section: Section) -> Section:
 
 
 def targets(section: Section) -> list[dict]:
-    """Issue 3's check per (model, fastddp wrapper) that has a baseline:
+    """The target check per (model, fastddp wrapper) that has a baseline:
     ratio, its 90% interval, target, and the verdict: ``met`` is whether the
     point estimate is within the target (None when the ratio is undefined,
     e.g. the torch overhead was <= 0); ``verdict`` is ``"met"`` when the
@@ -318,8 +318,7 @@ def _md_table(section: Section) -> str:
 def _md_targets(section: Section) -> str:
     checks = targets(section)
     if not any(c["ratio"] is not None for c in checks):
-        return ("No fastddp wrapper produced a ratio in this section (fastddp not built yet, "
-                "or a baseline's overhead was <= 0), so issue 3's targets cannot be checked.")
+        return "No fastddp row has a ratio in this section (unavailable, or torch's overhead <= 0)."
     lines = ["| model | wrapper | vs | overhead ratio | 90% interval | target | met (median) "
              "| verdict (interval) | host CPU ratio |",
              "|---|---|---|---:|---:|---:|---|---|---:|"]
@@ -331,6 +330,11 @@ def _md_targets(section: Section) -> str:
         lines.append(f"| {c['model']} | {c['wrapper']} | {c['baseline']} | {ratio} | {ci} | "
                      f"<= {c['target']:.1f} | {met} | {c['verdict'] or '-'} | {cpu} |")
     return "\n".join(lines)
+
+
+_LEGEND = ("ms: wall time per step, max over ranks. overhead = median - local's median; x torch = "
+           "overhead / the torch row's with the same option (90% interval below); cpu: host CPU "
+           "time per step; wire MB `*`: computed from the parameters, else counted.")
 
 
 def _meta_lines(meta: Mapping) -> list[str]:
@@ -372,16 +376,12 @@ def to_markdown(report: Report, charts: Mapping[str, Sequence[str]] | None = Non
         out += ["Models:", ""] + [f"* `{k}`: {v}" for k, v in models.items()] + [""]
     for section in report.sections:
         out += [f"## {section.title}", "", _md_table(section), ""]
-        out += ["`*` computed from the parameters (numel x wire element size); "
-                "otherwise read from the wrapper's counter.", ""]
+        out += [_LEGEND, ""]
         for name in charts.get(section.tag, ()):
             out += [f"![{name}]({name})", ""]
-        out += ["### Issue 3 targets (fastddp overhead / torch overhead)", "", _md_targets(section), ""]
+        out += ["### Targets (fastddp overhead / torch overhead)", "", _md_targets(section), ""]
     for name in charts.get("bandwidth", ()):
         out += ["## Step time against simulated bandwidth", "", f"![{name}]({name})", ""]
-    notes = m.get("notes") or []
-    if notes:
-        out += ["## Notes", ""] + [f"* {n}" for n in notes] + [""]
     return "\n".join(out)
 
 
@@ -441,6 +441,22 @@ def _chart_order(rows: list[Row]) -> list[Row]:
     return out
 
 
+def _ratio_whiskers(section: Section, rows: list[Row]) -> list[tuple[float, float] | None]:
+    """Each row's ratio interval drawn on its overhead bar, as (ms below, ms
+    above) the bar's end: the ratio is the bar over the baseline's overhead,
+    so the interval in ms is ``ci x`` that overhead.  None: no interval."""
+    base = {(r.model, r.wrapper): r for r in section.rows}
+    out: list[tuple[float, float] | None] = []
+    for r in rows:
+        b = base.get((r.model, r.ratio_baseline))
+        if r.ratio_ci is None or b is None or b.overhead_ms is None or r.overhead_ms is None:
+            out.append(None)
+            continue
+        out.append((max(r.overhead_ms - r.ratio_ci[0] * b.overhead_ms, 0.0),
+                    max(r.ratio_ci[1] * b.overhead_ms - r.overhead_ms, 0.0)))
+    return out
+
+
 def _plot_bars(section: Section, path: Path, what: str) -> bool:
     import matplotlib
     matplotlib.use("Agg")
@@ -477,10 +493,17 @@ def _plot_bars(section: Section, path: Path, what: str) -> bool:
             vals = [r.overhead_ms for r in rows]
             ax.barh(ys, vals, color=colors, height=0.7)
             ax.axvline(0, color="#444444", linewidth=1)
-            ax.set_xlabel("ms: median step - local median step", fontsize=8)
-            for y, r in zip(ys, rows):
+            ax.set_xlabel("ms: median step - local median step; whiskers: 90% interval of x torch",
+                          fontsize=8)
+            for y, r, w in zip(ys, rows, _ratio_whiskers(section, rows)):
+                if w is not None:
+                    ax.errorbar(r.overhead_ms, y, xerr=[[w[0]], [w[1]]], fmt="none", ecolor="#222222",
+                                capsize=2, linewidth=1)
                 if r.ratio is not None:
-                    ax.annotate(f" x{r.ratio:.2f}", (max(r.overhead_ms, 0), y), va="center", fontsize=7)
+                    ci = "" if r.ratio_ci is None else f" [{r.ratio_ci[0]:.2f}, {r.ratio_ci[1]:.2f}]"
+                    end = r.overhead_ms + (w[1] if w is not None else 0.0)
+                    ax.annotate(f" x{r.ratio:.2f}{ci}", (max(end, 0), y), va="center", fontsize=7)
+            ax.margins(x=0.2)  # room for the labels right of the longest whisker
         ax.set_yticks(ys)
         ax.set_yticklabels([r.wrapper for r in rows], fontsize=8)
         ax.tick_params(axis="x", labelsize=8)
@@ -573,10 +596,27 @@ def write_report(report: Report, out_dir: str | Path, charts_on: bool = True) ->
     return {"md": md, "json": js, "charts": written}
 
 
+def verdict_lines(section: Section) -> list[str]:
+    """One line per target of :func:`targets` (call :func:`derive` first)."""
+    out = []
+    for c in targets(section):
+        head = f"{c['model']} {c['wrapper']} vs {c['baseline']}"
+        if c["ratio"] is None:
+            out.append(f"{head}: no ratio (torch overhead <= 0)")
+            continue
+        ci = "" if c["ci"] is None else f" [{c['ci'][0]:.2f}, {c['ci'][1]:.2f}]"
+        verdict = c["verdict"] or (("median met" if c["met"] else "median missed") + ", too few rounds for an interval")
+        out.append(f"{head}: x{c['ratio']:.2f}{ci}, target <= {c['target']:.1f}: {verdict}")
+    return out
+
+
 def summary_text(report: Report) -> str:
-    """The terminal version: one table per section."""
+    """The terminal version: per section, the table and one verdict line per target."""
     parts = []
     for s in report.sections:
         derive(s)
         parts += [f"== {s.title} ==", format_table(s), ""]
+        lines = verdict_lines(s)
+        if lines:
+            parts += ["targets (90% interval):"] + [f"  {x}" for x in lines] + [""]
     return "\n".join(parts)

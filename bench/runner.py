@@ -50,8 +50,9 @@ from torch import nn
 
 from . import report as R
 from .models import DEFAULT_MODELS, ModelSpec, model_zoo
-from .wrappers import (CUDA_EXTRA_WRAPPERS, DEFAULT_WRAPPERS, SIM_ENV, SimulatedWire, WrapperOptions,
-                       build_wrapper, computed_wire_bytes, registry, wire_bytes_counter)
+from .simwire import SimulatedWire
+from .wrappers import (CUDA_EXTRA_WRAPPERS, DEFAULT_WRAPPERS, WrapperOptions, build_wrapper,
+                       computed_wire_bytes, registry, wire_bytes_counter)
 
 __all__ = ["BenchConfig", "run", "worker", "under_torchrun"]
 
@@ -240,6 +241,36 @@ def _step_body(spec: ModelSpec, e: _Entry, batch) -> None:
         e.opt.step()
 
 
+@contextlib.contextmanager
+def _muted_stderr():
+    """File descriptor 2 to /dev/null inside (C++ writes there directly)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+@contextlib.contextmanager
+def _profiler(**kwargs):
+    """``torch.profiler.profile(**kwargs)``, started and stopped with stderr
+    muted: kineto prints a ``USDT: ... profiler_start`` / ``profiler_stop``
+    line each time at any ``KINETO_LOG_LEVEL``, and the runner starts it up
+    to twice per wrapper.  What the profiled code prints is kept."""
+    prof = torch.profiler.profile(**kwargs)
+    with _muted_stderr():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _muted_stderr():
+            prof.__exit__(None, None, None)
+
+
 def _cpu_memory_events(prof) -> list[tuple[int, int]]:
     """(time ns, signed bytes) of every CPU allocator event in ``prof``."""
     out = []
@@ -275,8 +306,7 @@ class _Memory:
             self.ctx.sync()
             out["bytes"] = torch.cuda.memory_allocated(self.ctx.device) - before
             return
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                    profile_memory=True) as prof:
+        with _profiler(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             yield out
         try:
             out["bytes"] = sum(b for _, b in _cpu_memory_events(prof))
@@ -286,8 +316,8 @@ class _Memory:
 
 def _count_ops(prof, cuda: bool) -> int:
     """CPU: aten ops with no aten op around them (same thread); CUDA: kernels
-    (Memcpy/Memset excluded).  Reads the raw kineto events: building
-    ``prof.events()`` costs ~1 s per 10k events."""
+    (Memcpy/Memset excluded).  Reads the raw kineto events: ``prof.events()``
+    builds a Python object per event, slow on a big model's trace."""
     events = prof.profiler.kineto_results.events()
     if cuda:
         return sum(1 for ev in events if ev.device_type() == torch.autograd.DeviceType.CUDA
@@ -326,7 +356,7 @@ def _profile_step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> None:
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
         base = torch.cuda.memory_allocated(ctx.device)
-    with torch.profiler.profile(activities=acts, profile_memory=not ctx.cuda) as prof:
+    with _profiler(activities=acts, profile_memory=not ctx.cuda) as prof:
         _step_body(spec, e, batch)
         ctx.sync()
     e.row.ops_per_step = _count_ops(prof, ctx.cuda)
@@ -356,7 +386,7 @@ def _trace(ctx: _Ctx, spec: ModelSpec, e: _Entry, batches, tag: str) -> None:
         ctx.sync()
         return
     acts = _activities(ctx)
-    with torch.profiler.profile(activities=acts) as prof:
+    with _profiler(activities=acts) as prof:
         for i, b in enumerate(batches):
             with torch.profiler.record_function(f"bench/step[{i}]"):
                 e.opt.zero_grad(set_to_none=True)
@@ -390,7 +420,7 @@ def _build(ctx: _Ctx, spec: ModelSpec, base: nn.Module, name: str, options: Wrap
             model = copy.deepcopy(base)
             clock = _GradClock(ctx.cuda)
             clock.attach(model)
-            module, row.note = build_wrapper(name, model, None, options)
+            module, row.note = build_wrapper(name, model, options.wire, options)  # wire: None or the group
             opt = torch.optim.SGD(module.parameters(), lr=1e-3)
             entry = _Entry(name, module, opt, clock, row)
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
@@ -505,31 +535,14 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
     return rows
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str | None):
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def _section(ctx: _Ctx, bw: float | None, names: tuple[str, ...], bar) -> R.Section:
     cfg = ctx.cfg
     zoo = model_zoo()
     section = R.Section(bw)
     with contextlib.ExitStack() as stack:
         wire = None
-        stack.enter_context(_env(SIM_ENV, None if bw is None else f"{bw:g}"))
         if bw is not None:
-            wire = stack.enter_context(SimulatedWire(bw, ctx.device))
+            wire = stack.enter_context(SimulatedWire(dist.group.WORLD, bw, ctx.device))
         options = WrapperOptions(bucket_cap_mb=cfg.bucket_cap_mb,
                                  device_ids=[ctx.local_rank] if ctx.cuda else None, wire=wire)
         for m in cfg.models:
@@ -628,46 +641,6 @@ def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float) -> dict:
         "elapsed_per_model_s": dict(ctx.elapsed),
         "config": {k: v for k, v in asdict(cfg).items() if k != "command"},
     }
-    notes = [
-        "Step = zero_grad(set_to_none=True), forward, loss, backward, SGD step; each step timed "
-        "with time.perf_counter" + (" after torch.cuda.synchronize" if ctx.cuda else "")
-        + ", max over ranks; wrappers interleaved per round on the same batch (order rotated "
-        "each round), a barrier before every step.",
-        "Overhead = median step - local median step (same model, same run); x torch = that "
-        "overhead / the torch wrapper's with the same option (fastddp-bf16 vs torch-bf16 when "
-        "run, else torch-fp16); n/a where the torch overhead is <= 0. Its 90% interval "
-        "(targets table) is a percentile bootstrap over the timed rounds, rounds resampled "
-        "together for all wrappers.",
-        "cpu +ms = median host CPU per step (time.process_time: every thread of the rank, "
-        "Python, autograd, gloo) minus local's, mean over ranks; cpu x torch = that / the torch "
-        "wrapper's. Waiting costs no CPU, so this is the work a wrapper adds, steadier than wall "
-        "time on a shared machine.",
-        "comm-floor = local + one all-reduce per step, at the end of backward, of a buffer as "
-        "large as the gradients (no copies, no per-parameter hooks; gradients not averaged): the "
-        "cost of these bytes on this wire plus waiting for the slowest rank. Its x torch is the "
-        "best ratio any wrapper that sends the same bytes could reach, unless it hides "
-        "communication behind backward (which needs idle cores, a GPU or a slow network).",
-    ]
-    if ctx.cuda:
-        notes.append("ops/step = CUDA kernels in a torch.profiler trace of one step on rank 0 "
-                     "(Memcpy/Memset excluded); peak = memory_allocated delta over building the "
-                     "wrapper and its first step + max_memory_allocated above the start of a "
-                     "steady-state step.")
-    else:
-        notes.append("ops/step = top-level aten ops in a torch.profiler trace of one step "
-                     "(forward, loss, backward, optimizer) on rank 0. Peak MiB (CPU) = net bytes "
-                     "the CPU allocator handed out while building the wrapper (model copy + DDP "
-                     "buffers) and running its first step, + the peak above the start of a "
-                     "steady-state step; from torch.profiler(profile_memory=True) on rank 0, "
-                     "so only allocations on threads the profiler traces.")
-    if any(b is not None for b in cfg.bandwidths):
-        notes.append("Simulated interconnect: torch wrappers run with a Python comm hook "
-                     "(divide by W, all-reduce SUM; the fp16 variant casts first) whose Future "
-                     "completes on a wire thread no earlier than max(issue, previous done) + "
-                     "bytes / bandwidth, instead of their built-in C++ all-reduce. fastddp rows "
-                     f"depend on fastddp's comm layer honouring {SIM_ENV} (the runner sets it; "
-                     "it does not verify it).")
-    meta["notes"] = notes
     return meta
 
 

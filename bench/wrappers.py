@@ -35,13 +35,11 @@ fastddp-fp16       ... + register_comm_hook(None, fastddp.hooks.fp16_compress_ho
 fastddp-bf16       ... + register_comm_hook(None, fastddp.hooks.bf16_compress_hook)
 =================  ===========================================================
 
-Simulated interconnect (``--simulate-bandwidth``): :class:`SimulatedWire` is
-a serial wire of a given GB/s.  Torch wrappers get it through a Python comm
-hook (:func:`sim_allreduce_hook`, :func:`sim_compress_hook`) that issues the
-real all-reduce and returns a Future completed by the wire's thread no earlier
-than ``max(issue_i, done_{i-1}) + bytes_i / bandwidth``, sleeping, so it costs
-no compute.  fastddp reads ``FASTDDP_SIMULATE_BANDWIDTH_GBPS`` (same model,
-implemented in ``fastddp/comm.py``); the runner sets that variable.
+Simulated interconnect (``--simulate-bandwidth``): the runner passes a
+:class:`~fastddp.bench.simwire.SimulatedWire` (a process group wrapping the
+real one) as ``process_group`` to every factory, so every wrapper's
+collectives, torch's C++ reducer's included, cross the same wire; with no
+simulation ``process_group`` is None (the default group).
 
 Nothing here runs at import: the registry is built by :func:`registry`.
 """
@@ -49,10 +47,6 @@ Nothing here runs at import: the registry is built by :func:`registry`.
 from __future__ import annotations
 
 import functools
-import queue
-import threading
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -63,13 +57,10 @@ from torch import nn
 __all__ = [
     "DEFAULT_WRAPPERS",
     "CommFloor",
-    "SimulatedWire",
     "WrapperOptions",
     "WrapperSpec",
     "build_wrapper",
     "registry",
-    "sim_allreduce_hook",
-    "sim_compress_hook",
     "torch_has_batched_grad_copy",
     "wire_bytes_counter",
 ]
@@ -84,9 +75,6 @@ DEFAULT_WRAPPERS = (
 #: Added to the default set on CUDA (torch refuses its bf16 hook off NCCL).
 CUDA_EXTRA_WRAPPERS = ("torch-bf16",)
 
-SIM_ENV = "FASTDDP_SIMULATE_BANDWIDTH_GBPS"
-
-
 @dataclass(frozen=True)
 class WrapperOptions:
     """What every factory gets besides the model and the process group."""
@@ -95,8 +83,9 @@ class WrapperOptions:
     """Passed to both DDPs (None: their default, 25 MiB)."""
     device_ids: list[int] | None = None
     """``[local_rank]`` on CUDA, None on CPU."""
-    wire: "SimulatedWire | None" = None
-    """The simulated interconnect, when ``--simulate-bandwidth`` is on."""
+    wire: Any = None
+    """The :class:`~fastddp.bench.simwire.SimulatedWire` (also the factories'
+    ``process_group``) when ``--simulate-bandwidth`` is on."""
 
 
 Factory = Callable[[nn.Module, Any, WrapperOptions], "tuple[nn.Module, str]"]
@@ -118,111 +107,6 @@ class WrapperSpec:
     """Bytes per gradient element on the wire (None: the parameter's own)."""
 
 
-# -- simulated interconnect ---------------------------------------------------
-
-class SimulatedWire:
-    """A serial wire of ``gbps`` GB/s (1e9 bytes/s), served by one thread.
-
-    :meth:`transfer` is called when a bucket's real collective is issued; the
-    returned Future completes when both the collective has finished and the
-    simulated transfer is done: ``done_i = max(issue_i, done_{i-1}) +
-    bytes_i / bandwidth``.  The wire thread sleeps meanwhile (no compute).
-    """
-
-    def __init__(self, gbps: float, device: torch.device):
-        if not gbps > 0:
-            raise ValueError(f"simulated bandwidth must be > 0 GB/s, got {gbps!r}")
-        self.gbps = float(gbps)
-        self.device = device
-        self.bytes_sent = 0
-        self._free_at = 0.0
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> "SimulatedWire":
-        self._thread = threading.Thread(target=self._serve, name="fastddp-bench-wire", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-
-    def transfer(self, real: torch.futures.Future, nbytes: int,
-                 finish: Callable[[], torch.Tensor]) -> torch.futures.Future:
-        """Put ``nbytes`` on the wire behind the real collective ``real``;
-        ``finish()`` (run on the wire thread once both are done) gives the
-        result the returned Future carries."""
-        if self._thread is None:
-            raise RuntimeError("SimulatedWire used outside its `with` block")
-        start = max(time.perf_counter(), self._free_at)
-        self._free_at = deadline = start + nbytes / (self.gbps * 1e9)
-        self.bytes_sent += nbytes
-        cuda = self.device.type == "cuda"
-        out = torch.futures.Future(devices=[self.device]) if cuda else torch.futures.Future()
-        self._queue.put((real, deadline, finish, out))
-        return out
-
-    def _serve(self) -> None:
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.set_device(self.device)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            real, deadline, finish, out = item
-            try:
-                real.wait()
-                if cuda:  # NCCL futures complete at enqueue: wait for the GPU
-                    torch.cuda.current_stream(self.device).synchronize()
-                delay = deadline - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                out.set_result(finish())
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                out.set_exception(e)
-
-
-def sim_allreduce_hook(wire: SimulatedWire):
-    """torch's ``allreduce_hook`` (divide by W, SUM) behind the simulated wire."""
-
-    def hook(process_group, bucket):
-        group = process_group if process_group is not None else dist.group.WORLD
-        buf = bucket.buffer()
-        buf.div_(group.size())
-        work = dist.all_reduce(buf, group=group, async_op=True)
-        return wire.transfer(work.get_future(), buf.numel() * buf.element_size(), lambda: buf)
-
-    hook.__name__ = hook.__qualname__ = "sim_allreduce_hook"
-    return hook
-
-
-def sim_compress_hook(wire: SimulatedWire, dtype: torch.dtype):
-    """torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` logic (cast,
-    divide by W, SUM in 16 bits, copy back) behind the simulated wire."""
-
-    def hook(process_group, bucket):
-        group = process_group if process_group is not None else dist.group.WORLD
-        buf = bucket.buffer()
-        compressed = buf.to(dtype).div_(group.size())
-        work = dist.all_reduce(compressed, group=group, async_op=True)
-
-        def finish():
-            buf.copy_(compressed)
-            return buf
-
-        return wire.transfer(work.get_future(), compressed.numel() * compressed.element_size(), finish)
-
-    hook.__name__ = hook.__qualname__ = f"sim_{str(dtype).split('.')[-1]}_compress_hook"
-    return hook
-
-
 # -- factories -----------------------------------------------------------------
 
 def _local(model, process_group, options):
@@ -242,11 +126,10 @@ class CommFloor(nn.Module):
     can (a GPU, idle cores, a slow network), overlapping wrappers may beat
     it.  The gradients themselves are not averaged."""
 
-    def __init__(self, module: nn.Module, process_group=None, wire: "SimulatedWire | None" = None):
+    def __init__(self, module: nn.Module, process_group=None):
         super().__init__()
         self.module = module
         self.process_group = process_group
-        self.wire = wire
         numel: dict[torch.dtype, int] = {}
         device = None
         for p in module.parameters():
@@ -273,16 +156,11 @@ class CommFloor(nn.Module):
 
     def _reduce(self) -> None:
         for flat in self._flats:
-            if self.wire is None:
-                dist.all_reduce(flat, group=self.process_group)
-            else:
-                work = dist.all_reduce(flat, group=self.process_group, async_op=True)
-                nbytes = flat.numel() * flat.element_size()
-                self.wire.transfer(work.get_future(), nbytes, lambda flat=flat: flat).wait()
+            dist.all_reduce(flat, group=self.process_group)
 
 
 def _comm_floor(model, process_group, options):
-    return CommFloor(model, process_group, options.wire), "bound: one all-reduce, no copies"
+    return CommFloor(model, process_group), "bound: one all-reduce, no copies"
 
 
 def _torch(model, process_group, options, hook: str | None = None, **kwargs):
@@ -292,11 +170,6 @@ def _torch(model, process_group, options, hook: str | None = None, **kwargs):
     ddp = DistributedDataParallel(
         model, device_ids=options.device_ids, process_group=process_group,
         bucket_cap_mb=options.bucket_cap_mb, **kwargs)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(hook)
-    if options.wire is not None:
-        sim = sim_allreduce_hook(options.wire) if dtype is None else sim_compress_hook(options.wire, dtype)
-        ddp.register_comm_hook(process_group, sim)
-        return ddp, f"simulated wire via Python hook {sim.__name__}"
     if hook is not None:
         fn = getattr(default_hooks, f"{hook}_compress_hook")
         ddp.register_comm_hook(process_group, fn)
@@ -322,8 +195,6 @@ def _torch_batched(model, process_group, options):
     # then sums: the same bits, without a Python hook's per-bucket cost.
     ddp, note = _torch(model, process_group, options)
     label = f"stand-in: torch {torch.__version__.split('+')[0]} has no batched_grad_copy; "
-    if options.wire is not None:  # the simulated wire's hook divides by W already
-        return ddp, label + note
     ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     return ddp, label + "DDP + builtin ALLREDUCE hook (divides by W, as batched)"
 
@@ -347,8 +218,6 @@ def _fastddp(model, process_group, options, hook: str | None = None, **kwargs):
     if fn is not None:
         ddp.register_comm_hook(None, fn)
         notes.append(f"hooks.{fn.__name__}")
-    if options.wire is not None:
-        notes.append(f"simulated wire via {SIM_ENV} (fastddp/comm.py)")
     return ddp, "; ".join(notes)
 
 
@@ -386,36 +255,16 @@ def build_wrapper(name: str, model: nn.Module, process_group, options: WrapperOp
 
 # -- bytes on the wire -----------------------------------------------------------
 
-_FASTDDP_COUNTER_PATHS = ("stats", "reducer._comm", "reducer.comm", "_reducer._comm", "_reducer.comm",
-                          "reducer", "_reducer", "_comm", "comm")
-
-
-def _read_bytes_on_wire(module: nn.Module, path: str) -> int | None:
-    obj: Any = module
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    if path == "stats" and callable(obj):
-        obj = obj()
-    value = obj.get("bytes_on_wire") if isinstance(obj, Mapping) else getattr(obj, "bytes_on_wire", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def wire_bytes_counter(spec: WrapperSpec, module: nn.Module, options: WrapperOptions) -> Callable[[], int] | None:
     """A cumulative bytes-on-the-wire counter for a built wrapper, when one can
-    be read (the simulated wire's for torch wrappers under simulation;
-    fastddp's ``bytes_on_wire`` statistic); None: compute it from the params."""
-    if spec.family == "torch" and options.wire is not None:
+    be read (the simulated wire's, for every wrapper but ``local``, under
+    simulation; else fastddp's ``bytes_on_wire`` statistic); None: compute
+    it from the params."""
+    if options.wire is not None and spec.family != "local":
         wire = options.wire
         return lambda: wire.bytes_sent
     if spec.family == "fastddp":
-        for path in _FASTDDP_COUNTER_PATHS:
-            if _read_bytes_on_wire(module, path) is not None:
-                # re-read the path each time: a rebuilt reducer has a new counter
-                def count(path: str = path) -> int:
-                    return _read_bytes_on_wire(module, path) or 0
-                return count
+        return lambda: int(module.stats().get("bytes_on_wire", 0))  # fastddp's public statistic
     return None
 
 

@@ -36,24 +36,15 @@ CPU (gloo)::
 Kernels are only ever launched from the backward thread or the end-of-backward
 callback, never from a Future callback (the Triton interpreter is not
 thread-safe, and CUDA launches from foreign threads break stream semantics).
-
-``FASTDDP_SIMULATE_BANDWIDTH_GBPS`` (read when the reducer is built) puts a
-simulated serial wire of that many GB/s behind every collective: bucket ``i``
-completes no earlier than ``max(issue_i, done_{i-1}) + bytes_i / bandwidth``;
-waiting for it sleeps, consuming no compute.  It lets one machine show how
-well backward hides communication as the network slows.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import groups
 
@@ -64,28 +55,14 @@ _NULL = contextlib.nullcontext()
 
 class Pending:
     """One bucket's collective in flight: a ``Work`` (plain all-reduce) or a
-    ``Future`` (comm hook), plus the simulated-wire deadline."""
+    ``Future`` (comm hook)."""
 
-    __slots__ = ("work", "future", "deadline", "tensor")
+    __slots__ = ("work", "future", "tensor")
 
-    def __init__(self, work=None, future=None, deadline: float = 0.0, tensor=None):
+    def __init__(self, work=None, future=None, tensor=None):
         self.work = work
         self.future = future
-        self.deadline = deadline
         self.tensor = tensor
-
-
-def _sim_bandwidth_from_env() -> float | None:
-    raw = os.environ.get("FASTDDP_SIMULATE_BANDWIDTH_GBPS")
-    if raw in (None, ""):
-        return None
-    try:
-        gbps = float(raw)
-    except ValueError:
-        raise ValueError(f"FASTDDP_SIMULATE_BANDWIDTH_GBPS={raw!r} is not a number of GB/s") from None
-    if gbps <= 0:
-        raise ValueError(f"FASTDDP_SIMULATE_BANDWIDTH_GBPS={raw!r} must be > 0 GB/s")
-    return gbps
 
 
 class Comm:
@@ -97,8 +74,6 @@ class Comm:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.compute_stream = None  # the stream backward ran on (seen at the first pack)
-        self.sim_gbps = _sim_bandwidth_from_env()
-        self._wire_free_at = 0.0
         self.bytes_on_wire = 0  # cumulative payload bytes handed to collectives
         self.collectives = 0
         # CUDA: (issued, joined) event pairs, reused round-robin (no per-step allocation)
@@ -193,13 +168,6 @@ class Comm:
                                             "waited for the comm stream"}
 
     # -- collectives -----------------------------------------------------
-    def _deadline(self, nbytes: int) -> float:
-        if self.sim_gbps is None:
-            return 0.0
-        start = max(time.perf_counter(), self._wire_free_at)
-        self._wire_free_at = start + nbytes / (self.sim_gbps * 1e9)
-        return self._wire_free_at
-
     def all_reduce(self, tensor: torch.Tensor, nbytes: int | None = None) -> Pending:
         """SUM-all-reduce ``tensor`` in place, asynchronously."""
         if nbytes is None:
@@ -207,13 +175,13 @@ class Comm:
         self.bytes_on_wire += nbytes
         self.collectives += 1
         work = groups.all_reduce(tensor, self.pg, async_op=True)
-        return Pending(work=work, deadline=self._deadline(nbytes), tensor=tensor)
+        return Pending(work=work, tensor=tensor)
 
     def hook(self, future: Any, nbytes: int) -> Pending:
         """Track a comm hook's Future as this bucket's collective."""
         self.bytes_on_wire += nbytes
         self.collectives += 1
-        return Pending(future=future, deadline=self._deadline(nbytes))
+        return Pending(future=future)
 
     def wait(self, pending: Pending):
         """Complete one collective; returns the hook's result (or None)."""
@@ -225,9 +193,5 @@ class Comm:
         elif pending.future is not None:
             pending.future.wait()
             result = pending.future.value()
-        if pending.deadline:
-            left = pending.deadline - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
         return result
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import groups, kernels, planner, profiling, reduction
+from . import groups, planner, profiling, reduction
 from .buckets import Bucket
 from .comm import Comm
 from .health import HealthCheck
