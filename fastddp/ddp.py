@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import groups, join, planner, profiling
+from . import compile as _compile, groups, join, planner, profiling
 from .config import DDPConfig, params_for_reducer
 from .verify import check_no_new_parameters
 from .reducer import Reducer, ReducerOptions
@@ -231,6 +231,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """torch DDP's attribute: torch.compile splits the graph at this many bytes."""
+        return _compile.bucket_bytes_cap(self)
+
     def will_sync_module_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0
 
@@ -249,6 +254,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 dist._broadcast_coalesced(self.process_group, self.modules_buffers,
                                           self.broadcast_bucket_size, src)
 
+    @_compile.eager  # never traced by torch.compile
     def _pre_forward(self, *inputs, **kwargs):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.reducer.prepare_for_forward(grad_sync)
@@ -273,6 +279,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             inputs, kwargs = self._mp.pre_forward(inputs, kwargs)
         return inputs, kwargs
 
+    @_compile.eager  # never traced by torch.compile
     def _post_forward(self, output):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
@@ -292,14 +299,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 output = tree_unflatten(leaves, spec)
         return output
 
+    @_compile.eager_frame  # torch.compile skips this frame (no graph break), compiles the module's
     def forward(self, *inputs, **kwargs):
         with profiling.range("fastddp/forward", self.device_type == "cuda"):
             if self.reducer is None:  # every parameter is delayed
-                output = self.module(*inputs, **kwargs)
+                output = _compile.run_module(self, inputs, kwargs)
                 self._delayed.clear_grad_buffer()
                 return output
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-            output = self.module(*inputs, **kwargs)
+            output = _compile.run_module(self, inputs, kwargs)
             output = self._post_forward(output)
             if self._delayed is not None:
                 self._delayed.clear_grad_buffer()

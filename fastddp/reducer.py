@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import groups, kernels, planner, profiling, reduction
+from . import compile as _compile, groups, kernels, planner, profiling, reduction
 from .buckets import Bucket
 from .comm import Comm
 from .readiness import Readiness
@@ -228,7 +228,7 @@ class Reducer:
                 with reducer._lock:
                     for i in reducer.ready.on_hook(index, reducer.params[index].grad is not None):
                         reducer._mark_ready(i)
-        return hook
+        return _compile.eager(hook)  # compiled autograd: called eagerly, in place
 
     def _mark_ready(self, index: int) -> None:
         self.ready.mark(index)
@@ -245,7 +245,10 @@ class Reducer:
                 raise
             if self._next_bucket == len(self._buckets):
                 self._all_buckets_issued()
-                _queue_callback(self._finalize)
+                if _compile.in_compiled_autograd():
+                    self._finalize()  # its engine runs no queued callbacks: every grad is in
+                else:
+                    _queue_callback(self._finalize)
 
     def _all_buckets_issued(self) -> None:
         self._t_all_issued = time.perf_counter()
