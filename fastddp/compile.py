@@ -107,17 +107,21 @@ class _Lazy:
         self.disabled = None
         functools.update_wrapper(self, fn)
 
-    def __get__(self, obj, objtype=None):
-        if obj is None:
-            return self.fn
+    def _resolve(self) -> Callable:
         fn = self.disabled
         if fn is None:
             if "torch._dynamo" not in sys.modules:
-                return types.MethodType(self.fn, obj)
+                return self.fn
             import torch._dynamo
 
             fn = self.disabled = torch._dynamo.disable(self.fn, recursive=self.recursive)
-        return types.MethodType(fn, obj)
+        return fn
+
+    def __get__(self, obj, objtype=None):
+        return self.fn if obj is None else types.MethodType(self._resolve(), obj)
+
+    def __call__(self, *args, **kwargs):  # a plain function (the readiness hook)
+        return self._resolve()(*args, **kwargs)
 
 
 def eager(fn: Callable) -> Callable:
