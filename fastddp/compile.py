@@ -24,13 +24,22 @@ What this module does, as torch's own DDP does it::
                            hook: buckets are issued while earlier layers'
                            backward still runs
 
-Compiled autograd (``torch._dynamo.config.compiled_autograd = True``) traces
-the whole backward, Python hooks included, into one graph.  The readiness
-hook is wrapped in :func:`eager_hook` (``torch._dynamo.disable``): dynamo
-breaks the compiled-autograd graph at each hook call and runs the hook
-eagerly in place, so the pack and the all-reduce are issued where eager
-autograd would issue them; the engine callback that finalises still runs at
-the end of backward.
+Compiled autograd (``torch._dynamo.compiled_autograd._enable(compiler)``, or
+``torch._dynamo.config.compiled_autograd = True`` with ``backward()`` called
+inside a compiled function) traces the whole backward, Python hooks
+included, into one graph.  The readiness hook's code is marked
+:func:`eager`: dynamo breaks the compiled-autograd graph at each hook call
+and runs the hook eagerly in place, so the pack and the all-reduce are
+issued where eager autograd would issue them (one graph break per
+parameter: the cost).  That engine does not run callbacks queued with
+``queue_callback`` from an eager hook, so there the reducer finalises as the
+last bucket is issued (:func:`in_compiled_autograd`): every parameter's
+gradient is in by then.
+
+How frames are kept out of dynamo: a per-code-object frame policy (what
+``torch._dynamo.disable`` itself sets), so nothing wraps the methods and
+eager runs pay nothing; on a torch without it, ``torch._dynamo.disable``
+applied lazily at attribute lookup (never importing torch._dynamo here).
 """
 
 from __future__ import annotations
@@ -38,11 +47,13 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["bucket_bytes_cap", "in_compiled_autograd", "eager", "eager_frame", "first_bucket_bytes_cap", "run_module"]
+__all__ = ["bucket_bytes_cap", "eager", "eager_frame", "first_bucket_bytes_cap", "in_compiled_autograd",
+           "run_module"]
 
 
 def in_compiled_autograd() -> bool:
@@ -68,6 +79,7 @@ def bucket_bytes_cap(ddp) -> int:
 
 
 def first_bucket_bytes_cap(ddp) -> int:
+    """The plan's first-bucket cap (1 MiB with the default cap, else the cap)."""
     bucket = ddp.reducer.opts.bucket if ddp.reducer is not None else None
     return bucket.first_bucket_bytes_cap if bucket is not None else bucket_bytes_cap(ddp)
 
@@ -163,6 +175,9 @@ def _call(module, inputs: tuple, kwargs: dict) -> Any:
     return module(*inputs, **kwargs)
 
 
+_MARKED: "weakref.WeakSet" = weakref.WeakSet()  # DDP modules whose ignored params are marked
+
+
 @eager
 def _enter(ddp):
     """Once: mark ignored params as torch does (DDPOptimizer leaves params
@@ -172,11 +187,11 @@ def _enter(ddp):
     (torch's own DDP fails to compile with ``bucket_cap_mb < 1``): while the
     forward runs, a smaller first cap of fastddp's replaces it, so the split
     follows fastddp's buckets.  Returns the value to restore, or None."""
-    if not getattr(ddp, "_fastddp_marked_ignored", False):
+    if ddp not in _MARKED:
         for name, p in ddp.module.named_parameters():
             if name in ddp.parameters_to_ignore:
                 p._ddp_ignored = True
-        ddp._fastddp_marked_ignored = True
+        _MARKED.add(ddp)
     first = first_bucket_bytes_cap(ddp)
     old = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", None)
     if old is None or first >= old:
