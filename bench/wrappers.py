@@ -242,6 +242,9 @@ def registry() -> dict[str, WrapperSpec]:
         WrapperSpec("fastddp-bf16", "fastddp", "bf16", P(_fastddp, hook="bf16"),
                     baselines=("torch-bf16", "torch-fp16"), wire_itemsize=2),
     ]
+    from .compile_wrappers import specs as compile_specs  # torch-compile, fastddp-compile (opt-in rows)
+
+    specs += compile_specs()
     return {s.name: s for s in specs}
 
 

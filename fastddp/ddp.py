@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import groups, join, planner, profiling
+from . import compile as _compile, groups, join, planner, profiling
 from .config import DDPConfig, params_for_reducer
 from .verify import check_no_new_parameters
 from .reducer import Reducer, ReducerOptions
@@ -234,6 +234,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """torch DDP's attribute: torch.compile splits the graph at this many bytes."""
+        return _compile.bucket_bytes_cap(self)
+
     def will_sync_module_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0
 
@@ -252,6 +257,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 dist._broadcast_coalesced(self.process_group, self.modules_buffers,
                                           self.broadcast_bucket_size, src)
 
+    @_compile.eager  # never traced by torch.compile
     def _pre_forward(self, *inputs, **kwargs):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.reducer.prepare_for_forward(grad_sync)
@@ -276,6 +282,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             inputs, kwargs = self._mp.pre_forward(inputs, kwargs)
         return inputs, kwargs
 
+    @_compile.eager  # never traced by torch.compile
     def _post_forward(self, output):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
@@ -295,14 +302,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 output = tree_unflatten(leaves, spec)
         return output
 
+    @_compile.eager_frame  # torch.compile skips this frame (no graph break), compiles the module's
     def forward(self, *inputs, **kwargs):
         with profiling.range("fastddp/forward", self.device_type == "cuda"):
             if self.reducer is None:  # every parameter is delayed
-                output = self.module(*inputs, **kwargs)
+                output = _compile.run_module(self, inputs, kwargs)
                 self._delayed.clear_grad_buffer()
                 return output
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-            output = self.module(*inputs, **kwargs)
+            output = _compile.run_module(self, inputs, kwargs)
             output = self._post_forward(output)
             if self._delayed is not None:
                 self._delayed.clear_grad_buffer()
@@ -375,11 +383,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     # -------------------------------------------------------------------- join
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):
-        """Context manager for uneven inputs (torch's ``DistributedDataParallel.join``):
-        ranks that run out of data shadow the collectives of those still
-        training; gradients are divided by the initial world size, or with
-        ``divide_by_initial_world_size=False`` by the number of ranks still
-        training; the final model is synced from the last rank to join."""
+        """Uneven inputs (torch's ``join``): ranks out of data shadow the others' collectives;
+        the average is over the initial world (or the ranks still training); the last joiner's
+        model is synced to all."""
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
@@ -388,10 +394,5 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         shared ``Join`` context (e.g. with ``ZeroRedundancyOptimizer``)."""
         return join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
-    @property
-    def join_device(self):
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return self.process_group
+    join_device = property(lambda self: self.device)
+    join_process_group = property(lambda self: self.process_group)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import groups, planner, profiling, reduction
+from . import compile as _compile, groups, planner, profiling, reduction
 from .buckets import Bucket
 from .comm import Comm
 from .health import HealthCheck
@@ -229,7 +229,7 @@ class Reducer:
                 with reducer._lock:
                     for i in reducer.ready.on_hook(index, reducer.params[index].grad is not None):
                         reducer._mark_ready(i)
-        return hook
+        return _compile.eager(hook)  # compiled autograd: called eagerly, in place
 
     def _mark_ready(self, index: int) -> None:
         self.ready.mark(index)
@@ -246,7 +246,8 @@ class Reducer:
                 raise
             if self._next_bucket == len(self._buckets):
                 self._all_buckets_issued()
-                _queue_callback(self._finalize)
+                # compiled autograd's engine runs no queued callbacks (every grad is in by now)
+                self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
 
     def _all_buckets_issued(self) -> None:
         self._t_all_issued = time.perf_counter()
