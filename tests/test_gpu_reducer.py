@@ -12,6 +12,8 @@ import tempfile
 import pytest
 import torch
 
+from tests._dist import torch_reference
+
 pytestmark = pytest.mark.gpu
 
 
@@ -43,7 +45,7 @@ def test_cuda_grads_equal_torch_ddp(nccl1, opts):
     from fastddp import DistributedDataParallel as F
 
     base = _model()
-    a = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=[0], **opts)
+    a = torch_reference(copy.deepcopy(base), device_ids=[0], **opts)
     b = F(copy.deepcopy(base), device_ids=[0], **opts)
     oa = torch.optim.SGD(a.parameters(), lr=0.01)
     ob = torch.optim.SGD(b.parameters(), lr=0.01)
