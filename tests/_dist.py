@@ -28,8 +28,9 @@ waited on forever.
 
 Also here: :class:`World` (to drive ranks by hand), :class:`single_rank_group`
 (a 1-rank gloo default group inside the pytest process, for single-process
-tests), :func:`ddp_class` / :func:`torch_ddp_class`, :data:`STAND_IN` and the
-:data:`fastddp_only` mark.
+tests), :func:`ddp_class` / :func:`torch_ddp_class`, :func:`torch_reference`
+and :func:`torch_ddp_accepts` (torch's DDP as the reference on every
+supported torch), :data:`STAND_IN` and the :data:`fastddp_only` mark.
 
 The class under test is chosen by the environment variable
 ``FASTDDP_TEST_IMPL``: ``torch`` makes :func:`ddp_class` return
@@ -42,8 +43,10 @@ choice is the same in the pytest process and in every rank.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import importlib
+import inspect
 import multiprocessing as _mp
 import os
 import pickle
@@ -94,6 +97,61 @@ def torch_ddp_class():
     """The reference: torch's own DistributedDataParallel."""
     from torch.nn.parallel import DistributedDataParallel
     return DistributedDataParallel
+
+
+@functools.lru_cache(maxsize=None)
+def torch_ddp_accepts(arg: str) -> bool:
+    """Whether this torch's DistributedDataParallel constructor takes ``arg``.
+
+    torch 2.11 lacks ``batched_grad_copy`` and ``forward_sync_buffers`` (new in
+    2.13); fastddp takes both on every torch."""
+    return arg in inspect.signature(torch_ddp_class().__init__).parameters
+
+
+#: the arguments :func:`torch_reference` knows how to emulate.
+EMULATED_ARGS = ("batched_grad_copy", "forward_sync_buffers")
+
+
+def torch_reference(module, *, hook=False, emulate=(), **kwargs):
+    """torch's DDP around ``module`` with ``kwargs``, as the parity reference.
+
+    Where this torch's DDP lacks an argument (or it is named in ``emulate``,
+    to check the emulation where torch has it), the reference is built with
+    what gives torch 2.13's result bit for bit on this torch:
+
+    * ``batched_grad_copy=True`` (torch: foreach copy of the grads into the
+      flat bucket, then one flat ``div_(W)``): torch's
+      ``default_hooks.allreduce_hook`` is registered; with a hook, torch's
+      reducer copies the grads unscaled and the hook divides the flat bucket
+      by W before the all-reduce: the same bits (tests/test_parity.py
+      ``test_torch_reference_emulation`` checks it where torch has both).
+      ``hook=True`` says the caller registers a comm hook of its own: a hook
+      replaces either scaling rule, so the argument is only dropped.
+      ``batched_grad_copy=False`` is torch's default rule: dropped.
+    * ``forward_sync_buffers=X`` (torch 2.13: buffers synced at construction
+      whatever X, then in forward only if X): built with
+      ``broadcast_buffers=True`` (the init sync), then ``broadcast_buffers = X``
+      for the forward syncs.  ``broadcast_buffers=False`` at construction
+      would skip the init sync too.  Given both, ``forward_sync_buffers``
+      wins, as in torch 2.13.
+    """
+    unknown = set(emulate) - set(EMULATED_ARGS)
+    if unknown:
+        raise ValueError(f"torch_reference cannot emulate {sorted(unknown)}")
+    todo = {a for a in EMULATED_ARGS
+            if a in kwargs and (a in emulate or not torch_ddp_accepts(a))}
+    kwargs = dict(kwargs)
+    batched = bool(kwargs.pop("batched_grad_copy", False)) if "batched_grad_copy" in todo else False
+    fsb = kwargs.pop("forward_sync_buffers") if "forward_sync_buffers" in todo else None
+    if fsb is not None:
+        kwargs["broadcast_buffers"] = True
+    ddp = torch_ddp_class()(module, **kwargs)
+    if fsb is not None:
+        ddp.broadcast_buffers = bool(fsb)
+    if batched and not hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(kwargs.get("process_group"), default_hooks.allreduce_hook)
+    return ddp
 
 
 # --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import STAND_IN, single_rank_group, torch_ddp_class, world2  # noqa: F401
+from tests._dist import STAND_IN, single_rank_group, torch_ddp_class, torch_reference, world2  # noqa: F401
 from tests._models import loss_fn, make_batch, make_model
 
 pytestmark = [pytest.mark.timeout(300),
@@ -48,9 +48,8 @@ def _same_hook_both(rank, world, hook_name, opts, steps=4):
     every grad bit for bit, every step."""
     from fastddp import DistributedDataParallel as F
 
-    T = torch_ddp_class()
     base = make_model("mlp")
-    a, b = T(copy.deepcopy(base), **opts), F(copy.deepcopy(base), **opts)
+    a, b = torch_reference(copy.deepcopy(base), hook=True, **opts), F(copy.deepcopy(base), **opts)
     sa, ha = _torch_hook(hook_name)
     sb, hb = _torch_hook(hook_name)
     a.register_comm_hook(sa, ha)

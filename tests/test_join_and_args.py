@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import STAND_IN, single_rank_group, torch_ddp_class, world2, world3  # noqa: F401
+from tests._dist import (STAND_IN, single_rank_group, torch_ddp_accepts, torch_ddp_class,  # noqa: F401
+                         torch_reference, world2, world3)
 from tests._models import loss_fn, make_batch, make_model
 
 pytestmark = [pytest.mark.timeout(300),
@@ -18,18 +19,47 @@ pytestmark = [pytest.mark.timeout(300),
 
 # ------------------------------------------------------------------- join
 
-def _join_run(rank, world, cls_name, opts, div_init, hook):
+class _JoinDivisor:
+    __slots__ = ("divisor",)
+
+    def __init__(self, divisor):
+        self.divisor = divisor
+
+
+def _divide_then_allreduce(state, bucket):
+    """``default_hooks.allreduce_hook`` with the divisor torch's
+    ``batched_grad_copy`` rule uses under join (the world size with
+    ``divide_by_initial_world_size``, else the ranks not joined yet); joined
+    ranks run it on zeros."""
+    t = bucket.buffer().div_(state.divisor)
+    return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _join_run(rank, world, cls_name, opts, div_init, hook, emulate=()):
     import fastddp.hooks as fh
     from fastddp import DistributedDataParallel as F
 
-    cls = torch_ddp_class() if cls_name == "torch" else F
-    m = cls(make_model("deep"), **opts)
+    n_batches = [2 + 2 * r for r in range(world)]  # uneven: rank r has 2 + 2r batches
+    divisor = None
+    if cls_name == "torch":
+        # torch's batched rule where this torch lacks it (or ``emulate`` says
+        # so): a raw copy (a hook is registered) divided by the join divisor
+        emulated = opts.get("batched_grad_copy") and (
+            "batched_grad_copy" in emulate or not torch_ddp_accepts("batched_grad_copy"))
+        m = torch_reference(make_model("deep"), hook=bool(emulated), emulate=emulate, **opts)
+        if emulated:
+            divisor = _JoinDivisor(world)
+            m.register_comm_hook(divisor, _divide_then_allreduce)
+    else:
+        m = F(make_model("deep"), **opts)
     if hook:
         m.register_comm_hook(None, getattr(fh, hook))
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     grads = []
     with m.join(divide_by_initial_world_size=div_init):
-        for i in range(2 + 2 * rank):  # uneven: rank r has 2 + 2r batches
+        for i in range(n_batches[rank]):
+            if divisor is not None and not div_init:
+                divisor.divisor = sum(n > i for n in n_batches)
             x, y = make_batch("deep", rank, i)
             opt.zero_grad(set_to_none=True)
             loss_fn(m(x), y).backward()
@@ -59,6 +89,24 @@ def test_join_uneven_inputs_equal_torch(world3, opts, div_init):
     # gloo sums every element in the same order
     for same_grads, same_final, synced in world3.run(_join_both, opts, div_init, None):
         assert same_grads and same_final and synced
+
+
+def _join_emulation(rank, world, opts, div_init):
+    t = _join_run(rank, world, "torch", opts, div_init, None)
+    e = _join_run(rank, world, "torch", opts, div_init, None, emulate=("batched_grad_copy",))
+    same_grads = all(torch.equal(a, b) for ga, gb in zip(t[0], e[0]) for a, b in zip(ga, gb))
+    return same_grads and all(torch.equal(a, b) for a, b in zip(t[1], e[1]))
+
+
+@pytest.mark.skipif(not torch_ddp_accepts("batched_grad_copy"),
+                    reason="this torch's DDP lacks batched_grad_copy: nothing to check the emulation against "
+                           "(test_join_uneven_inputs_equal_torch still runs fastddp with it, against the emulation)")
+@pytest.mark.parametrize("div_init", [True, False])
+def test_join_reference_emulation(world3, div_init):
+    """What the join test compares fastddp with on a torch without
+    ``batched_grad_copy`` is, bit for bit, torch 2.13's DDP with it."""
+    opts = {"bucket_cap_mb": 0.001, "batched_grad_copy": True}
+    assert world3.run(_join_emulation, opts, div_init) == [True] * 3
 
 
 def _join_fused(rank, world):

@@ -21,8 +21,8 @@ import copy
 import pytest
 import torch
 
-from tests._dist import (STAND_IN, ddp_class, fastddp_only, torch_ddp_class,  # noqa: F401
-                         world2, world3)
+from tests._dist import (EMULATED_ARGS, STAND_IN, ddp_class, fastddp_only,  # noqa: F401
+                         torch_ddp_accepts, torch_ddp_class, torch_reference, world2, world3)
 from tests._models import loss_fn, make_batch, make_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,8 +103,13 @@ def _fwd_bwd(ddp, model_name, rank, step, micro=0):
 
 
 def parity_run(rank, world_size, model_name, ddp_kwargs, steps=4, set_to_none=True,
-               no_sync_micro=0, tol=None, perturb_buffers=False, perturb_params=False):
-    """Train torch DDP and the class under test side by side; return counts."""
+               no_sync_micro=0, tol=None, perturb_buffers=False, perturb_params=False,
+               make_ref=None, make_test=None):
+    """Train torch DDP and the class under test side by side; return counts.
+
+    ``make_ref(module, **ddp_kwargs)`` builds the reference (default:
+    :func:`torch_reference`, torch's DDP, adapted where this torch lacks an
+    argument), ``make_test`` the wrapper under test (default: ``ddp_class()``)."""
     torch.manual_seed(1234)
     m_ref = make_model(model_name, seed=7)
     if perturb_buffers:  # rank-local buffers: init sync (or not) must show
@@ -118,8 +123,8 @@ def parity_run(rank, world_size, model_name, ddp_kwargs, steps=4, set_to_none=Tr
                 p.add_(0.01 * rank)
     m_test = copy.deepcopy(m_ref)
 
-    ref = torch_ddp_class()(m_ref, **ddp_kwargs)
-    test = ddp_class()(m_test, **ddp_kwargs)
+    ref = (make_ref or torch_reference)(m_ref, **ddp_kwargs)
+    test = (make_test or ddp_class())(m_test, **ddp_kwargs)
     compare_state(ref, test, "after construction", tol)
 
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
@@ -239,6 +244,49 @@ def test_parity_w3(world3, case):
     model, kwargs, run_kwargs = CASES_W3[case]
     run_kwargs = dict(run_kwargs, tol=W3_TOL)
     world3.run(_parity_case, model, kwargs, run_kwargs)
+
+
+# --------------------------------------------------------------------------
+# the reference on a torch without some argument: the emulation is exact
+# --------------------------------------------------------------------------
+
+def _emulated_reference(module, **kwargs):
+    return torch_reference(module, emulate=EMULATED_ARGS, **kwargs)
+
+
+def _emulation_case(rank, world_size, model, kwargs, run_kwargs):
+    """torch's DDP with the argument (reference) against torch's DDP with the
+    emulation :func:`torch_reference` uses where torch lacks it."""
+    return parity_run(rank, world_size, model, kwargs, make_test=_emulated_reference, **run_kwargs)
+
+
+def _emulated(cases):
+    return [name for name, (_, kwargs, _) in cases.items() if any(a in kwargs for a in EMULATED_ARGS)]
+
+
+needs_torch_with_the_args = pytest.mark.skipif(
+    not all(torch_ddp_accepts(a) for a in EMULATED_ARGS),
+    reason="this torch's DDP lacks the arguments: nothing to check the emulation against "
+           "(test_parity_w2/w3 still run fastddp with them, against the emulation)")
+
+
+@needs_torch_with_the_args
+@pytest.mark.parametrize("case", _emulated(CASES_W2))
+def test_torch_reference_emulation_w2(world2, case):
+    """What tests compare fastddp with on a torch without ``batched_grad_copy``
+    / ``forward_sync_buffers`` is, bit for bit, what torch 2.13's DDP computes
+    with them."""
+    model, kwargs, run_kwargs = CASES_W2[case]
+    assert all(c > 0 for c in world2.run(_emulation_case, model, kwargs, run_kwargs))
+
+
+@needs_torch_with_the_args
+@pytest.mark.parametrize("case", _emulated(CASES_W3))
+def test_torch_reference_emulation_w3(world3, case):
+    """Bit for bit at W=3 too: the hook divides by W as torch's batched rule
+    does, and the bucket layout (so gloo's sum order) is the same."""
+    model, kwargs, run_kwargs = CASES_W3[case]
+    assert all(c > 0 for c in world3.run(_emulation_case, model, kwargs, dict(run_kwargs, tol=None)))
 
 
 # --------------------------------------------------------------------------
