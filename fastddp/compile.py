@@ -64,7 +64,9 @@ def in_compiled_autograd() -> bool:
 
 
 def _torch_ddp():
-    from torch.nn.parallel import DistributedDataParallel
+    # the defining module's class: what dynamo asks, even while
+    # fastddp.integrations.patch_torch_ddp() swaps torch.nn.parallel's name
+    from torch.nn.parallel.distributed import DistributedDataParallel
 
     return DistributedDataParallel
 
