@@ -189,7 +189,7 @@ class Comm:
         if pending.work is not None:
             groups.wait(pending.work)
             if pending.tensor is not None and pending.tensor.layout != torch.strided:
-                result = pending.work.result()  # sparse: gloo returns the reduced tensor
+                result = pending.work.get_future().value()  # sparse: gloo returns the reduced tensor
         elif pending.future is not None:
             pending.future.wait()
             result = pending.future.value()

@@ -80,7 +80,6 @@ class HealthCheck:
         if self.mode == "warn":
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             return
-        r.abort_iteration()
         raise FloatingPointError(msg)
 
     def shadow(self, r) -> None:

@@ -115,8 +115,7 @@ class Reducer:
     view_mode = property(lambda self: self.opts.gradient_as_bucket_view)
     num_buckets = property(lambda self: len(self._buckets))
     buckets = property(lambda self: tuple(self._buckets))
-    comm_stream = property(lambda self: self.comm.comm_stream,
-                           doc="The CUDA side stream buckets are packed, reduced and unpacked on.")
+    comm_stream = property(lambda self: self.comm.comm_stream, doc="The CUDA side stream of packs and collectives.")
     has_comm_hook = property(lambda self: self.comm_hook is not None)
     has_rebuilt_buckets = property(lambda self: self._has_rebuilt)
 
@@ -139,8 +138,7 @@ class Reducer:
 
     fused_path = property(lambda self: self._dense.fused)
 
-    def bucket_sizes(self) -> list[int]:
-        """Bytes of each bucket (sparse: of its last gradient)."""
+    def bucket_sizes(self) -> list[int]:  # bytes of each bucket (sparse: of its last gradient)
         return [b.nbytes() for b in self._buckets]
 
     def error_feedback_residual(self, index: int) -> torch.Tensor | None:
@@ -306,19 +304,22 @@ class Reducer:
             if not self.ready.expect_hooks or self._next_bucket != len(self._buckets):
                 raise RuntimeError(f"fastddp internal error: finalize with {self._next_bucket} of "
                                    f"{len(self._buckets)} buckets issued (armed: {self.ready.expect_hooks})")
-            self._fast_hooks = False
-            self._div_factor = None  # join may change it by the next iteration
+            self._fast_hooks, self._div_factor = False, None  # join may change the divisor
             track = self.ready.static or self.opts.find_unused_parameters
             self.ready.expect_hooks = False
             live = [b for b in self._buckets if b.work is not None]  # else skipped (unused)
             with self.comm.comm_context(), torch.no_grad():
-                results = [self._wait(b) for b in live] if self.health is not None else None
-                if results is not None:
-                    self.health.check(self)  # before any reduced value reaches .grad
-                for k, b in enumerate(live):
-                    result = results[k] if results is not None else self._wait(b)
-                    with profiling.range(f"fastddp/unpack[{b.index}]", self.comm.cuda):
-                        b.reduction.unpack(self, b, result, track)
+                try:
+                    results = [self._wait(b) for b in live] if self.health is not None else None
+                    if results is not None:
+                        self.health.check(self)  # before any reduced value reaches .grad
+                    for k, b in enumerate(live):
+                        result = results[k] if results is not None else self._wait(b)
+                        with profiling.range(f"fastddp/unpack[{b.index}]", self.comm.cuda):
+                            b.reduction.unpack(self, b, result, track)
+                except BaseException:
+                    self.abort_iteration()  # a hook's bad result, check_finite: the next one starts clean
+                    raise
             self.comm.join_compute_stream()
             if self.after_finalize is not None:
                 self.after_finalize()

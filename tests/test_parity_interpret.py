@@ -56,3 +56,48 @@ def test_health_flag_from_the_triton_pack(world2, path):
         assert [e[0] for e in events] == ["ok", "ok", "raised", "ok"], (rank, events)
         msg = events[2][1]
         assert ("'fc2.weight'" in msg) if rank == 1 else ("because of rank(s) [1]" in msg), msg
+
+
+def _channels_last_body(rank, world_size, view):
+    """A channels_last conv net: every conv grad is non-contiguous (dense in
+    channels_last order), the buckets keep the params' strides, and each
+    bucket still costs one pack and one unpack launch -- with torch's grads."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    import fastddp.kernels as K
+    from tests._dist import ddp_class, torch_ddp_class
+    from tests.test_parity import compare_grads
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    base = base.to(memory_format=torch.channels_last)
+    ref_m, test_m = copy.deepcopy(base), copy.deepcopy(base)
+    ref = torch_ddp_class()(ref_m, gradient_as_bucket_view=view)
+    test = ddp_class()(test_m, gradient_as_bucket_view=view)
+    launches = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(rank * 11 + step)
+        x = torch.randn(2, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+        for d in (ref, test):
+            d.module.zero_grad(set_to_none=True)
+            K.reset_launch_count()
+            d(x).square().mean().backward()
+            if d is test:
+                launches.append((K.launch_count(), K.stats()["fallback_tensors"], test.reducer.num_buckets))
+        compare_grads(ref_m, test_m, f"rank {rank} step {step}")
+    conv_grad = test_m[0].weight.grad
+    return launches, conv_grad.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_channels_last_convnet_one_pack_one_unpack_per_bucket(world2, view):
+    for launches, cl in world2.run(_channels_last_body, view):
+        assert cl  # the grad keeps the param's memory format, as torch
+        for n, fallbacks, nb in launches[1:]:  # after the rebuild
+            assert fallbacks == 0
+            # one pack + one unpack per bucket (views: the unpack is not needed)
+            assert n == (nb if view else 2 * nb), launches

@@ -147,3 +147,80 @@ def test_marked_twice_raises_the_same_error_again(world2):
         assert len(msgs) == 2
         for msg in msgs:
             assert msg.startswith("Expected to mark a variable ready only once."), msgs
+
+
+def _finalize_error_body(rank, world_size, case):
+    """Errors raised at the end of backward (a hook's result of the wrong
+    size) or by a sparse bucket (no sparse gradient): caught, the next
+    iteration trains normally."""
+    from tests.test_dropin import _bag_batch
+
+    if case == "hook_size":
+        m = make_model("branch_always")
+        ddp = ddp_class()(m)
+        calls = {"n": 0}
+
+        def hook(state, bucket):
+            calls["n"] += 1
+            out = bucket.buffer().div_(world_size)
+            fut = dist.all_reduce(out, async_op=True).get_future()
+            if calls["n"] == 1:
+                return fut.then(lambda f: f.value()[0][:3])  # wrong numel, once
+            return fut.then(lambda f: f.value()[0])
+        ddp.register_comm_hook(None, hook)
+        x, y = make_batch("branch_always", rank, 0)
+        try:
+            loss_fn(ddp(x), y).backward()
+            err = "no error"
+        except ValueError as e:
+            err = str(e)
+        local = copy.deepcopy(m)
+        results = [_good_step(ddp, m, local, rank, s, world_size) for s in (1, 2)]
+        return err, results
+    # sparse, find_unused_parameters: the embeddings are left out of one
+    # forward, so their sparse buckets are reduced without a sparse gradient
+    # (torch: "Expected sparse gradient to be defined.")
+    m = _MaybeSparse()
+    ddp = ddp_class()(m, find_unused_parameters=True)
+    idx, y = _bag_batch(rank, 0)
+    try:
+        loss_fn(ddp(idx, use_emb=False), y).backward()
+        err = "no error"
+    except RuntimeError as e:
+        err = str(e)
+    for p in m.parameters():
+        p.grad = None
+    oks = []
+    for step in (1, 2):
+        idx, y = _bag_batch(rank, step)
+        try:
+            loss_fn(ddp(idx), y).backward()
+            oks.append(all(p.grad is not None for p in m.parameters()))
+        except RuntimeError as e:
+            oks.append(str(e))
+        for p in m.parameters():
+            p.grad = None
+    return err, oks
+
+
+class _MaybeSparse(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(30, 6, sparse=True)
+        self.fc = torch.nn.Linear(6, 4)
+
+    def forward(self, idx, use_emb=True):
+        h = self.emb(idx).mean(1) if use_emb else torch.ones(idx.shape[0], 6)
+        return self.fc(h)
+
+
+def test_recovers_after_a_hook_result_of_the_wrong_size(world2):
+    for err, results in world2.run(_finalize_error_body, "hook_size"):
+        assert "numel" in err, err
+        assert results == [[], []], results
+
+
+def test_recovers_after_a_missing_sparse_gradient(world2):
+    for err, oks in world2.run(_finalize_error_body, "sparse"):
+        assert err.startswith("Expected sparse gradient to be defined.") and "'emb.weight'" in err, err
+        assert oks == [True, True], (err, oks)
