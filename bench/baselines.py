@@ -4,6 +4,8 @@ pytest-benchmark suite (bench/test_bench_kernels.py) and the GPU measurement
 script (bench/gpu_kernels.py).
 
 * ``fastddp``  ``fastddp.kernels.pack/unpack`` with a reused ``Layout``;
+* ``fastddp-checked``  the same pack with ``check_finite``'s health flag (its
+               cost: target under 3% on a GPU, no extra launch);
 * ``loop``     a per-tensor ``copy_`` + ``mul_`` (torch's reducer, grad by grad);
 * ``foreach``  ``torch._foreach_copy_`` + one ``mul_`` of the whole bucket
                (pack) or ``_foreach_mul_`` (unpack);
@@ -19,8 +21,13 @@ import fastddp.kernels as K
 
 
 def pack_methods(grads, flat, lay, views, scale: float) -> dict:
+    flag = torch.zeros(1, dtype=torch.int32, device=flat.device)
+
     def fastddp():
         K.pack(grads, flat, layout=lay, scale=scale)
+
+    def fastddp_checked():  # check_finite: the same launch also sets the health flag
+        K.pack(grads, flat, layout=lay, scale=scale, health=flag)
 
     def loop():
         for g, v in zip(grads, views):
@@ -38,7 +45,8 @@ def pack_methods(grads, flat, lay, views, scale: float) -> dict:
         else:
             flat.copy_(torch.cat(grads).mul_(scale))
 
-    return {"fastddp": fastddp, "loop": loop, "foreach": foreach, "cat": cat}
+    return {"fastddp": fastddp, "fastddp-checked": fastddp_checked, "loop": loop, "foreach": foreach,
+            "cat": cat}
 
 
 def unpack_methods(grads, flat, lay, views, scale: float, accumulate: bool = False) -> dict:
