@@ -58,7 +58,8 @@ def specs() -> list:
 
 # -- overlap probe: ``python -m bench.compile_wrappers`` -----------------------------
 
-def _first_grad_node(loss, param):
+def first_grad_node(loss, param):
+    """The autograd node whose output is ``param``'s gradient (the probes hook it)."""
     seen, stack = set(), [loss.grad_fn]
     while stack:
         fn = stack.pop()
@@ -113,7 +114,7 @@ def overlap_rank(rank, world_size, mode, layers=8, width=512, cap_mb=1.0, steps=
                 loss = run(x).square().mean()
                 base = ddp.stats()["collectives"]
                 seen = []
-                node = _first_grad_node(loss, first)
+                node = first_grad_node(loss, first)
                 node.register_prehook(torch._dynamo.disable(
                     lambda _g: seen.append(ddp.stats()["collectives"] - base)))
                 if ca:

@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 
+from fastddp.bench.compile_wrappers import first_grad_node
 from tests._dist import STAND_IN, ddp_class, torch_ddp_class, world2  # noqa: F401
 from tests.test_parity import compare_grads, compare_state
 
@@ -193,21 +194,6 @@ def _compiled_case(rank, world_size, model_name, mode, ddp_kwargs, run_kwargs):
     return _compiled_run(rank, world_size, model_name, mode, ddp_kwargs, **run_kwargs)
 
 
-def _first_param_node(loss, param):
-    """The autograd node whose output is ``param``'s gradient."""
-    seen, stack = set(), [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        for nxt, _ in fn.next_functions:
-            if nxt is not None and getattr(nxt, "variable", None) is param:
-                return fn
-            stack.append(nxt)
-    raise AssertionError("no autograd node produces the first parameter's gradient")
-
-
 def count_nodes(loss, name):
     seen, stack, n = set(), [loss.grad_fn], 0
     while stack:
@@ -227,7 +213,7 @@ def overlap_probe(ddp, loss):
     import torch._dynamo
 
     first = next(p for p in ddp.module.parameters() if p.requires_grad)
-    node = _first_param_node(loss, first)
+    node = first_grad_node(loss, first)
     seen = []
     base = ddp.stats()["collectives"]
 
