@@ -36,6 +36,9 @@ def _compiled(build, model, process_group, options, backend: str | None = None):
     if build.__name__ == "_torch" and options.bucket_cap_mb is not None and options.bucket_cap_mb < 1:
         raise RuntimeError("torch's DDP fails to compile with bucket_cap_mb < 1 (DDPOptimizer: first "
                            "bucket larger than the cap)")
+    if build.__name__ == "_torch" and getattr(options, "wire", None) is not None:
+        raise RuntimeError("torch's compiled DDP traces its collectives by group name, which a Python "
+                           "process group (the simulated wire) does not have in c10d's registry")
     ddp, note = build(model, process_group, options)
     compiled = torch.compile(ddp) if backend is None else torch.compile(ddp, backend=backend)
     # The runner reads counters (bytes on the wire, stats) from the module it
