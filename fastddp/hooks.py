@@ -98,15 +98,11 @@ class CompressionState:
         return f"CompressionState(error_feedback={self.error_feedback})"
 
 
-def _group_of(state):
+def state_group(state):
+    """The process group a hook's ``state`` names (None: the module's)."""
     if isinstance(state, CompressionState):
         return state.process_group
     return state  # torch's convention: the state is the process group (or None)
-
-
-def state_group(state):
-    """The process group a hook's ``state`` names (None: the module's)."""
-    return _group_of(state)
 
 
 def check_hook(hook) -> None:
@@ -152,7 +148,7 @@ def _tag(fn, kind: str, dtype: torch.dtype | None):
 def allreduce_hook(process_group, bucket):
     """torch's ``default_hooks.allreduce_hook``: divide by W, SUM-all-reduce.
     Fused: exactly the batched_grad_copy path (one pack, one unpack)."""
-    group = _group_of(process_group)
+    group = state_group(process_group)
     tensor = bucket.buffer()
     tensor.div_(_world(group))
     return (dist.all_reduce(tensor, group=group if group is not None else dist.group.WORLD, async_op=True)
@@ -160,7 +156,7 @@ def allreduce_hook(process_group, bucket):
 
 
 def _compress(dtype: torch.dtype, state, bucket):
-    group = _group_of(state)
+    group = state_group(state)
     buffer = bucket.buffer()
     # Scale in fp32 BEFORE the cast (torch casts first and divides the 16-bit
     # value, which overflows where the average does not).
@@ -197,7 +193,7 @@ def noop_hook(_, bucket):
 def allgather_then_aggregate_hook(process_group, bucket):
     """All-gather every rank's bucket, then average: the pattern of torch's
     tests (slower than all-reduce; deterministic rank order in the sum)."""
-    group = _group_of(process_group)
+    group = state_group(process_group)
     group = group if group is not None else dist.group.WORLD
     world = group.size()
     tensor = bucket.buffer()

@@ -184,6 +184,7 @@ def unpack_grads(r, bucket, src: torch.Tensor, track_unused: bool) -> None:
 
 
 def _take_sparse_grad(r, bucket):
+    """A sparse bucket's gradient (checked), flagged for check_finite."""
     p = bucket.params[0]
     g = p.grad
     if g is None or g.layout != torch.sparse_coo:
@@ -193,6 +194,8 @@ def _take_sparse_grad(r, bucket):
             f" fastddp: parameter {r.name(p)!r} belongs to a module with sparse gradients "
             f"(sparse=True) but its .grad is {'None' if g is None else g.layout} on rank {r.rank}. "
             "Sparse parameters must get a gradient in every iteration.")
+    if bucket.health is not None:
+        _flag_nonfinite(bucket.health, g._values(), kernels.Health.SOURCE_NONFINITE)
     bucket.sparse_grad = g
     return g
 
@@ -272,10 +275,7 @@ class SparseAllReduce(Reduction):
     kind = "sparse-allreduce"
 
     def pack(self, r, bucket, grads) -> None:
-        g = _take_sparse_grad(r, bucket)
-        if bucket.health is not None:
-            _flag_nonfinite(bucket.health, g._values(), kernels.Health.SOURCE_NONFINITE)
-        g.div_(r.divide_factor())
+        _take_sparse_grad(r, bucket).div_(r.divide_factor())
 
     def issue(self, r, bucket) -> Pending:
         return r.comm.all_reduce(bucket.sparse_grad, nbytes=bucket.nbytes())
@@ -298,9 +298,7 @@ class PythonHook(Reduction):
 
     def pack(self, r, bucket, grads) -> None:
         if bucket.sparse:
-            g = _take_sparse_grad(r, bucket)
-            if bucket.health is not None:
-                _flag_nonfinite(bucket.health, g._values(), kernels.Health.SOURCE_NONFINITE)
+            _take_sparse_grad(r, bucket)
         else:
             fill_flat(r, bucket, grads, Scaling.NONE, bucket.health)
 

@@ -108,7 +108,7 @@ def verify_across_ranks(pg, params: Sequence[torch.Tensor], names: Sequence[str]
     all_names = list(names) + list(buffer_names)
     rows = [_row(_KIND_PARAM, n, p) for n, p in zip(names, params)]
     # a buffer's strides are not part of the contract (the broadcast copies values)
-    rows += [_row(_KIND_BUFFER, n, b.contiguous() if not b.is_contiguous() else b)
+    rows += [_row(_KIND_BUFFER, n, b.contiguous())
              for n, b in zip(buffer_names, buffers)]
     meta = torch.tensor(rows, dtype=torch.int64, device=dev)
     metas = [torch.empty_like(meta) for _ in range(world)]
