@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import threading
 from typing import Any
 
@@ -51,7 +52,8 @@ import torch
 # Also importable, built on first access: FastDDPStrategy (lightning.pytorch),
 # FastDDPStrategyPL (pytorch_lightning); left out of __all__ so that
 # `from fastddp.integrations import *` never imports Lightning.
-__all__ = ["lightning_strategy", "patch_torch_ddp"]
+__all__ = ["lightning_strategy", "patch_torch_ddp", "register_lightning_strategies",
+           "LIGHTNING_STRATEGY_NAMES"]
 
 # ---------------------------------------------------------------- accelerate
 _patch_lock = threading.Lock()
@@ -191,11 +193,57 @@ def _build_lightning_strategy(pkg: str) -> type:
                 self.model = self.lightning_module  # unwrap, as DDPStrategy does
             super().teardown()
 
+        @classmethod
+        def register_strategies(cls, strategy_registry) -> None:
+            # DDPStrategy's names with "fastddp" for "ddp"; overriding also keeps
+            # the inherited method from registering "ddp*" to this class.
+            for name, kwargs, what in _registry_entries():
+                if name not in strategy_registry:
+                    strategy_registry.register(name, cls, description=f"fastddp DDP strategy with {what}",
+                                               **kwargs)
+
     for cls, cls_name in ((Strategy, name), (_Redirection, f"_{name}Redirection")):
         cls.__name__ = cls.__qualname__ = cls_name
         cls.__module__ = __name__
         globals()[cls_name] = cls  # picklable by reference (start_method="spawn")
+    Strategy.register_strategies(importlib.import_module(f"{pkg}.strategies").StrategyRegistry)
     return Strategy
+
+
+def _registry_entries() -> list[tuple[str, dict, str]]:
+    """(name, DDPStrategy kwargs, description) of every registered name:
+    Lightning's own DDP table (``DDPStrategy.register_strategies``)."""
+    methods = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
+    out = []
+    for suffix, start in methods:
+        out.append((f"fastddp{suffix}", {"start_method": start}, f"start_method {start!r}"))
+    for suffix, start in methods:
+        for fup in (False, True):
+            out.append((f"fastddp{suffix}_find_unused_parameters_{str(fup).lower()}",
+                        {"start_method": start, "find_unused_parameters": fup},
+                        f"find_unused_parameters={fup} and start_method {start!r}"))
+    return out
+
+
+#: the names ``Trainer(strategy=...)`` accepts once registered
+LIGHTNING_STRATEGY_NAMES = tuple(name for name, _, _ in _registry_entries())
+
+
+def register_lightning_strategies(package: str = "lightning.pytorch") -> tuple[str, ...]:
+    """Register :data:`LIGHTNING_STRATEGY_NAMES` (``"fastddp"``,
+    ``"fastddp_spawn"``, ``"fastddp_find_unused_parameters_true"``, ...) in
+    ``<package>.strategies.StrategyRegistry`` so that
+    ``Trainer(strategy="fastddp")`` selects :class:`FastDDPStrategy`.
+
+    ``package``: ``"lightning.pytorch"`` (default) or ``"pytorch_lightning"``.
+    Idempotent.  Also done by importing this module after Lightning, and by
+    the first access to ``FastDDPStrategy`` / ``FastDDPStrategyPL``.
+    """
+    if package not in _STRATEGY_NAMES:
+        raise ValueError(f"register_lightning_strategies: package must be one of "
+                         f"{sorted(_STRATEGY_NAMES)}, got {package!r}")
+    __getattr__(_STRATEGY_NAMES[package])  # builds the class, which registers the names
+    return LIGHTNING_STRATEGY_NAMES
 
 
 def __getattr__(name: str):
@@ -206,6 +254,14 @@ def __getattr__(name: str):
                     _build_lightning_strategy(pkg)
             return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Imported after Lightning (the usual order: `import lightning as L` first):
+# register the strategy names now; Lightning is never imported from here.
+for _pkg in _STRATEGY_NAMES:
+    if f"{_pkg}.strategies" in sys.modules:
+        register_lightning_strategies(_pkg)
+del _pkg
 
 
 def lightning_strategy(**kwargs: Any):

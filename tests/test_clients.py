@@ -223,6 +223,51 @@ def test_lightning_strategy_class(tmp_path):
 
 
 @pytest.mark.slow
+def test_lightning_strategy_registry(tmp_path):
+    """Lightning's StrategyRegistry knows fastddp's names (Lightning's DDP table
+    with "fastddp" for "ddp"): registered when fastddp.integrations is imported
+    after Lightning, or on register_lightning_strategies(); Lightning's own
+    "ddp*" entries stay torch's DDPStrategy; nothing registers before asked."""
+    pytest.importorskip("lightning")
+    code = ("import sys\n"
+            "import fastddp.integrations as I\n"
+            "from lightning.pytorch.strategies import StrategyRegistry, DDPStrategy\n"
+            "assert not [n for n in StrategyRegistry if 'fastddp' in n]  # integrations came first\n"
+            "names = I.register_lightning_strategies()\n"
+            "assert I.register_lightning_strategies() == names  # idempotent\n"
+            "ddp = sorted(n for n in StrategyRegistry if n.startswith('ddp') and "
+            "StrategyRegistry[n]['strategy'] is DDPStrategy)\n"
+            "assert sorted(names) == sorted('fast' + n for n in ddp), (names, ddp)\n"
+            "for n in ddp:\n"
+            "    e, f = StrategyRegistry[n], StrategyRegistry['fast' + n]\n"
+            "    assert f['strategy'] is I.FastDDPStrategy and f['init_params'] == e['init_params'], n\n"
+            "import lightning.pytorch as L\n"
+            "t = L.Trainer(strategy='fastddp_spawn_find_unused_parameters_true', accelerator='cpu',\n"
+            "              devices=2, logger=False, enable_progress_bar=False)\n"
+            "s = t.strategy\n"
+            "assert type(s) is I.FastDDPStrategy and s._start_method == 'spawn', s\n"
+            "assert s._ddp_kwargs == {'find_unused_parameters': True}, s._ddp_kwargs\n"
+            "try:\n"
+            "    I.register_lightning_strategies('lightning.fabric')\n"
+            "except ValueError as e:\n"
+            "    assert 'pytorch_lightning' in str(e)\n"
+            "else:\n"
+            "    raise AssertionError('no error for a bad package')\n"
+            "print('registry ok')\n")
+    out, _ = _run([sys.executable, "-c", code], timeout=120, cwd=tmp_path)
+    assert "registry ok" in out
+    # Imported after Lightning (the usual order): registered by the import alone.
+    code = ("import lightning.pytorch as L\n"
+            "import fastddp.integrations\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\n"
+            "assert StrategyRegistry['fastddp']['strategy'].__name__ == 'FastDDPStrategy'\n"
+            "assert StrategyRegistry['fastddp']['init_params'] == {'start_method': 'popen'}\n"
+            "print('import order ok')\n")
+    out, _ = _run([sys.executable, "-c", code], timeout=120, cwd=tmp_path)
+    assert "import order ok" in out
+
+
+@pytest.mark.slow
 def test_lightning_fastddp_strategy_matches_ddp_strategy(tmp_path):
     pytest.importorskip("lightning")
     outs = {}
@@ -239,6 +284,8 @@ def test_lightning_fastddp_strategy_matches_ddp_strategy(tmp_path):
             assert ref[r][1]["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel"
             assert info["after_fit"] == ref[r][1]["after_fit"] == "Net", info  # unwrapped by teardown
             assert info["protocol_isinstance"], info  # block_backward_sync's runtime Protocol check
+            assert info["strategy"] == "FastDDPStrategy" and ref[r][1]["strategy"] == "DDPStrategy", info
+            assert info["find_unused"] == ref[r][1]["find_unused"] == (fit == "manual_find_unused"), info
             assert info["no_sync_entries"] == ref[r][1]["no_sync_entries"], (info, ref[r][1])
             _assert_same_tensors(ref[r][0], got[r][0], f"{fit} rank {r}: fastddp vs DDPStrategy")
         _assert_same_tensors(got[0][0], got[1][0], f"{fit}: rank 0 vs rank 1")
@@ -314,17 +361,20 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             wrapper.no_sync = counting
 
     strategy_cls = FastDDPStrategy if args.impl == "fastddp" else DDPStrategy
+    prefix = "fastddp" if args.impl == "fastddp" else "ddp"
+    # Registered names (Lightning's StrategyRegistry) where one exists, else the class.
     fits = {
-        "auto_accumulate": (False, {}, _ACC_STEPS),
-        "manual_find_unused": (True, {"find_unused_parameters": True}, 1),
+        "auto_accumulate": (False, prefix, _ACC_STEPS),
+        "manual_find_unused": (True, f"{prefix}_find_unused_parameters_true", 1),
         "manual_static_graph": (True, {"static_graph": True}, 1),
     }
-    for name, (manual, ddp_kwargs, acc) in fits.items():
+    for name, (manual, strategy, acc) in fits.items():
         L.seed_everything(0, workers=True, verbose=False)
         model = Net(manual=manual)
         ckpt = [ModelCheckpoint(dirpath=out / name, save_last=True)] if name == "auto_accumulate" else []
         trainer = L.Trainer(
-            strategy=strategy_cls(**ddp_kwargs), accelerator="cpu", devices=2, max_epochs=2,
+            strategy=strategy if isinstance(strategy, str) else strategy_cls(**strategy),
+            accelerator="cpu", devices=2, max_epochs=2,
             accumulate_grad_batches=acc, limit_val_batches=2, num_sanity_val_steps=0,
             logger=False, enable_checkpointing=bool(ckpt), callbacks=ckpt, enable_progress_bar=False,
             enable_model_summary=False, deterministic=True)
@@ -334,7 +384,8 @@ def _lightning_worker(args: argparse.Namespace) -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{name}_rank{r}.pt")
         (out / f"{name}_rank{r}.json").write_text(json.dumps({
             "wrapper": model.wrapper, "protocol_isinstance": model.protocol_isinstance,
-            "no_sync_entries": model.no_sync_entries,
+            "no_sync_entries": model.no_sync_entries, "strategy": type(trainer.strategy).__name__,
+            "find_unused": bool(trainer.strategy._ddp_kwargs.get("find_unused_parameters")),
             "after_fit": type(trainer.strategy.model).__name__}))
         trainer.strategy.barrier()
 
