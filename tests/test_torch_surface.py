@@ -31,6 +31,7 @@ import fastddp
 from fastddp import surface
 from fastddp._torch_ddp import TorchDDP
 from tests._dist import STAND_IN, single_rank_group, world2  # noqa: F401
+from tests.test_compile import count_nodes
 from tests.test_parity import compare_grads, compare_state
 
 pytestmark = [pytest.mark.timeout(600),
@@ -76,18 +77,6 @@ def _batch(rank, step):
 # swap styles, eager and compile
 # --------------------------------------------------------------------------
 
-def _count_compiled_nodes(loss) -> int:
-    seen, stack, n = set(), [loss.grad_fn], 0
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        n += "CompiledFunction" in type(fn).__name__
-        stack.extend(nxt for nxt, _ in fn.next_functions)
-    return n
-
-
 def _swap_body(rank, world_size, style, mode, dynamo_first):
     import torch.nn.parallel as tnp
     import torch.nn.parallel.distributed as tnpd
@@ -115,7 +104,7 @@ def _swap_body(rank, world_size, style, mode, dynamo_first):
         for step in range(3):
             x, y = _batch(rank, step)
             loss = ((run(x) - y) ** 2).mean()
-            nodes.append(_count_compiled_nodes(loss))
+            nodes.append(count_nodes(loss, "CompiledFunction"))
             loss.backward()
             ((ref(x) - y) ** 2).mean().backward()
             compare_grads(ref, test, f"rank {rank} step {step} ({style}, {mode})")
