@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import io
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -271,3 +272,19 @@ def test_every_module_imports_first(tmp_path):
     out = _run(code, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "ok", out.stdout[-4000:]
+
+
+# ----------------------------------------------------------- tests/run.sh
+
+def test_run_sh_ends_with_one_clear_line():
+    """`bash tests/run.sh` ends with one line: passed (or FAILED) and both
+    sessions' counts; run here on one test per session."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHON"] = sys.executable
+    select = "test_the_import_graph_finds_a_circle or test_backend_is_a_kernel"
+    out = subprocess.run(["bash", str(ROOT / "tests" / "run.sh"), "-q", "-p", "no:randomly", "-k", select],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    last = out.stdout.strip().splitlines()[-1]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert re.fullmatch(r"tests/run\.sh: passed \(default session: 1 passed, \d+ deselected \(rc=0\); "
+                        r"interpreter session: 1 passed, \d+ deselected \(rc=0\); \d+m\d+s\)", last), last
