@@ -288,3 +288,29 @@ def test_run_sh_ends_with_one_clear_line():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert re.fullmatch(r"tests/run\.sh: passed \(default session: 1 passed, \d+ deselected \(rc=0\); "
                         r"interpreter session: 1 passed, \d+ deselected \(rc=0\); \d+m\d+s\)", last), last
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch._dynamo's import
+def test_compile_rows_still_come_from_the_registry(tmp_path):
+    """bench.wrappers.registry hands compile_wrappers its spec class and the two
+    DDP factories (no import back): the rows exist, refuse what torch's
+    compiled DDP cannot do, and fastddp's row builds a compiled fastddp."""
+    import torch
+    from torch import nn
+
+    from fastddp.bench.wrappers import WrapperOptions, WrapperSpec, registry
+    from tests._dist import single_rank_group
+
+    reg = registry()
+    torch_row, fast_row = reg["torch-compile"], reg["fastddp-compile"]
+    assert isinstance(torch_row, WrapperSpec) and isinstance(fast_row, WrapperSpec)
+    assert (torch_row.family, fast_row.family, fast_row.baselines) == ("torch", "fastddp", ("torch-compile", "torch"))
+    with pytest.raises(RuntimeError, match="bucket_cap_mb < 1"):
+        torch_row.factory(nn.Linear(2, 2), None, WrapperOptions(bucket_cap_mb=0.5))
+    with pytest.raises(RuntimeError, match="simulated wire"):
+        torch_row.factory(nn.Linear(2, 2), None, WrapperOptions(wire=object()))
+    with single_rank_group(tmp_path) as pg:
+        compiled, note = fast_row.factory(nn.Linear(2, 2), pg, WrapperOptions(bucket_cap_mb=0.5))
+        assert type(compiled._orig_mod).__module__.startswith("fastddp"), type(compiled._orig_mod)
+        assert note.startswith("torch.compile(fastddp DDP")
+        assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
