@@ -16,16 +16,20 @@ py=${PYTHON:-python}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
-# pytest's last line without the rules and the time: "1062 passed, 12 skipped"
+# pytest's output goes through tee (for the last line below): keep its colours on a terminal
+color=()
+[ -t 1 ] && color=(--color=yes)
+
+# pytest's last line without colours, rules and the time: "1062 passed, 12 skipped"
 counts() {
-    grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected|no tests ran)|no tests ran' "$1" | tail -n 1 |
+    sed -E 's/\x1b\[[0-9;]*m//g' "$1" | grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected|no tests ran)|no tests ran' | tail -n 1 |
         sed -E 's/=+//g; s/ in [0-9.]+s.*$//; s/^ +//; s/ +$//'
 }
 
 t0=$SECONDS
-"$py" -m pytest tests -m "not interpret and not gpu" "$@" 2>&1 | tee "$logs/default"
+"$py" -m pytest tests -m "not interpret and not gpu" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default"
 rc1=${PIPESTATUS[0]}
-TRITON_INTERPRET=1 "$py" -m pytest tests -m "interpret" "$@" 2>&1 | tee "$logs/interpret"
+TRITON_INTERPRET=1 "$py" -m pytest tests -m "interpret" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/interpret"
 rc2=${PIPESTATUS[0]}
 took="$(( (SECONDS - t0) / 60 ))m$(( (SECONDS - t0) % 60 ))s"
 what="default session: $(counts "$logs/default") (rc=$rc1); interpreter session: $(counts "$logs/interpret") (rc=$rc2); $took"
