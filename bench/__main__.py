@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="warm-up steps per wrapper, >= 1 (default 3, quick 1)")
     p.add_argument("--bucket-cap-mb", type=float, help="bucket_cap_mb for both DDPs (default: theirs, 25)")
     p.add_argument("--out", default="reports", help="report folder (default: reports/)")
-    p.add_argument("--quick", action="store_true", help="few steps: a smoke run in under a minute")
+    p.add_argument("--quick", action="store_true", help="few steps: a smoke run (about 1.5 minutes on 2 idle CPU cores)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler Chrome trace per wrapper (rank 0)")
     p.add_argument("--simulate-bandwidth", nargs="+", metavar="GBPS",
                    help="simulated serial interconnect in GB/s; a list (1,10) gives one section each; "

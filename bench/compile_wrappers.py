@@ -16,7 +16,9 @@ DDPOptimizer asserts that the 1 MiB first bucket is not larger than the cap):
 the torch row is then reported unavailable, fastddp's row still runs.
 
 Registered by :func:`specs`, which :func:`bench.wrappers.registry` extends its
-list with; nothing runs at import.
+list with, handing in the spec class and the two DDP factories: this module
+imports nothing from :mod:`bench.wrappers` (no import circle); nothing runs
+at import.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ __all__ = ["COMPILE_WRAPPERS", "specs"]
 COMPILE_WRAPPERS = ("torch-compile", "fastddp-compile")
 
 
-def _compiled(build, model, process_group, options, backend: str | None = None):
+def _compiled(build, model, process_group, options, backend: str | None = None, *, torch_ddp: bool = False):
     import torch
 
-    if build.__name__ == "_torch" and options.bucket_cap_mb is not None and options.bucket_cap_mb < 1:
+    if torch_ddp and options.bucket_cap_mb is not None and options.bucket_cap_mb < 1:
         raise RuntimeError("torch's DDP fails to compile with bucket_cap_mb < 1 (DDPOptimizer: first "
                            "bucket larger than the cap)")
-    if build.__name__ == "_torch" and getattr(options, "wire", None) is not None:
+    if torch_ddp and getattr(options, "wire", None) is not None:
         raise RuntimeError("torch's compiled DDP traces its collectives by group name, which a Python "
                            "process group (the simulated wire) does not have in c10d's registry")
     ddp, note = build(model, process_group, options)
@@ -47,15 +49,14 @@ def _compiled(build, model, process_group, options, backend: str | None = None):
     return compiled, "; ".join(n for n in (what, note) if n)
 
 
-def specs() -> list:
-    """The compile rows as :class:`bench.wrappers.WrapperSpec` objects."""
-    from .wrappers import WrapperSpec, _fastddp, _torch
-
+def specs(spec, torch_factory, fastddp_factory) -> list:
+    """The compile rows as ``spec`` objects (:class:`bench.wrappers.WrapperSpec`),
+    compiling what ``torch_factory`` / ``fastddp_factory`` build."""
     P = functools.partial
     return [
-        WrapperSpec("torch-compile", "torch", "compile", P(_compiled, _torch)),
-        WrapperSpec("fastddp-compile", "fastddp", "compile", P(_compiled, _fastddp),
-                    baselines=("torch-compile", "torch")),
+        spec("torch-compile", "torch", "compile", P(_compiled, torch_factory, torch_ddp=True)),
+        spec("fastddp-compile", "fastddp", "compile", P(_compiled, fastddp_factory),
+             baselines=("torch-compile", "torch")),
     ]
 
 

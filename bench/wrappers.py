@@ -244,7 +244,7 @@ def registry() -> dict[str, WrapperSpec]:
     ]
     from .compile_wrappers import specs as compile_specs  # torch-compile, fastddp-compile (opt-in rows)
 
-    specs += compile_specs()
+    specs += compile_specs(WrapperSpec, _torch, _fastddp)
     return {s.name: s for s in specs}
 
 

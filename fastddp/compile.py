@@ -52,6 +52,8 @@ from typing import Any, Callable
 
 import torch
 
+from ._torch_ddp import TorchDDP
+
 __all__ = ["bucket_bytes_cap", "eager", "eager_frame", "first_bucket_bytes_cap", "in_compiled_autograd",
            "run_module"]
 
@@ -61,14 +63,6 @@ def in_compiled_autograd() -> bool:
     not run ``queue_callback`` callbacks queued from an eager hook)."""
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     return bool(ca is not None and getattr(ca, "in_compiled_autograd_region", False))
-
-
-def _torch_ddp():
-    # the defining module's class: what dynamo asks, even while
-    # fastddp.integrations.patch_torch_ddp() swaps torch.nn.parallel's name
-    from torch.nn.parallel.distributed import DistributedDataParallel
-
-    return DistributedDataParallel
 
 
 def bucket_bytes_cap(ddp) -> int:
@@ -159,7 +153,9 @@ def run_module(ddp, inputs: tuple, kwargs: dict) -> Any:
     or skipped: a fastddp frame called from here would itself be compiled."""
     if "torch._dynamo" not in sys.modules:
         return ddp.module(*inputs, **kwargs)  # nothing can compile: no bookkeeping
-    cls = _torch_ddp()
+    # torch's own class holds dynamo's one active-module slot, whichever
+    # class the names in torch.nn.parallel(.distributed) are swapped to
+    cls = TorchDDP
     old, restore = cls._active_ddp_module, _enter(ddp)
     cls._active_ddp_module = ddp
     try:

@@ -132,6 +132,14 @@ class DDPConfig:
                 raise RuntimeError(
                     f"Modules with uninitialized parameters can't be used with DistributedDataParallel "
                     f"(parameter {n!r}). Run a dummy forward pass to initialize the module first.")
+            if hasattr(p, "_in_backward_optimizers") and n not in ignore:
+                # their optimizer would step on this rank's unaveraged gradient
+                raise NotImplementedError(
+                    f"fastddp.DistributedDataParallel: parameter {n!r} has an optimizer applied in "
+                    "backward (torch.distributed.optim._apply_optimizer_in_backward); fastddp does "
+                    "not run in-backward optimizers after the all-reduce, so they would step on "
+                    "unaveraged gradients. Step a regular optimizer after backward(), or use "
+                    "torch.nn.parallel.DistributedDataParallel for this model.")
             if p.device.type == "meta":
                 raise RuntimeError(
                     f"fastddp.DistributedDataParallel: parameter {n!r} is on the meta device (no "

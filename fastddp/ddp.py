@@ -16,7 +16,9 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import compile as _compile, groups, join, planner, profiling
+from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
+from .surface import TorchSurface
 from .verify import check_no_new_parameters
 from .reducer import Reducer, ReducerOptions
 
@@ -41,6 +43,9 @@ class _Sink(torch.autograd.Function):
     def forward(ctx, ddp_ref, *inputs):
         ctx.set_materialize_grads(False)
         ctx.ddp_ref = ddp_ref
+        ddp = ddp_ref()
+        if ddp is not None and not ddp._ddp_sink_clone:  # _set_ddp_sink_clone(False)
+            return inputs
         return tuple(t.clone() for t in inputs)
 
     @staticmethod
@@ -52,13 +57,32 @@ class _Sink(torch.autograd.Function):
         return (None, *grads)
 
 
-class DistributedDataParallel(torch.nn.Module, Joinable):
+class _DDPType(type(TorchDDP)):
+    """fastddp's metaclass: dynamo's DDP protocol has ONE active-module slot,
+    ``_active_ddp_module`` on torch's class.  torch's own code sets it through
+    the module-level name ``DistributedDataParallel``, which a user may have
+    swapped to fastddp's class; an assignment on fastddp's class would hide
+    the slot from code that reads torch's.  Assignments go to torch's class."""
+
+    def __setattr__(cls, name, value):
+        if name == "_active_ddp_module":
+            type.__setattr__(TorchDDP, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     """Drop-in replacement for :class:`torch.nn.parallel.DistributedDataParallel`.
 
     Same constructor, same semantics, same gradients (bit for bit where the
     arithmetic allows: see README); the reducer packs each bucket's gradients
     in one fused launch, overlaps its all-reduce with the rest of backward
     and unpacks it in one fused launch.
+
+    A subclass of torch's class, so ``isinstance(model,
+    torch.nn.parallel.DistributedDataParallel)`` holds; torch's constructor
+    never runs, and every method of torch's class is fastddp's own or proven
+    correct without it (:mod:`fastddp.surface`).
     """
 
     def __init__(
@@ -86,7 +110,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         *,
         check_finite: bool | str | None = None,
     ):
-        torch.nn.Module.__init__(self)
+        torch.nn.Module.__init__(self)  # NOT torch DDP's constructor: no C++ reducer
         Joinable.__init__(self)
         cfg = DDPConfig.resolve(
             module, device_ids=device_ids, output_device=output_device, dim=dim,
@@ -116,6 +140,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._static_graph_delay_allreduce_enqueued = False
         self._divide_by_initial_world_size = True
         self.broadcast_bucket_size = _BROADCAST_BUCKET_BYTES
+        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
+        self._ddp_sink_clone = True
+        self._passing_sync_batchnorm_handle(module)
         self._comm_hooks: list[tuple[Callable, object]] = []
         self._mp = None
         self._delayed = None
@@ -221,7 +248,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def __setstate__(self, state):
         self.process_group = dist.distributed_c10d._get_default_group()
         state["config"] = dataclasses.replace(state["config"], process_group=self.process_group)
-        super().__setstate__(state)
+        torch.nn.Module.__setstate__(self, state)  # not torch DDP's: it would build a C++ reducer
         params, names = self._build_params_for_reducer()
         self._build_reducer(params, names, self.static_graph)
 
@@ -276,7 +303,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             from torch.distributed.utils import _to_kwargs
 
             moved_inputs, moved_kwargs = _to_kwargs(inputs, kwargs,
-                                                    torch.device(self.device_type, self.device_ids[0]), True)
+                                                    torch.device(self.device_type, self.device_ids[0]),
+                                                    self.use_side_stream_for_tensor_copies)
             inputs, kwargs = moved_inputs[0], moved_kwargs[0]
         if self._mp is not None:
             inputs, kwargs = self._mp.pre_forward(inputs, kwargs)

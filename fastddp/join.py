@@ -19,7 +19,8 @@ from torch.distributed.algorithms.join import JoinHook
 
 from . import groups
 
-__all__ = ["DDPJoinHook"]
+__all__ = ["DDPJoinHook", "find_common_rank", "global_requires_backward_grad_sync", "shadow_backward",
+           "shadow_used_map", "sync_final_model"]
 
 
 class DDPJoinHook(JoinHook):
@@ -39,19 +40,28 @@ class DDPJoinHook(JoinHook):
             return
         shadow_backward(ddp.reducer)
         if ddp.find_unused_parameters:
-            groups.all_reduce(torch.zeros(len(ddp.reducer.params), dtype=torch.int32, device=ddp.device),
-                              ddp.process_group)  # the used-map all-reduce
+            shadow_used_map(ddp)
         ddp.reducer.push_all_rebuilt_params()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        ddp = self.ddp
-        src = find_common_rank(ddp, groups.rank(ddp.process_group), is_last_joiner)
-        from torch.distributed.utils import _sync_module_states
+        sync_final_model(self.ddp, is_last_joiner)
 
-        _sync_module_states(module=ddp.module, process_group=ddp.process_group,
-                            broadcast_bucket_size=ddp.broadcast_bucket_size, src=src,
-                            params_and_buffers_to_ignore=ddp.parameters_to_ignore,
-                            broadcast_buffers=ddp.forward_sync_buffers)
+
+def sync_final_model(ddp, is_last_joiner: bool) -> None:
+    """Every rank takes the model of the last rank to join (ties: the largest rank)."""
+    src = find_common_rank(ddp, groups.rank(ddp.process_group), is_last_joiner)
+    from torch.distributed.utils import _sync_module_states
+
+    _sync_module_states(module=ddp.module, process_group=ddp.process_group,
+                        broadcast_bucket_size=ddp.broadcast_bucket_size, src=src,
+                        params_and_buffers_to_ignore=ddp.parameters_to_ignore,
+                        broadcast_buffers=ddp.forward_sync_buffers)
+
+
+def shadow_used_map(ddp) -> None:
+    """A joined rank's side of the used-parameter map all-reduce (it used nothing)."""
+    groups.all_reduce(torch.zeros(len(ddp.reducer.params), dtype=torch.int32, device=ddp.device),
+                      ddp.process_group)
 
 
 def find_common_rank(ddp, input_rank: int, rank_cond: bool) -> int:

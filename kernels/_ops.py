@@ -1,7 +1,8 @@
 """The op layer: what the reducer calls.  The public :func:`pack`,
 :func:`unpack` and :class:`Layout`; every argument check (done here, once);
 the backend, chosen here, once per call from a capability probe cached for
-the process; the launch counters.
+the process; the launch counters' readers (the counters live in
+``_counters``, below this module and the launchers that bump them).
 
 Layers (kernel -> launcher -> op)::
 
@@ -22,6 +23,10 @@ from typing import Sequence
 import torch
 
 from . import reference, torch_path
+# The counters (re-exported by fastddp.kernels) and the stride helpers live below
+# this module and the launchers, which use them too: no import circle.
+from ._counters import bump as _bump, launch_count, reset_launch_count, stats  # noqa: F401
+from ._strides import is_dense, row_major_strides, same_memory_order
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -70,77 +75,7 @@ def reset_backend() -> None:
     _triton_status.cache_clear()
 
 
-# ================================================================ counters
-# How tests prove "one launch per bucket" on any backend.
-
-_lock = threading.Lock()
-_counts = {"launches": 0, "pack_calls": 0, "unpack_calls": 0, "reference_calls": 0,
-           "fallback_tensors": 0, "table_uploads": 0, "table_waits": 0}
-
-
-def _bump(key: str, n: int = 1) -> None:
-    with _lock:
-        _counts[key] += n
-
-
-def launch_count() -> int:
-    """Triton kernel launches (compiled or interpreted) since the last reset."""
-    return _counts["launches"]
-
-
-def reset_launch_count() -> None:
-    """Zero every counter (tests call this before the step they measure)."""
-    with _lock:
-        for k in _counts:
-            _counts[k] = 0
-
-
-def stats() -> dict[str, int]:
-    """A copy of all counters: Triton ``launches``, ``pack_calls`` and
-    ``unpack_calls`` (one per public call, any backend),
-    ``reference_calls`` (whole calls served by the plain-torch twin),
-    ``fallback_tensors`` (tensors of a kernel call copied with torch, alone,
-    because their memory order is not their layout slot's),
-    ``table_uploads`` (pointer tables written: a steady-state step writes
-    none) and ``table_waits`` (times the host waited for a pointer-table
-    slot still in use by the GPU)."""
-    with _lock:
-        return dict(_counts)
-
-
 # ================================================================= layouts
-def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(out))
-
-
-def same_memory_order(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> bool:
-    """Strides ``a`` and ``b`` lay a tensor of ``shape`` out identically (dims of
-    size 1 do not count; an empty tensor has no layout)."""
-    if 0 in shape:
-        return True
-    return len(a) == len(b) == len(shape) and all(x == y for n, x, y in zip(shape, a, b) if n != 1)
-
-
-def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether ``strides`` lay a tensor of ``shape`` out without overlap or gap
-    (torch's ``is_non_overlapping_and_dense``; dims of size 1 do not count)."""
-    if len(shape) != len(strides):
-        return False
-    if 0 in shape:
-        return True
-    expected = 1
-    for st, n in sorted((st, n) for n, st in zip(shape, strides) if n != 1):
-        if st != expected:
-            return False
-        expected *= n
-    return True
-
-
 class Layout:
     """The fixed layout of one bucket: the shapes of its tensors, their element
     offsets inside a flat buffer and, optionally, their strides.

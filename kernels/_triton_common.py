@@ -54,7 +54,8 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from ._ops import _bump, row_major_strides, same_memory_order
+from ._counters import bump as _bump
+from ._strides import row_major_strides, same_memory_order
 
 # ----------------------------------------------------------------- dtype codes
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}

@@ -8,16 +8,34 @@
 #   2. the tests marked `interpret` under TRITON_INTERPRET=1: the very Triton
 #      kernel source, bit-exact against the reference, and the reducer with
 #      the kernels in the loop.
-# Extra arguments go to both sessions (e.g. -x, -k pattern).
+# Extra arguments go to both sessions (e.g. -x, -k pattern). The last line says
+# passed or FAILED with both sessions' counts and the time taken.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
-"$py" -m pytest tests -m "not interpret and not gpu" "$@"
-rc1=$?
-TRITON_INTERPRET=1 "$py" -m pytest tests -m "interpret" "$@"
-rc2=$?
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+
+# pytest's output goes through tee (for the last line below): keep its colours on a terminal
+color=()
+[ -t 1 ] && color=(--color=yes)
+
+# pytest's last line without colours, rules and the time: "1062 passed, 12 skipped"
+counts() {
+    sed -E 's/\x1b\[[0-9;]*m//g' "$1" | grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected|no tests ran)|no tests ran' | tail -n 1 |
+        sed -E 's/=+//g; s/ in [0-9.]+s.*$//; s/^ +//; s/ +$//'
+}
+
+t0=$SECONDS
+"$py" -m pytest tests -m "not interpret and not gpu" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default"
+rc1=${PIPESTATUS[0]}
+TRITON_INTERPRET=1 "$py" -m pytest tests -m "interpret" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/interpret"
+rc2=${PIPESTATUS[0]}
+took="$(( (SECONDS - t0) / 60 ))m$(( (SECONDS - t0) % 60 ))s"
+what="default session: $(counts "$logs/default") (rc=$rc1); interpreter session: $(counts "$logs/interpret") (rc=$rc2); $took"
 # pytest exits 5 when a session selects no test: that is a failure here too.
-if [ $rc1 -ne 0 ] || [ $rc2 -ne 0 ]; then
-    echo "tests/run.sh: FAILED (default session rc=$rc1, interpreter session rc=$rc2)"
+if [ "$rc1" -ne 0 ] || [ "$rc2" -ne 0 ]; then
+    echo "tests/run.sh: FAILED ($what)"
     exit 1
 fi
+echo "tests/run.sh: passed ($what)"

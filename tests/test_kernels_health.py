@@ -17,7 +17,9 @@ from fastddp.kernels import Health, Layout, reference
 from .test_kernels import (BF16, BLOCK, DEVICE, DTYPES, FP16, FP32, FP64, SCALINGS, THIRD, _name, assert_bits,
                            grads, sentinel)
 
-pytestmark = pytest.mark.interpret
+from .test_kernels import SPECIAL_VALUES  # noqa: E402 (the expected interpreter warnings)
+
+pytestmark = [pytest.mark.interpret, SPECIAL_VALUES]
 
 # tensor sizes: odd ones and one spanning two chunks (a full one and a tail)
 NUMELS = [1, 7, 33, BLOCK + 1, 5]

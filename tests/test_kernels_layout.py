@@ -20,7 +20,9 @@ from fastddp.kernels import _triton_common as TC
 
 from .test_kernels import BF16, BLOCK, DEVICE, FP16, FP32, INTERPRET, THIRD, assert_bits, make, sentinel
 
-pytestmark = pytest.mark.interpret
+from .test_kernels import SPECIAL_VALUES  # noqa: E402 (the expected interpreter warnings)
+
+pytestmark = [pytest.mark.interpret, SPECIAL_VALUES]
 
 
 def _delta(before: dict, key: str) -> int:

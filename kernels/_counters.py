@@ -1,0 +1,44 @@
+"""The kernel counters: how tests prove "one launch per bucket" on any backend.
+
+Below every other module of ``fastddp.kernels``: the op layer and the
+launchers both bump them, and ``fastddp.kernels`` re-exports the readers.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_lock = threading.Lock()
+_counts = {"launches": 0, "pack_calls": 0, "unpack_calls": 0, "reference_calls": 0,
+           "fallback_tensors": 0, "table_uploads": 0, "table_waits": 0}
+
+
+def bump(key: str, n: int = 1) -> None:
+    """Add ``n`` to counter ``key`` (thread-safe: launches can come from the backward thread)."""
+    with _lock:
+        _counts[key] += n
+
+
+def launch_count() -> int:
+    """Triton kernel launches (compiled or interpreted) since the last reset."""
+    return _counts["launches"]
+
+
+def reset_launch_count() -> None:
+    """Zero every counter (tests call this before the step they measure)."""
+    with _lock:
+        for k in _counts:
+            _counts[k] = 0
+
+
+def stats() -> dict[str, int]:
+    """A copy of all counters: Triton ``launches``, ``pack_calls`` and
+    ``unpack_calls`` (one per public call, any backend),
+    ``reference_calls`` (whole calls served by the plain-torch twin),
+    ``fallback_tensors`` (tensors of a kernel call copied with torch, alone,
+    because their memory order is not their layout slot's),
+    ``table_uploads`` (pointer tables written: a steady-state step writes
+    none) and ``table_waits`` (times the host waited for a pointer-table
+    slot still in use by the GPU)."""
+    with _lock:
+        return dict(_counts)
