@@ -193,6 +193,18 @@ def _build_lightning_strategy(pkg: str) -> type:
                 self.model = self.lightning_module  # unwrap, as DDPStrategy does
             super().teardown()
 
+        def on_exception(self, exception: BaseException) -> None:
+            # DDPStrategy's hint, naming this strategy's option and registered name.
+            exceptions = importlib.import_module(f"{pkg}.utilities.exceptions")
+            exceptions._augment_message(
+                exception, pattern=".*Expected to have finished reduction in the prior iteration.*",
+                new_message=(
+                    "It looks like your LightningModule has parameters that were not used in producing "
+                    "the loss returned by training_step. If this is intentional, you must enable the "
+                    "detection of unused parameters in DDP, either by setting the string value "
+                    "`strategy='fastddp_find_unused_parameters_true'` or by setting the flag in the "
+                    f"strategy with `strategy={name}(find_unused_parameters=True)`."))
+
         @classmethod
         def register_strategies(cls, strategy_registry) -> None:
             # DDPStrategy's names with "fastddp" for "ddp"; overriding also keeps

@@ -13,8 +13,20 @@
   the first failure; torch refuses the bf16 hooks off NCCL), and the results
   are printed side by side.  fastddp must pass every case torch passes.
 
+* The framework checks Lightning's ``tests/tests_pytorch/strategies/test_ddp*.py``
+  make (written here, not copied), with ``Trainer(strategy="fastddp")``
+  against ``Trainer(strategy="ddp")`` on 2 CPU processes (Lightning's popen
+  launcher): the wrapped model is a ``torch.nn.parallel.DistributedDataParallel``
+  around the LightningModule while fitting and not wrapped for
+  validate/predict (``test_ddp_configure_ddp``); a comm hook with a wrapper
+  registered through Lightning's own ``_register_ddp_comm_hook`` (PowerSGD
+  behind the fp16 wrapper) gives torch's weights; Lightning's hint for
+  "Expected to have finished reduction" (``on_exception``) reaches the user;
+  teardown unwraps.  Gradient accumulation (``no_sync``), manual optimization
+  and static graph: ``tests/test_clients.py``.
+
 This file is also the worker of those runs:
-``python tests/test_frameworks.py accelerate --impl torch|fastddp --out DIR``.
+``python tests/test_frameworks.py accelerate|lightning --impl torch|fastddp --out DIR``.
 """
 
 from __future__ import annotations
@@ -155,12 +167,155 @@ def test_accelerate_shipped_ddp_scripts_torch_vs_fastddp(tmp_path):
     assert torch_res[0]["test_sync.main"] == "passed", table
 
 
+# ----------------------------------------------------------------- Lightning
+def _lightning_worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as L
+    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import fastddp.integrations  # noqa: F401 - registers "fastddp*" (Lightning imported first)
+
+    out = Path(args.out)
+    strategy = "fastddp" if args.impl == "fastddp" else "ddp"
+    TorchDDP = torch.nn.parallel.DistributedDataParallel
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 8, generator=g)
+    data = TensorDataset(x, x @ torch.randn(8, 2, generator=g))
+
+    class Net(L.LightningModule):
+        def __init__(self, unused: bool = False):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+            self.unused = torch.nn.Linear(2, 2) if unused else None  # never in the loss
+            self.seen: dict[str, object] = {}
+            self.hook = None
+
+        def forward(self, x):
+            return self.body(x)
+
+        def _wrapper_facts(self, stage):
+            m = self.trainer.strategy.model
+            self.seen[stage] = {"type": f"{type(m).__module__}.{type(m).__qualname__}",
+                                "isinstance_torch_ddp": isinstance(m, TorchDDP),
+                                "wraps_module": getattr(m, "module", None) is self,
+                                "is_module": m is self}
+
+        def on_fit_start(self):
+            self._wrapper_facts("fit")
+            if self.hook is not None:  # as DDPStrategy._register_ddp_hooks does on CUDA
+                _register_ddp_comm_hook(model=self.trainer.strategy.model, **self.hook)
+
+        def on_validation_start(self):
+            self._wrapper_facts("validate")
+
+        def on_predict_start(self):
+            self._wrapper_facts("predict")
+
+        def training_step(self, batch, batch_idx):
+            xb, yb = batch
+            return torch.nn.functional.mse_loss(self(xb), yb)
+
+        def predict_step(self, batch, batch_idx):
+            return self(batch[0])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val", torch.nn.functional.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def trainer(**kw):
+        return L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+    result: dict[str, object] = {}
+    # configure_ddp: wrapped for fit only; teardown unwraps; validate/predict unwrapped.
+    L.seed_everything(0, verbose=False)
+    model = Net()
+    t = trainer(max_steps=3, limit_val_batches=1)
+    t.fit(model, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    result["strategy"] = type(t.strategy).__name__
+    result["after_fit_is_module"] = t.strategy.model is model
+    t.validate(model, DataLoader(data, batch_size=8), verbose=False)
+    preds = t.predict(model, DataLoader(data, batch_size=8))
+    result["seen"] = model.seen
+    result["n_preds"] = len(preds)
+    weights = {"plain": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+    # A comm hook with a wrapper through Lightning's registration helper.
+    L.seed_everything(0, verbose=False)
+    model = Net()
+    model.hook = {"ddp_comm_state": powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                                start_powerSGD_iter=2),
+                  "ddp_comm_hook": powerSGD_hook.powerSGD_hook,
+                  "ddp_comm_wrapper": default_hooks.fp16_compress_wrapper}
+    t = trainer(max_steps=4, limit_val_batches=0)
+    t.fit(model, DataLoader(data, batch_size=8))
+    weights["powersgd_fp16"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    # An unused parameter without find_unused_parameters: the second step fails with
+    # torch's sentence, and DDPStrategy.on_exception adds Lightning's hint.
+    L.seed_everything(0, verbose=False)
+    t = trainer(max_steps=3, limit_val_batches=0)
+    try:
+        t.fit(Net(unused=True), DataLoader(data, batch_size=8))
+        result["unused_error"] = ""
+    except RuntimeError as e:
+        result["unused_error"] = str(e)
+    rank = t.global_rank
+    torch.save(weights, out / f"rank{rank}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _run_lightning(tmp_path: Path, impl: str) -> list[tuple[dict, dict]]:
+    out = tmp_path / f"lightning_{impl}"
+    out.mkdir()
+    # Lightning's popen launcher re-runs this script for rank 1.
+    _run([sys.executable, str(THIS), "lightning", "--impl", impl, "--out", str(out)], timeout=180,
+         cwd=tmp_path, env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())))
+    return [(json.loads((out / f"rank{r}.json").read_text()), torch.load(out / f"rank{r}.pt", weights_only=True))
+            for r in range(2)]
+
+
+@pytest.mark.slow
+def test_lightning_ddp_checks_torch_vs_fastddp(tmp_path):
+    pytest.importorskip("lightning")
+    from tests.test_clients import _assert_same_tensors
+
+    ref = _run_lightning(tmp_path, "torch")
+    got = _run_lightning(tmp_path, "fastddp")
+    for r in range(2):
+        (info, w), (rinfo, rw) = got[r], ref[r]
+        assert rinfo["strategy"] == "DDPStrategy" and info["strategy"] == "FastDDPStrategy", info
+        assert info["seen"]["fit"].pop("type") == "fastddp.ddp.DistributedDataParallel", info
+        assert rinfo["seen"]["fit"].pop("type") == "torch.nn.parallel.distributed.DistributedDataParallel"
+        fit = {"isinstance_torch_ddp": True, "wraps_module": True, "is_module": False}
+        unwrapped = {"type": "__main__._lightning_worker.<locals>.Net", "isinstance_torch_ddp": False, "wraps_module": False,
+                     "is_module": True}
+        assert rinfo["seen"] == info["seen"] == {"fit": fit, "validate": unwrapped, "predict": unwrapped}, info
+        assert info["after_fit_is_module"] and rinfo["after_fit_is_module"]
+        assert info["n_preds"] == rinfo["n_preds"] > 0
+        for what in ("plain", "powersgd_fp16"):
+            _assert_same_tensors(rw[what], w[what], f"{what} rank {r}: fastddp vs torch's DDPStrategy")
+        # DDPStrategy.on_exception's hint replaces torch's sentence; fastddp's names its own option.
+        for e in (info["unused_error"], rinfo["unused_error"]):
+            assert e.startswith("It looks like your LightningModule has parameters that were not used"), e
+        assert "strategy='ddp_find_unused_parameters_true'" in rinfo["unused_error"]
+        assert "strategy='fastddp_find_unused_parameters_true'" in info["unused_error"], info
+        assert "FastDDPStrategy(find_unused_parameters=True)" in info["unused_error"], info
+    _assert_same_tensors(got[0][1]["powersgd_fp16"], got[1][1]["powersgd_fp16"], "rank 0 vs rank 1")
+    assert not all(torch.equal(got[0][1]["plain"][k], got[0][1]["powersgd_fp16"][k])
+                   for k in got[0][1]["plain"]), "the comm hook changed nothing"
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("client", choices=("accelerate",))
+    parser.add_argument("client", choices=("accelerate", "lightning"))
     parser.add_argument("--impl", choices=("fastddp", "torch"), required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--verbose", action="store_true")
     ns = parser.parse_args()
     torch.set_num_threads(1)
-    {"accelerate": _accelerate_worker}[ns.client](ns)
+    {"accelerate": _accelerate_worker, "lightning": _lightning_worker}[ns.client](ns)
