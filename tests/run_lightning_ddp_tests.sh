@@ -32,5 +32,9 @@ torch.nn.parallel.distributed.DistributedDataParallel = fastddp.DistributedDataP
 PY
 fi
 cd "$src/tests"
-PYTHONPATH="$site:$repo:$src/tests${PYTHONPATH:+:$PYTHONPATH}" \
-    "$py" -m pytest tests_pytorch/strategies/test_ddp*.py -p no:cacheprovider -q "$@"
+export PYTHONPATH="$site:$repo:$src/tests${PYTHONPATH:+:$PYTHONPATH}"
+# Say which class the tests will build (a sitecustomize elsewhere would win silently).
+"$py" -c "import torch.nn.parallel.distributed as d, lightning.pytorch.strategies.ddp as s
+c = d.DistributedDataParallel; print('DDP class in the tests:', c.__module__ + '.' + c.__qualname__)
+assert s.DistributedDataParallel is c and (c.__module__.startswith('fastddp') == ('$impl' == 'fastddp')), c"
+"$py" -m pytest tests_pytorch/strategies/test_ddp*.py -p no:cacheprovider -q "$@"
