@@ -902,8 +902,13 @@ def _legend(fig, colors: Mapping[str, str], names: Sequence[str]) -> float:
 
 
 def _panel_title(section: Section, model: str) -> str:
+    """``"small: 212 rounds, within ±3%"``: short enough for a panel."""
     info = section.runs.get(model)
-    return run_text(model, info, section.half_width) if info else model
+    if not info:
+        return model
+    how = {"precision": f"within ±{section.half_width * 100:g}%", "budget": "budget spent",
+           "fixed": "fixed count", "quick": "quick: no verdicts"}.get(info.get("stopped"), str(info.get("stopped")))
+    return f"{model}: {info.get('rounds', '?')} rounds, {how}"
 
 
 def _plot_step(section: Section, path: Path) -> bool:
@@ -930,7 +935,7 @@ def _plot_step(section: Section, path: Path) -> bool:
             ax.plot([lo, hi], [y, y], color="#222222", linewidth=1)
             for x, text in labels:
                 ax.annotate(text, (x, y), xytext=(-2, 4), textcoords="offset points", ha="right",
-                            va="bottom", fontsize=6)
+                            va="bottom", fontsize=7)
         local = next((r for r in rows if r.family == "local"), None)
         if local is not None:
             ax.axvline(local.step.median, color="#444444", linestyle="--", linewidth=1)
@@ -984,8 +989,8 @@ def _plot_ratio(section: Section, path: Path) -> bool:
                 lo, hi, labels = clip_span(c.ratio_ci[0], c.ratio_ci[1], left, right, fmt=_x)
                 ax.plot([lo, hi], [y, y], color=color, linewidth=2)
                 for x, text in labels:
-                    ax.annotate(text, (x, y), xytext=(0, -9), textcoords="offset points",
-                                ha="right" if x == right else "left", fontsize=6)
+                    ax.annotate(text, (x, y), xytext=(0, -10), textcoords="offset points",
+                                ha="right" if x == right else "left", fontsize=7)
             point = min(max(c.ratio, left), right)
             ax.plot([point], [y], marker="o", color=color, markersize=5)
             text = f"{c.ratio:.3f}" + ("" if c.verdict is None else f" {verdict_text(c.verdict, margin)}")

@@ -770,8 +770,11 @@ class _Progress:
     precision early shortens it.  ``--steps`` / ``--quick``: the bar counts
     rounds."""
 
+    _FORMAT = "{desc} {percentage:3.0f}%|{bar}| "
+
     def __init__(self, enabled: bool, cfg: BenchConfig):
         self.cfg, self.index, self.label = cfg, -1, ""
+        self.text = ""
         per_model = [(m, cfg.rounds_for(model_zoo()[m])) for m in cfg.models] * len(cfg.bandwidths)
         self.adaptive = cfg.mode == "adaptive"
         self.budgets = [cfg.stop_rule().budget_s] * len(per_model)
@@ -785,7 +788,7 @@ class _Progress:
             return
         if self.adaptive:
             self.bar = tqdm(total=round(sum(self.budgets)), file=sys.stderr, dynamic_ncols=True, leave=False,
-                            bar_format="{desc} {percentage:3.0f}%|{bar}|{postfix}")
+                            bar_format=self._FORMAT)
         else:
             self.bar = tqdm(total=sum(self.rounds), unit="round", file=sys.stderr, dynamic_ncols=True,
                             leave=False)
@@ -812,8 +815,9 @@ class _Progress:
             f"round {rounds}, widest pair " + ("-" if widest is None or math.isinf(widest) else f"±{widest:.1%}")
             + f" (goal {goal})")
         self.bar.n = min(round(done), self.bar.total)
-        self.bar.set_postfix_str(f" {state}, at most {_clock(eta_s(self.budgets, self.index, elapsed_s))} left",
-                                 refresh=False)
+        # the text goes into the format itself: tqdm's postfix field would prefix ", "
+        self.text = f"{state}, at most {_clock(eta_s(self.budgets, self.index, elapsed_s))} left"
+        self.bar.bar_format = self._FORMAT + self.text.replace("{", "{{").replace("}", "}}")
         self.bar.refresh()
 
     def end(self) -> None:

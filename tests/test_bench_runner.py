@@ -529,10 +529,11 @@ def test_progress_bar_counts_the_budget(capsys):
     assert bar.bar.total == 120
     bar.start("small")
     bar.tick(30.0, 25, 0.041)
-    assert bar.bar.n == 30 and "at most 1:30 left" in bar.bar.postfix and "±4.1% (goal ±3%)" in bar.bar.postfix
+    assert bar.bar.n == 30 and "at most 1:30 left" in bar.text and "±4.1% (goal ±3%)" in bar.text
+    assert str(bar.bar).endswith("| round 25, widest pair ±4.1% (goal ±3%), at most 1:30 left")
     bar.end()                      # stopped early: the rest of its budget is done
     assert bar.bar.n == 60
     bar.start("tiny")
     bar.tick(10.0, 0, None)
-    assert "at most 0:50 left" in bar.bar.postfix and "warming up" in bar.bar.postfix
+    assert "at most 0:50 left" in bar.text and "warming up" in bar.text
     bar.close()
