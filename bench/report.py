@@ -770,7 +770,7 @@ def _meta_lines(meta: Mapping) -> list[str]:
         ("rounds", "rounds"), ("half_width", "precision goal (±)"), ("budget_s", "budget per model (s)"),
         ("warmup", "warm-up rounds"), ("bucket_cap_mb", "bucket_cap_mb"),
         ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("quick", "quick"),
-        ("load", "load average at start (1, 5, 15 min)"),
+        ("load", "load average (1, 5, 15 min)"),
         ("command", "command"), ("elapsed_s", "run time (s)"), ("elapsed_per_model_s", "per model (s)"),
     ]
     lines = ["| | |", "|---|---|"]
