@@ -955,10 +955,14 @@ def _plot_step(section: Section, path: Path) -> bool:
 
 
 def _ratio_axis(comps: Sequence[Comparison], margin: float) -> tuple[float, float]:
-    """x limits of a ratio panel: the points and 1 ± 2 x margin, padded, within [0.25, 4]."""
-    lo = min([1 - 2 * margin] + [c.ratio for c in comps])
-    hi = max([1 + 2 * margin] + [c.ratio for c in comps])
-    pad = 0.15 * (hi - lo)
+    """x limits of a ratio panel: 1 ± 2 x margin, every point, and the
+    intervals as far as 0.67-1.5 (wider ones are cut, their bound printed),
+    padded, within [0.25, 4]."""
+    points = [c.ratio for c in comps]
+    bounds = [b for c in comps if c.ratio_ci is not None for b in c.ratio_ci]
+    lo = min([1 - 2 * margin, min(points)] + [max(b, 2 / 3) for b in bounds])
+    hi = max([1 + 2 * margin, max(points)] + [min(b, 1.5) for b in bounds])
+    pad = 0.08 * (hi - lo)
     return max(0.25, lo - pad), min(4.0, hi + pad)
 
 

@@ -354,3 +354,14 @@ def test_json_roundtrip_keeps_the_decision():
     assert [(c.wrapper, c.peer, c.verdict, c.ratio_ci) for c in back.comparisons] == \
            [(c.wrapper, c.peer, c.verdict, c.ratio_ci) for c in s.comparisons]
     assert not math.isnan(back.comparisons[0].ratio)
+
+
+def test_ratio_axis_shows_every_point_and_cuts_only_wide_intervals():
+    c = [R.Comparison("m", "a", "b", 20, 0.95, (0.93, 0.97), -1.0, None),
+         R.Comparison("m", "c", "b", 20, 1.10, (0.40, 2.50), 1.0, None)]
+    lo, hi = R._ratio_axis(c, 0.03)
+    assert lo < 2 / 3 and hi > 1.5 and lo > 0.55 and hi < 1.6   # the wide interval cut near 0.67 / 1.5
+    assert lo < 0.93 and hi > 1.10
+    far = [R.Comparison("m", "a", "b", 20, 3.0, None, 1.0, None)]
+    lo, hi = R._ratio_axis(far, 0.03)
+    assert lo < 0.94 and hi > 3.0   # a point is always on the axis
