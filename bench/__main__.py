@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is within +-PCT%% (also the margin of an 'equal' verdict; default %(default)g)")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help=f"time per model (and simulated bandwidth) after which the rounds stop whatever the "
-                        f"precision (default {R_DEFAULT_BUDGET_S:g}: the 4 default models in about 10 minutes)")
+                        f"precision, plus what earlier models left unused: model i ends by (i+1) x SECONDS "
+                        f"into the run (default {R_DEFAULT_BUDGET_S:g}: the 4 default models in about 10 "
+                        f"minutes)")
     p.add_argument("--steps", type=int, help="a fixed number of timed rounds per model instead of the "
                                              "precision goal and budget")
     p.add_argument("--warmup", type=int, help="warm-up rounds per model, >= 1 (default 3, quick 1)")

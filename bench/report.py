@@ -473,7 +473,8 @@ class StopRule:
     half_width: float = DEFAULT_HALF_WIDTH
     """Half-width goal of every pair's 90% ratio interval (0.03: ±3%)."""
     budget_s: float = DEFAULT_BUDGET_S
-    """Seconds per model, from its build to its last profiled step."""
+    """Seconds per model, from its build to its last profiled step; what a
+    model leaves unused goes to the models after it (:meth:`model_budget`)."""
     min_rounds: int = MIN_ROUNDS
     """Rounds before the precision goal may stop the model."""
 
@@ -484,6 +485,15 @@ class StopRule:
             raise ValueError(f"the time budget per model must be > 0 s, got {self.budget_s}")
         if self.min_rounds < MIN_CI_ROUNDS:
             raise ValueError(f"min_rounds must be >= {MIN_CI_ROUNDS}, got {self.min_rounds}")
+
+    def model_budget(self, index: int, used_s: float) -> float:
+        """The budget of the run's model ``index`` (0-based, across sections)
+        when the models before it took ``used_s`` in all: each model must
+        end by ``(index + 1) x budget_s`` into the run, so time a model saves
+        by reaching the precision early goes to the next ones (the slow
+        models, last in the default order, need it most) and the run never
+        takes more than ``models x budget_s``.  May be <= 0 after an overrun."""
+        return (index + 1) * self.budget_s - used_s
 
     def widest(self, rows: Sequence[Row]) -> float | None:
         """The widest half-width of the compared pairs' ratio intervals in
@@ -511,8 +521,10 @@ class Stopper:
     checked every round: the next round plus the work after the rounds
     (:data:`POST_ROUNDS` rounds' time) must fit."""
 
-    def __init__(self, rule: StopRule):
+    def __init__(self, rule: StopRule, budget_s: float | None = None):
         self.rule = rule
+        self.budget_s = rule.budget_s if budget_s is None else budget_s
+        """This model's budget (:meth:`StopRule.model_budget`); default: the rule's."""
         self.next_check = rule.min_rounds
         self.widest: float | None = None
 
@@ -525,7 +537,7 @@ class Stopper:
             self.next_check = rounds + max(1, rounds // 10)
             if self.widest is not None and self.widest <= self.rule.half_width:
                 return "precision"
-        if rounds >= MIN_TIMED_ROUNDS and elapsed_s + round_s * (1.0 + POST_ROUNDS) > self.rule.budget_s:
+        if rounds >= MIN_TIMED_ROUNDS and elapsed_s + round_s * (1.0 + POST_ROUNDS) > self.budget_s:
             return "budget"
         return None
 
@@ -538,7 +550,7 @@ def run_text(model: str, info: Mapping | None, margin: float) -> str:
     if stopped == "precision":
         how = f"every pair within ±{margin * 100:g}%"
     elif stopped == "budget":
-        how = f"time budget of {info.get('budget_s') or 0:g} s spent"
+        how = f"time budget of {info.get('budget_s') or 0:.0f} s spent"
     else:
         how = {"fixed": "fixed number of rounds (--steps)", "quick": "--quick smoke run, no verdicts",
                "failed": "every wrapper failed"}.get(stopped, str(stopped))
@@ -743,7 +755,7 @@ def _md_runs(section: Section) -> str:
         stopped = run_text(model, info, section.half_width).split("stopped: ", 1)[-1] if info else "-"
         budget = info.get("budget_s")
         out.append(_md([model, str(info.get("rounds", "-")), _f(info.get("elapsed_s"), 0),
-                        "-" if budget is None else f"{budget:g}", stopped, widest]))
+                        "-" if budget is None else f"{budget:.0f}", stopped, widest]))
     return "\n".join(out)
 
 

@@ -87,7 +87,9 @@ class BenchConfig:
     margin of an ``equal`` verdict."""
     budget_s: float | None = None
     """Seconds per model and section (build to last profiled step) before the
-    rounds stop whatever the precision; None: :data:`report.DEFAULT_BUDGET_S`."""
+    rounds stop whatever the precision, plus what the models before it left
+    unused (:meth:`report.StopRule.model_budget`); None:
+    :data:`report.DEFAULT_BUDGET_S`."""
     bucket_cap_mb: float | None = None
     out: str = "reports"
     label: str | None = None
@@ -173,6 +175,8 @@ class _Ctx:
         self.lead = rank == 0
         self.elapsed: dict[str, float] = {}  # "<model><section tag>" -> seconds
         self.load_start = _load()
+        self.models_done = 0   # models benchmarked so far, all sections
+        self.used_s = 0.0      # their time, build to last profiled step (rank 0's decides)
 
     def barrier(self) -> None:
         if self.cuda:
@@ -549,7 +553,8 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
 
     warmup, fixed = ctx.cfg.warmup_steps(), ctx.cfg.rounds_for(spec)
     rule = ctx.cfg.stop_rule()
-    stopper = R.Stopper(rule) if ctx.lead and fixed is None else None
+    budget = rule.model_budget(ctx.models_done, ctx.used_s)
+    stopper = R.Stopper(rule, budget) if ctx.lead and fixed is None else None
     for i in range(warmup - 1):
         _round(ctx, spec, entries, i, timed=False)
         progress.tick(time.perf_counter() - t0, 0, None)
@@ -582,8 +587,11 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
             h.remove()
     del entries, base
     gc.collect()
-    info = {"rounds": rounds, "stopped": stopped, "elapsed_s": round(time.perf_counter() - t0, 1),
-            "budget_s": rule.budget_s if fixed is None else None}
+    elapsed = time.perf_counter() - t0
+    ctx.models_done += 1
+    ctx.used_s += elapsed
+    info = {"rounds": rounds, "stopped": stopped, "elapsed_s": round(elapsed, 1),
+            "budget_s": round(budget, 1) if fixed is None else None}
     return rows, info
 
 
@@ -602,7 +610,7 @@ def _section(ctx: _Ctx, bw: float | None, names: tuple[str, ...], bar) -> R.Sect
             rows, section.runs[m] = _bench_model(ctx, zoo[m], names, options, section.tag, bar)
             section.rows += rows
             ctx.elapsed[f"{m}{section.tag}"] = section.runs[m]["elapsed_s"]
-            bar.end()
+            bar.end(section.runs[m]["elapsed_s"])
     return section
 
 
@@ -748,10 +756,11 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
         dist.destroy_process_group()
 
 
-def eta_s(budgets: list[float], index: int, elapsed_s: float) -> float:
-    """The most a run can still take: what is left of model ``index``'s
-    budget after ``elapsed_s`` in it, plus the budgets of the models after it."""
-    return max(0.0, budgets[index] - elapsed_s) + sum(budgets[index + 1:])
+def eta_s(total_s: float, used_s: float, elapsed_s: float) -> float:
+    """The most an adaptive run can still take: its total budget (models x
+    sections x budget) less what the finished models used and ``elapsed_s``
+    into the current one (each model ends by its share of the total)."""
+    return max(0.0, total_s - used_s - elapsed_s)
 
 
 def _clock(seconds: float) -> str:
@@ -763,22 +772,22 @@ class _Progress:
     """Rank 0's progress bar over the whole run (stderr, tqdm when installed;
     otherwise, or with ``enabled`` False, nothing).
 
-    Adaptive rounds: the bar is time against the sum of every model's budget
-    (the rounds end at the budget at the latest) and says how long the run
-    can still take at most (:func:`eta_s`), so the estimate holds across
-    models whose rounds take different times; a model that reaches its
-    precision early shortens it.  ``--steps`` / ``--quick``: the bar counts
+    Adaptive rounds: the bar is time against the run's total budget (models
+    x sections x budget: model i ends by (i + 1) x budget into the run, see
+    :meth:`report.StopRule.model_budget`) and says how long the run can
+    still take at most (:func:`eta_s`), which holds across models whose
+    rounds take different times.  ``--steps`` / ``--quick``: the bar counts
     rounds."""
 
     _FORMAT = "{desc} {percentage:3.0f}%|{bar}| "
 
     def __init__(self, enabled: bool, cfg: BenchConfig):
-        self.cfg, self.index, self.label = cfg, -1, ""
-        self.text = ""
-        per_model = [(m, cfg.rounds_for(model_zoo()[m])) for m in cfg.models] * len(cfg.bandwidths)
+        self.cfg, self.label, self.text = cfg, "", ""
+        zoo = model_zoo()
+        models = list(cfg.models) * len(cfg.bandwidths)
         self.adaptive = cfg.mode == "adaptive"
-        self.budgets = [cfg.stop_rule().budget_s] * len(per_model)
-        self.rounds = [cfg.warmup_steps() - 1 + (n or 0) for _, n in per_model]
+        self.total_s = cfg.stop_rule().budget_s * len(models)
+        self.used_s = 0.0
         self.bar = None
         if not enabled:
             return
@@ -787,14 +796,13 @@ class _Progress:
         except ImportError:
             return
         if self.adaptive:
-            self.bar = tqdm(total=round(sum(self.budgets)), file=sys.stderr, dynamic_ncols=True, leave=False,
+            self.bar = tqdm(total=round(self.total_s), file=sys.stderr, dynamic_ncols=True, leave=False,
                             bar_format=self._FORMAT)
         else:
-            self.bar = tqdm(total=sum(self.rounds), unit="round", file=sys.stderr, dynamic_ncols=True,
-                            leave=False)
+            rounds = sum(cfg.warmup_steps() - 1 + cfg.rounds_for(zoo[m]) for m in models)
+            self.bar = tqdm(total=rounds, unit="round", file=sys.stderr, dynamic_ncols=True, leave=False)
 
     def start(self, label: str) -> None:
-        self.index += 1
         self.label = label
         if self.bar is not None:
             self.bar.set_description(label, refresh=False)
@@ -809,21 +817,19 @@ class _Progress:
         if not self.adaptive:
             self.bar.update(1)
             return
-        done = sum(self.budgets[:self.index]) + min(elapsed_s, self.budgets[self.index])
         goal = f"±{self.cfg.half_width * 100:g}%"
         state = "building, warming up" if rounds == 0 else (
             f"round {rounds}, widest pair " + ("-" if widest is None or math.isinf(widest) else f"±{widest:.1%}")
             + f" (goal {goal})")
-        self.bar.n = min(round(done), self.bar.total)
+        self.bar.n = min(round(self.used_s + elapsed_s), self.bar.total)
         # the text goes into the format itself: tqdm's postfix field would prefix ", "
-        self.text = f"{state}, at most {_clock(eta_s(self.budgets, self.index, elapsed_s))} left"
+        self.text = f"{state}, at most {_clock(eta_s(self.total_s, self.used_s, elapsed_s))} left"
         self.bar.bar_format = self._FORMAT + self.text.replace("{", "{{").replace("}", "}}")
         self.bar.refresh()
 
-    def end(self) -> None:
-        if self.bar is not None and self.adaptive:
-            self.bar.n = min(round(sum(self.budgets[:self.index + 1])), self.bar.total)
-            self.bar.refresh()
+    def end(self, elapsed_s: float) -> None:
+        """The current model took ``elapsed_s`` in all."""
+        self.used_s += elapsed_s
 
     def close(self) -> None:
         if self.bar is not None:

@@ -512,11 +512,10 @@ def test_half_width_and_budget_options(capsys):
 def test_eta_is_the_budget_left_across_models():
     from fastddp.bench.runner import _clock, eta_s
 
-    budgets = [100.0, 100.0, 50.0]
-    assert eta_s(budgets, 0, 0.0) == 250.0
-    assert eta_s(budgets, 0, 30.0) == 220.0
-    assert eta_s(budgets, 1, 120.0) == 50.0   # over its budget: the rest only
-    assert eta_s(budgets, 2, 10.0) == 40.0
+    assert eta_s(250.0, 0.0, 0.0) == 250.0
+    assert eta_s(250.0, 0.0, 30.0) == 220.0
+    assert eta_s(250.0, 60.0, 120.0) == 70.0   # a model that stopped early left its time to the next
+    assert eta_s(250.0, 200.0, 60.0) == 0.0
     assert (_clock(65), _clock(3725)) == ("1:05", "1:02:05")
 
 
@@ -531,9 +530,8 @@ def test_progress_bar_counts_the_budget(capsys):
     bar.tick(30.0, 25, 0.041)
     assert bar.bar.n == 30 and "at most 1:30 left" in bar.text and "±4.1% (goal ±3%)" in bar.text
     assert str(bar.bar).endswith("| round 25, widest pair ±4.1% (goal ±3%), at most 1:30 left")
-    bar.end()                      # stopped early: the rest of its budget is done
-    assert bar.bar.n == 60
+    bar.end(40.0)                  # stopped early at 40 s: tiny may take 80 s
     bar.start("tiny")
     bar.tick(10.0, 0, None)
-    assert "at most 0:50 left" in bar.text and "warming up" in bar.text
+    assert bar.bar.n == 50 and "at most 1:10 left" in bar.text and "warming up" in bar.text
     bar.close()

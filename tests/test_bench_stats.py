@@ -263,6 +263,19 @@ def test_stop_rule_runs_a_few_rounds_even_over_budget():
     assert (reason, n) == ("budget", R.MIN_TIMED_ROUNDS)
 
 
+def test_unused_budget_goes_to_the_next_models():
+    rule = R.StopRule(budget_s=100.0)
+    assert rule.model_budget(0, 0.0) == 100.0
+    assert rule.model_budget(1, 40.0) == 160.0      # the first stopped at 40 s
+    assert rule.model_budget(3, 40.0 + 160.0 + 90.0) == 110.0
+    assert rule.model_budget(1, 130.0) == 70.0      # an overrun is paid back
+    # the Stopper applies the model's budget, not the rule's
+    data = rounds(400, {"local": 60.0, "torch": 100.0, "fastddp": 100.0}, seed=17, own_sd=0.5)
+    rows = [row("m", w, data[w][:50], baselines=("torch",) if w == "fastddp" else ()) for w in data]
+    stop = R.Stopper(rule, budget_s=160.0)
+    assert stop.update(rows, 50, 150.0, 1.0) is None and stop.update(rows, 51, 157.5, 1.0) == "budget"
+
+
 def test_stop_rule_without_pairs_runs_to_the_budget():
     rule = R.StopRule(budget_s=30.0)
     rows = [row("m", "local", [1.0] * 40), row("m", "torch", [2.0] * 40)]
