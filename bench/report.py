@@ -69,8 +69,9 @@ DEFAULT_HALF_WIDTH = 0.03
 #: default models then take about 10 minutes on 2 cores.
 DEFAULT_BUDGET_S = 140.0
 #: Time kept back at the end of a model's budget, in rounds' time, for the
-#: profiled step of every wrapper that follows the rounds.
-POST_ROUNDS = 2.0
+#: profiled step of every wrapper that follows the rounds (a step under the
+#: memory profiler takes 2-4x a plain one on the 600-tensor model).
+POST_ROUNDS = 3.0
 #: Rounds a model runs at least, even when its budget is already spent.
 MIN_TIMED_ROUNDS = 3
 #: Every line the terminal summary prints fits this.

@@ -558,24 +558,27 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
     for i in range(warmup - 1):
         _round(ctx, spec, entries, i, timed=False)
         progress.tick(time.perf_counter() - t0, 0, None)
-    rounds, stopped = 0, None
+    rounds, stopped, round_s = 0, None, 0.0
     while stopped is None:
         t_round = time.perf_counter()
         _round(ctx, spec, entries, warmup + rounds, timed=True)
         rounds += 1
         now = time.perf_counter()
+        round_s = now - t_round
         if not any(e.row.ok for e in entries):  # the same on every rank (statuses are agreed)
             stopped = "failed"
         elif fixed is not None:
             stopped = ctx.cfg.mode if rounds >= fixed else None
         else:
-            reason = stopper.update([e.row for e in entries], rounds, now - t0, now - t_round) if stopper else None
+            reason = stopper.update([e.row for e in entries], rounds, now - t0, round_s) if stopper else None
             stopped = _agree_stop(ctx, reason)
         progress.tick(now - t0, rounds, stopper.widest if stopper else None)
 
+    t_post = time.perf_counter()
     for e in entries:
         if e.row.ok:
             _profile_step(ctx, spec, e, _batch(ctx, spec, -2))
+    t_post = time.perf_counter() - t_post
     if ctx.cfg.trace_dir:
         batches = [_batch(ctx, spec, -3 - i) for i in range(TRACE_STEPS)]
         for e in entries:
@@ -591,7 +594,8 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
     ctx.models_done += 1
     ctx.used_s += elapsed
     info = {"rounds": rounds, "stopped": stopped, "elapsed_s": round(elapsed, 1),
-            "budget_s": round(budget, 1) if fixed is None else None}
+            "budget_s": round(budget, 1) if fixed is None else None,
+            "round_s": round(round_s, 3), "profile_s": round(t_post, 1)}
     return rows, info
 
 

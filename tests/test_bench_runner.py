@@ -483,6 +483,7 @@ def test_adaptive_run_stops_at_the_precision_goal(adaptive_run):
     (s,) = rep.sections
     info = s.runs["tiny"]
     assert info["stopped"] == "precision" and info["rounds"] >= R.MIN_ROUNDS and info["budget_s"] == 120
+    assert info["round_s"] > 0 and info["profile_s"] >= 0 and info["elapsed_s"] < 120
     assert rep.meta["mode"] == "adaptive" and rep.meta["half_width"] == "50%"
     rows = {r.wrapper: r for r in s.rows}
     assert {len(r.step_ms) for r in rows.values()} == {info["rounds"]}  # one merged sample per round
