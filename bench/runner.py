@@ -212,6 +212,9 @@ def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float, f
     CPU ms of this process, all threads)."""
     x, y = batch
     ctx.sync()
+    # NaN unless a clock hook fires: replicate swaps the params for DTensors,
+    # so hooks attached before wrapping never run and there is no reading
+    e.clock.t = float("nan")
     c0 = time.process_time()
     t0 = time.perf_counter()
     e.opt.zero_grad(set_to_none=True)
