@@ -345,7 +345,7 @@ def _meta_lines(meta: Mapping) -> list[str]:
         ("nccl", "NCCL"), ("python", "python"), ("numpy", "numpy"), ("fastddp", "fastddp"),
         ("git", "git commit"), ("models", "models"), ("wrappers", "wrappers"),
         ("steps", "timed steps"), ("warmup", "warm-up steps"), ("bucket_cap_mb", "bucket_cap_mb"),
-        ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("quick", "quick"),
+        ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("link", "link"), ("quick", "quick"),
         ("command", "command"), ("elapsed_s", "run time (s)"), ("elapsed_per_model_s", "per model (s)"),
     ]
     lines = ["| | |", "|---|---|"]
