@@ -221,3 +221,30 @@ def test_run_ranks_reports_a_failed_rank_and_kills_the_other():
         with pytest.raises(N.LinkError, match=r"failed on the netns link: exit codes \[-9, 3\]"):
             link.run_ranks([sys.executable, "-c", code], timeout_s=60, grace_s=2)
         assert time.monotonic() - t0 < 30  # the grace, not the sleep or the timeout
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_bench_runs_over_the_link(tmp_path):
+    """fastddp-bench --link end to end: ranks in the namespaces, the probe's
+    rate in the report, replicate (which the simulated wire cannot carry)
+    measured, nothing left behind."""
+    before = _namespaces()
+    p = subprocess.run([sys.executable, "-m", "fastddp.bench", "--link", "netns:2", "--models", "tiny",
+                        "--wrappers", "local", "torch", "fastddp", "replicate", "--steps", "2",
+                        "--warmup", "1", "--label", "ci-link", "--out", str(tmp_path), "--no-progress",
+                        "--no-charts"], capture_output=True, text=True, timeout=280, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    from fastddp.bench import report as R
+
+    rep = R.from_json(next(tmp_path.glob("*/*-ci-link.json")).read_text())
+    link = rep.meta["link"]
+    assert link["spec"] == "netns:2" and 0 < link["measured_gbit"] <= 2 * 1.05, link
+    assert "measured" in p.stdout and "Gbit/s" in p.stdout
+    md = next(tmp_path.glob("*/*-ci-link.md")).read_text()
+    assert "| link |" in md and "measured_gbit" in md
+    rows = {r.wrapper: r for r in rep.sections[0].rows}
+    assert all(rows[w].ok for w in ("local", "torch", "fastddp", "replicate")), \
+        {w: r.status for w, r in rows.items()}
+    assert rep.meta["world_size"] == 2 and rep.meta["backend"] == "gloo"
+    assert {n for n in _namespaces() - before if n.startswith(N.NS_PREFIX)} == set()
