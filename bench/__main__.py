@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate-bandwidth", nargs="+", metavar="GBPS",
                    help="simulated serial interconnect in GB/s; a list (1,10) gives one section each; "
                         "'none' adds a section without simulation")
+    p.add_argument("--link", metavar="netns:RATE",
+                   help="a real link: 2 ranks in two network namespaces joined by a veth pair shaped to "
+                        "RATE Gbit/s (tc tbf); gloo on the CPU; needs root and iproute2")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
     p.add_argument("--seed", type=int, default=0)
@@ -111,13 +114,21 @@ def main(argv: list[str] | None = None) -> int:
         half_width=args.half_width / 100, budget_s=args.budget,
         bucket_cap_mb=args.bucket_cap_mb, out=args.out, label=args.label, quick=args.quick,
         trace_dir=args.trace, bandwidths=bandwidths, threads=args.threads, cpu=args.cpu,
-        seed=args.seed, progress=not args.no_progress, charts=not args.no_charts,
+        seed=args.seed, progress=not args.no_progress, charts=not args.no_charts, link=args.link,
         command=" ".join(shlex.quote(a) for a in ["fastddp-bench", *(sys.argv[1:] if argv is None else argv)]),
     )
     try:
         cfg.validate()
     except ValueError as e:
         parser.error(str(e))
+    if cfg.link is not None:
+        from .netlink import LinkError, check_requirements
+
+        try:
+            check_requirements()
+        except LinkError as e:
+            print(f"fastddp-bench: {e}", file=sys.stderr)
+            return 2
     if cfg.mode == "adaptive" and cfg.progress:
         total = cfg.stop_rule().budget_s * len(cfg.models) * len(cfg.bandwidths)
         print(f"fastddp-bench: {len(cfg.models)} model(s) x {len(cfg.bandwidths)} section(s), rounds until "
@@ -128,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report, paths = result
     print(R.summary_text(report))
+    link = report.meta.get("link")
+    if link:
+        print(f"link: {link['what']}; measured {link['measured_gbit']:g} Gbit/s ({link['probe']}), "
+              f"small all-reduce {link['small_allreduce_ms']:g} ms")
     print(f"report: {paths['md']}")
     print(f"json:   {paths['json']}")
     for c in paths["charts"]:

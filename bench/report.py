@@ -782,7 +782,7 @@ def _meta_lines(meta: Mapping) -> list[str]:
         ("git", "git commit"), ("models", "models"), ("wrappers", "wrappers"),
         ("rounds", "rounds"), ("half_width", "precision goal (±)"), ("budget_s", "budget per model (s)"),
         ("warmup", "warm-up rounds"), ("bucket_cap_mb", "bucket_cap_mb"),
-        ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("quick", "quick"),
+        ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("link", "link"), ("quick", "quick"),
         ("load", "load average (1, 5, 15 min)"),
         ("command", "command"), ("elapsed_s", "run time (s)"), ("elapsed_per_model_s", "per model (s)"),
     ]

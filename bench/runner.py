@@ -107,6 +107,9 @@ class BenchConfig:
     charts: bool = True
     """Write the PNG charts (matplotlib) next to the report."""
     command: str = ""
+    link: str | None = None
+    """``netns:RATE``: two ranks over a real veth link of RATE Gbit/s
+    (bench/netlink.py; root only, gloo on the CPU); None: loopback."""
 
     def resolved_label(self) -> str:
         if self.label:
@@ -162,6 +165,16 @@ class BenchConfig:
         for bw in self.bandwidths:
             if bw is not None and not bw > 0:
                 raise ValueError(f"--simulate-bandwidth values must be > 0 GB/s, got {bw}")
+        if self.link is not None:
+            from .netlink import parse_link
+
+            parse_link(self.link)
+            if self.world not in (None, 2):
+                raise ValueError(f"--link runs one rank in each of two namespaces: --world must be 2, "
+                                 f"got {self.world}")
+            if any(bw is not None for bw in self.bandwidths):
+                raise ValueError("--link and --simulate-bandwidth are two different wires: use one "
+                                 "(run twice to compare them)")
 
 
 # -- per-rank machinery -----------------------------------------------------------
@@ -244,6 +257,9 @@ def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float, f
     CPU ms of this process, all threads)."""
     x, y = batch
     ctx.sync()
+    # NaN unless a clock hook fires: replicate swaps the params for DTensors,
+    # so hooks attached before wrapping never run and there is no reading
+    e.clock.t = float("nan")
     c0 = time.process_time()
     t0 = time.perf_counter()
     e.opt.zero_grad(set_to_none=True)
@@ -742,6 +758,11 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
                             world_size=world, timeout=_dt.timedelta(seconds=cfg.timeout_s))
     try:
         ctx = _Ctx(cfg, rank, world, local_rank, device)
+        link_probe = None
+        if cfg.link is not None:  # the rate the link really carries, before the rounds
+            from .netlink import probe_link
+
+            link_probe = probe_link()
         names = cfg.wrapper_names(cuda)
         bar = _Progress(ctx.lead and cfg.progress, cfg)
         try:
@@ -750,7 +771,12 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
             bar.close()
         if not ctx.lead:
             return None
-        report = R.Report(_meta(ctx, names, time.perf_counter() - t_start, sections), sections)
+        meta = _meta(ctx, names, time.perf_counter() - t_start, sections)
+        if link_probe is not None:
+            from .netlink import parse_link
+
+            meta["link"] = {"spec": cfg.link, "what": parse_link(cfg.link).describe(), **link_probe}
+        report = R.Report(meta, sections)
         for s in report.sections:
             R.derive(s)
         if result_path:
@@ -852,11 +878,41 @@ def resolve_world(cfg: BenchConfig) -> int:
     return 2
 
 
+def link_rank(cfg_path: str, result_path: str) -> None:
+    """A rank of a ``--link`` run, started inside its namespace by
+    :func:`_run_linked` (RANK and the rest come from the environment)."""
+    import pickle
+
+    cfg = pickle.loads(Path(cfg_path).read_bytes())
+    rank = int(os.environ["RANK"])
+    worker(rank, int(os.environ["WORLD_SIZE"]), 0, cfg, "env://", result_path if rank == 0 else None)
+
+
+def _run_linked(cfg: BenchConfig) -> R.Report:
+    """Two ranks, one per network namespace, over the ``--link`` veth pair."""
+    import dataclasses
+    import pickle
+
+    from .netlink import NetnsLink, parse_link
+
+    cfg = dataclasses.replace(cfg, cpu=True, world=2)
+    with tempfile.TemporaryDirectory(prefix="fastddp-bench-") as tmp:
+        cfg_path, result = Path(tmp, "cfg.pkl"), Path(tmp, "result.json")
+        cfg_path.write_bytes(pickle.dumps(cfg))
+        argv = [sys.executable, "-c", "import sys; from fastddp.bench.runner import link_rank; "
+                "link_rank(sys.argv[1], sys.argv[2])", str(cfg_path), str(result)]
+        with NetnsLink(parse_link(cfg.link)) as link:
+            link.run_ranks(argv)
+        return R.from_json(result.read_text())
+
+
 def run(cfg: BenchConfig) -> tuple[R.Report, dict] | None:
     """Run the benchmark and write the report; returns ``(report, paths)`` on
     the process that holds rank 0's results (None on other torchrun ranks)."""
     cfg.validate()
-    if under_torchrun():
+    if cfg.link is not None:
+        report = _run_linked(cfg)
+    elif under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         report = worker(rank, world, int(os.environ["LOCAL_RANK"]), cfg, "env://", None)
         if report is None:
