@@ -183,6 +183,42 @@ def bf16_compress_hook(process_group, bucket):
     return _compress(torch.bfloat16, process_group, bucket)
 
 
+def bf16_fp32acc_hook(state, bucket):
+    """bf16 on the wire, summed in fp32: each rank's bucket scaled by fp32(1/W)
+    and rounded to bf16, reduce-scattered as an all-to-all of W shards, each
+    shard summed in fp32 in rank order and rounded once, all-gathered (bf16).
+    Same bytes as a bf16 all-reduce; the sum is rounded once, not at every
+    hop of a ring.  ``state``: None, a process group, or a
+    :class:`CompressionState` (``error_feedback`` on fastddp's fused path).
+
+    Fused in fastddp (3 launches per bucket: pack, shard sum, unpack; the
+    all-to-all starts as soon as the bucket is ready).  As a plain hook (on
+    torch's DDP, or on another group) the same arithmetic runs with torch ops
+    and the all-to-all is waited for inside the hook: a Future callback must
+    not issue the all-gather (ranks could issue collectives in different
+    orders)."""
+    from . import groups, kernels
+
+    group = state_group(state)
+    group = group if group is not None else dist.group.WORLD
+    world = group.size()
+    buffer = bucket.buffer()
+    n = buffer.numel()
+    shard = -(-n // world)
+    wire = torch.zeros(shard * world, dtype=torch.bfloat16, device=buffer.device)
+    wire[:n] = torch.mul(buffer.reshape(-1), 1.0 / world)  # fp32 scale, then one bf16 rounding
+    recv = torch.empty_like(wire)
+    groups.wait(groups.all_to_all_single(recv, wire, group))
+    kernels.reference.reduce_shards(recv, recv[:shard], world)
+    fut = groups.all_gather_into_tensor(wire, recv[:shard], group).get_future()
+
+    def decompress(fut):
+        buffer.copy_(wire[:n])
+        return buffer
+
+    return fut.then(decompress)
+
+
 def noop_hook(_, bucket):
     """No communication: grads stay local (measures what comm costs)."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -251,7 +287,8 @@ _tag(allreduce_hook, "allreduce", None)
 _tag(fp16_compress_hook, "compress", torch.float16)
 _tag(bf16_compress_hook, "compress", torch.bfloat16)
 _tag(noop_hook, "noop", None)
+_tag(bf16_fp32acc_hook, "fp32acc", torch.bfloat16)
 
 __all__ += ["CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-            "noop_hook", "allgather_then_aggregate_hook", "fp16_compress_wrapper",
+            "noop_hook", "bf16_fp32acc_hook", "allgather_then_aggregate_hook", "fp16_compress_wrapper",
             "bf16_compress_wrapper", "check_hook", "state_group"]

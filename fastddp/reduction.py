@@ -20,13 +20,16 @@ AllReduce          torch's default path / ``batched_grad_copy`` /      MUL / DIV
 PythonHook         any other comm hook, called with a GradBucket       NONE (hook divides)
 FusedCompression   fp16/bf16 hooks: scale in fp32, cast, 16-bit wire,  MUL, before the cast
                    optional error feedback in the same pack launch
+Fp32Accumulate     ``bf16_fp32acc_hook``: bf16 all-to-all, fp32 shard  MUL, before the cast
+                   sum (one rounding), bf16 all-gather
 NoOp               ``noop_hook``: nothing on the wire                  NONE
 SparseAllReduce    a sparse parameter's bucket without a hook          DIV (in place)
 =================  ==================================================  ===============
 
 ``r`` is the :class:`~fastddp.reducer.Reducer`; strategies use only its
 public surface (``comm``, ``view_mode``, ``divide_factor()``,
-``globally_unused()``, ``before_unpack()``, ``name()``, ``num_buckets``).
+``globally_unused()``, ``before_unpack()``, ``name()``, ``num_buckets``,
+``world``, ``num_iterations``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ import enum
 
 import torch
 
-from . import kernels
+from . import groups, kernels
 from .comm import Pending
 
-__all__ = ["Scaling", "Reduction", "AllReduce", "PythonHook", "FusedCompression", "NoOp",
+__all__ = ["Scaling", "Reduction", "AllReduce", "PythonHook", "FusedCompression", "Fp32Accumulate", "NoOp",
            "SparseAllReduce", "choose", "fill_flat", "unpack_grads"]
 
 
@@ -363,7 +366,12 @@ class FusedCompression(Reduction):
     and casts into a 16-bit wire buffer (allocated once per bucket) in ONE
     launch, optionally with error feedback (an fp32 residual per bucket, read
     and rewritten by the same launch); all-reduce on the wire; the unpack
-    casts back."""
+    casts back.
+
+    A residual written by a pack whose iteration never reached its unpack (a
+    caught error: check_finite, a failed hook, an exception in backward) is
+    discarded (zeroed) at the bucket's next pack: it would carry part of a
+    gradient the user never applied."""
 
     kind = "compress"
     scaling = Scaling.MUL
@@ -374,20 +382,29 @@ class FusedCompression(Reduction):
         self.fused = ("compress", dtype)
         self.wire: dict[int, torch.Tensor] = {}
         self.residual: dict[int, torch.Tensor] = {}
+        self.unfinished: set[int] = set()  # buckets packed whose unpack has not run yet
 
-    def _wire(self, bucket) -> torch.Tensor:
+    def wire_numel(self, r, bucket) -> int:
+        """Elements of the bucket's wire buffer (its first ``flat.numel()`` are the bucket's)."""
+        return bucket.flat.numel()
+
+    def _wire(self, r, bucket) -> torch.Tensor:
         w = self.wire.get(bucket.index)
-        if w is None or w.numel() != bucket.flat.numel():
-            w = self.wire[bucket.index] = torch.empty(bucket.flat.numel(), dtype=self.dtype,
-                                                      device=bucket.flat.device)
+        numel = self.wire_numel(r, bucket)
+        if w is None or w.numel() != numel:
+            # zeros: a padded wire's tail is never written by the pack
+            w = self.wire[bucket.index] = torch.zeros(numel, dtype=self.dtype, device=bucket.flat.device)
             if self.error_feedback and bucket.index not in self.residual:
                 self.residual[bucket.index] = torch.zeros(bucket.flat.numel(), dtype=torch.float32,
                                                           device=bucket.flat.device)
         return w
 
     def pack(self, r, bucket, grads) -> None:
-        wire = self._wire(bucket)
+        wire = self._wire(r, bucket)
         residual, health = self.residual.get(bucket.index), bucket.health
+        if residual is not None and bucket.index in self.unfinished:
+            residual.zero_()  # the last pack's iteration was abandoned: its residual is stale
+        self.unfinished.add(bucket.index)
         if kernels.backend(bucket.flat.device) == "reference":
             # CPU (no Triton): the bucket is the scratch, scaled in place
             # (x * fp32(1/W), as the kernel) and cast into the wire: no
@@ -410,17 +427,19 @@ class FusedCompression(Reduction):
         return r.comm.all_reduce(self.wire[bucket.index])
 
     def unpack(self, r, bucket, result, track_unused: bool) -> None:
+        self.unfinished.discard(bucket.index)
         unpack_grads(r, bucket, self.wire[bucket.index], track_unused)
 
     def shadow(self, r, bucket) -> Pending:
-        return r.comm.all_reduce(torch.zeros_like(self._wire(bucket)))
+        return r.comm.all_reduce(torch.zeros_like(self._wire(r, bucket)))
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """Error-feedback residuals belong to parameters: they follow them
-        into the rebuilt buckets; wire buffers are made anew."""
-        old_res = self.residual
-        self.wire, self.residual = {}, {}
-        if not old_res:
+        into the rebuilt buckets (a stale one, see the class, is dropped);
+        wire buffers are made anew."""
+        old_res = {i: t for i, t in self.residual.items() if i not in self.unfinished}
+        self.wire, self.residual, self.unfinished = {}, {}, set()
+        if not self.error_feedback:
             return
         for b in new_buckets:
             if b.sparse:
@@ -432,6 +451,97 @@ class FusedCompression(Reduction):
                 ob, opos = old_locate[i]
                 if ob.index in old_res:
                     new_views[pos].copy_(ob.layout.views(old_res[ob.index])[opos])
+
+
+class _ShardStep:
+    """One bucket's two-phase reduction in flight, duck-typed as the Future
+    :meth:`~fastddp.comm.Comm.wait` completes: ``wait()`` finishes it on the
+    calling thread (the end-of-backward callback), never on a collective's
+    callback thread (the interpreter is not thread-safe, and collectives
+    issued from callbacks could reach the ranks in different orders)."""
+
+    __slots__ = ("owner", "r", "bucket", "a2a", "ag", "iteration", "health")
+
+    def __init__(self, owner, r, bucket, a2a, iteration, health):
+        self.owner, self.r, self.bucket, self.a2a = owner, r, bucket, a2a
+        self.ag, self.iteration, self.health = None, iteration, health
+
+    def wait(self, timeout=None) -> bool:
+        self.owner.finish(self)
+        return True
+
+    def value(self):
+        return None
+
+
+class Fp32Accumulate(FusedCompression):
+    """bf16 on the wire, summed in fp32 (``bf16_fp32acc_hook``)::
+
+        pack      grads * fp32(1/W) -> bf16 wire of W*S elements (S = ceil(N/W);
+                  the tail past the bucket's N stays 0), error feedback as the
+                  fp16/bf16 path; ONE launch
+        issue     all-to-all of the W shards (async, as soon as the bucket is ready)
+        finish    at the end of backward, for every bucket in flight, in bucket
+                  order (the same collectives in the same order on every rank):
+                  wait its all-to-all; ONE launch sums the shard from every rank
+                  in fp32, in rank order, rounded once to bf16
+                  (kernels.reduce_shards); all-gather it into the wire (async)
+        unpack    wait the all-gather; the wire -> .grad (ONE launch)
+
+    Bytes on the wire equal a bf16 all-reduce's; the sum's error no longer
+    grows with the world size (one rounding instead of one per ring hop)."""
+
+    kind = "fp32acc"
+
+    def __init__(self, error_feedback: bool):
+        super().__init__(torch.bfloat16, error_feedback)
+        self.fused = ("fp32acc", torch.bfloat16)
+        self.recv: dict[int, torch.Tensor] = {}
+        self.open: list[_ShardStep] = []  # in issue order
+
+    def wire_numel(self, r, bucket) -> int:
+        w = r.world
+        return -(-bucket.flat.numel() // w) * w
+
+    def _recv(self, bucket, wire) -> torch.Tensor:
+        t = self.recv.get(bucket.index)
+        if t is None or t.numel() != wire.numel():
+            t = self.recv[bucket.index] = torch.empty_like(wire)
+        return t
+
+    def _start(self, r, bucket, wire, health) -> Pending:
+        # a step left open by an abandoned iteration is dropped: its
+        # all-to-all completed (every rank issued it) and nobody waits for it
+        self.open = [s for s in self.open if s.iteration == r.num_iterations and s.bucket.index < bucket.index]
+        work = groups.all_to_all_single(self._recv(bucket, wire), wire, r.comm.pg)
+        step = _ShardStep(self, r, bucket, work, r.num_iterations, health)
+        self.open.append(step)
+        return r.comm.hook(step, wire.numel() * wire.element_size())
+
+    def issue(self, r, bucket) -> Pending:
+        return self._start(r, bucket, self.wire[bucket.index], bucket.health)
+
+    def shadow(self, r, bucket) -> Pending:
+        wire = self._wire(r, bucket)
+        wire.zero_()
+        return self._start(r, bucket, wire, None)
+
+    def finish(self, step: _ShardStep) -> None:
+        """Sum and all-gather every open step not yet gathered (in issue
+        order), then wait for ``step``'s all-gather."""
+        for s in self.open:
+            if s.ag is None:
+                groups.wait(s.a2a)
+                wire, recv = self.wire[s.bucket.index], self.recv[s.bucket.index]
+                n = wire.numel() // s.r.world
+                kernels.reduce_shards(recv, recv[:n], s.r.world, health=s.health)
+                s.ag = groups.all_gather_into_tensor(wire, recv[:n], s.r.comm.pg)
+        groups.wait(step.ag)
+        self.open.remove(step)
+
+    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
+        super().carry_over(old_buckets, old_locate, new_buckets)
+        self.recv, self.open = {}, []
 
 
 def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduction, Reduction]:
@@ -452,9 +562,9 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduct
                             f"{getattr(hook, '__name__', hook)!r} is not one of them")
         return PythonHook(hook, state), PythonHook(hook, state)
     kind, dtype = tag
-    if error_feedback and kind != "compress":
+    if error_feedback and kind not in ("compress", "fp32acc"):
         raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
-                         "compression hooks only")
+                         "compression hooks and bf16_fp32acc_hook only")
     if not group_ok:
         if error_feedback:
             raise ValueError("fastddp: CompressionState.process_group must be None or the DDP "
@@ -465,4 +575,6 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduct
         return AllReduce(Scaling.DIV, fused=True), sparse
     if kind == "noop":
         return NoOp(), sparse
+    if kind == "fp32acc":
+        return Fp32Accumulate(error_feedback), sparse
     return FusedCompression(dtype, error_feedback), sparse

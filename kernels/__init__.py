@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from ._ops import (Layout, backend, launch_count, pack, reset_backend, reset_launch_count, stats, unpack,
                    triton_available as _triton_available)
+from ._ops import reduce_shards
 from . import reference
 from .reference import Health, first_nonfinite
 
@@ -38,6 +39,7 @@ if _triton_available():
     # Import the kernels now: TRITON_INTERPRET is read when @triton.jit runs.
     try:
         from . import pack_kernel as _pack_kernel, unpack_kernel as _unpack_kernel  # noqa: F401
+        from . import shard_kernel as _shard_kernel  # noqa: F401
     except Exception as _exc:  # a broken Triton must not take the reference path down
         import warnings
 
@@ -51,6 +53,7 @@ __all__ = [
     "first_nonfinite",
     "launch_count",
     "pack",
+    "reduce_shards",
     "reference",
     "reset_backend",
     "reset_launch_count",

@@ -360,3 +360,42 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[in
         torch_path.unpack_views([views[i] for i in fallback], [dsts[i] for i in fallback], scale, divide,
                                 accumulate)
     return dsts
+
+
+# ============================================================ shard sum
+_SHARD_DTYPES = (torch.bfloat16,)
+
+
+def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int, *,
+                  health: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum this rank's shard as received from every rank: ``src`` holds
+    ``world`` slices of ``out.numel()`` elements back to back (rank order,
+    what an equal-split all-to-all delivers); ``out`` gets their fp32 sum,
+    taken in rank order and rounded once (the contract:
+    :func:`fastddp.kernels.reference.reduce_shards`).  ``out`` may be
+    ``src``'s first slice.  ``health``: the bucket's flag; ``OVERFLOW`` is
+    ORed in where finite inputs sum to NaN/inf.  One launch (Triton
+    backends).  Returns ``out``."""
+    world = int(world)
+    if world < 1:
+        raise ValueError(f"reduce_shards: world must be >= 1, got {world}")
+    for what, t in (("src", src), ("out", out)):
+        if t.dtype not in _SHARD_DTYPES:
+            raise TypeError(f"reduce_shards: {what} has dtype {t.dtype}; the shard sum takes bfloat16")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"reduce_shards: {what} must be a contiguous 1-D tensor")
+    if out.device != src.device:
+        raise ValueError(f"reduce_shards: out is on {out.device} but src is on {src.device}")
+    if src.numel() != world * out.numel():
+        raise ValueError(f"reduce_shards: src holds {src.numel()} elements; {world} slices of out's "
+                         f"{out.numel()} need {world * out.numel()}")
+    if health is not None:
+        _check_health(health, out)
+    name = backend(out.device)
+    if name == "reference":
+        _bump("reference_calls")
+        return torch_path.reduce_shards(src, out, world, health)
+    from .shard_kernel import launch_reduce_shards
+
+    _launch(name, out.device, launch_reduce_shards, src, out, world, health)
+    return out

@@ -202,3 +202,33 @@ def _check_layout(numels: Sequence[int], offsets: Sequence[int], total: int, op:
                 f"{op}: tensor {i} (numel {n}) at offset {o} does not fit in the flat "
                 f"buffer of {total} elements"
             )
+
+
+# ------------------------------------------------------------------ shard sum
+# The reduce half of a reduce-scatter done as all-to-all + local sum: after
+# the all-to-all, ``src`` holds this rank's shard as sent by every rank, back
+# to back in rank order (``world`` slices of ``out.numel()`` elements).
+#
+# Contract: ``out = cast_out( ((src_0.f32 + src_1.f32) + src_2.f32) + ... )``:
+# the slices widened to fp32 (exact from bf16/fp16), summed in fp32 strictly
+# in rank order, then ONE rounding to ``out``'s dtype (nearest even).  Every
+# rank computes its shard with the same rule, so the all-gathered result is
+# the same on every rank, and the error of the sum does not grow with the
+# world size the way a 16-bit ring's per-hop rounding does.  ``out`` may be
+# ``src``'s first slice (in place).  ``health``: ``OVERFLOW`` if an element
+# whose ``world`` inputs are finite comes out NaN/inf.
+
+def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int,
+                  health: torch.Tensor | None = None) -> torch.Tensor:
+    """The shard sum above, one plain torch op per rank's slice."""
+    n = out.numel()
+    parts = [src[k * n:(k + 1) * n].to(torch.float32) for k in range(world)]  # copies: out may alias
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc = acc + p
+    out.copy_(acc)
+    if health is not None:
+        ok = torch.stack([torch.isfinite(p) for p in parts]).all(0)
+        bad = (ok & ~torch.isfinite(out)).any().to(torch.int32) * int(Health.OVERFLOW)
+        health.bitwise_or_(bad.reshape(health.shape).to(health.device))
+    return out

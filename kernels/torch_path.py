@@ -164,3 +164,38 @@ def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
         if accumulate:
             val = d.to(c) + val
         d.copy_(val)
+
+
+#: elements per step of :func:`reduce_shards`: an fp32 accumulator of 256 KiB
+#: stays in cache while the ``world`` slices stream through it.
+SHARD_CHUNK = 1 << 16
+
+
+def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int,
+                  health: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fastddp.kernels.reference.reduce_shards`, fast: chunk by chunk,
+    ``acc = slice_0; acc += slice_k`` in rank order (``add_`` of a 16-bit
+    tensor into an fp32 one widens exactly and adds in fp32), one rounding
+    into ``out``.  Each chunk is read before its part of ``out`` is written,
+    so ``out`` may be ``src``'s first slice."""
+    n = out.numel()
+    if n == 0:
+        return out
+    parts = src.view(world, n)
+    acc = torch.empty(min(n, SHARD_CHUNK), dtype=torch.float32, device=out.device)
+    bad = None
+    for c in range(0, n, SHARD_CHUNK):
+        m = min(SHARD_CHUNK, n - c)
+        a = acc[:m]
+        a.copy_(parts[0, c:c + m])
+        for k in range(1, world):
+            a.add_(parts[k, c:c + m])
+        if health is not None:
+            ok = torch.isfinite(parts[:, c:c + m]).all(0)  # before out (maybe slice 0) is written
+        out[c:c + m].copy_(a)
+        if health is not None:
+            b = (ok & ~torch.isfinite(out[c:c + m])).any()
+            bad = b if bad is None else bad | b
+    if bad is not None:
+        health.bitwise_or_((bad.to(torch.int32) * int(reference.Health.OVERFLOW)).reshape(health.shape))
+    return out
