@@ -203,6 +203,10 @@ def bf16_fp32acc_hook(state, bucket):
     group = group if group is not None else dist.group.WORLD
     world = group.size()
     buffer = bucket.buffer()
+    if buffer.layout != torch.strided or buffer.is_complex():
+        raise TypeError(f"bf16_fp32acc_hook reduces dense real gradients; bucket {bucket.index()} holds a "
+                        f"{'sparse' if buffer.layout != torch.strided else 'complex'} one. Use the default "
+                        "reduction (no hook) for sparse or complex parameters.")
     n = buffer.numel()
     shard = -(-n // world)
     wire = torch.zeros(shard * world, dtype=torch.bfloat16, device=buffer.device)

@@ -339,3 +339,74 @@ def test_error_feedback_needs_a_fused_hook():
         reduction.choose(fh.noop_hook, fh.CompressionState(error_feedback=True), False, True)
     dense, _ = reduction.choose(fh.bf16_fp32acc_hook, fh.CompressionState(error_feedback=True), False, True)
     assert isinstance(dense, reduction.Fp32Accumulate) and dense.error_feedback
+
+
+def _sparse_refused(rank, world):
+    """A sparse bucket reaches the hook as a plain callback: a clear error."""
+    model = make_model("sparse_emb")
+    m = _fused(model)
+    x, y = make_batch("sparse_emb", rank, 0)
+    try:
+        loss_fn(m(x), y).backward()
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def test_sparse_gradients_are_refused_clearly(world2):
+    for msg in world2.run(_sparse_refused):
+        assert msg is not None and "sparse" in msg and "bf16_fp32acc_hook" in msg, msg
+
+
+# --------------------------------------------------------------- overlap
+def _order_of_events(rank, world):
+    """Every bucket's all-to-all is issued during backward, as its bucket is
+    ready (before the last bucket's pack), and the shard sums and
+    all-gathers run after the last bucket is issued, in bucket order."""
+    from fastddp import groups, kernels
+
+    events = []
+    real_a2a, real_ag, real_sum, real_pack = (groups.all_to_all_single, groups.all_gather_into_tensor,
+                                              kernels.reduce_shards, kernels.pack)
+
+    def a2a(out, t, pg):
+        events.append(("a2a", t.numel()))
+        return real_a2a(out, t, pg)
+
+    def ag(out, t, pg):
+        events.append(("ag", out.numel()))
+        return real_ag(out, t, pg)
+
+    def rsum(*a, **k):
+        events.append(("sum", None))
+        return real_sum(*a, **k)
+
+    def pack(srcs, dst, *a, **k):
+        if dst.dtype == torch.bfloat16:
+            events.append(("pack", dst.numel()))
+        return real_pack(srcs, dst, *a, **k)
+
+    m = _fused(make_model("deep"), bucket_cap_mb=0.001)
+    for step in range(2):  # the second step runs in the rebuilt buckets
+        m.zero_grad(set_to_none=True)
+        x, y = make_batch("deep", rank, step)
+        groups.all_to_all_single, groups.all_gather_into_tensor = a2a, ag
+        kernels.reduce_shards, kernels.pack = rsum, pack
+        events.clear()
+        try:
+            loss_fn(m(x), y).backward()
+        finally:
+            groups.all_to_all_single, groups.all_gather_into_tensor = real_a2a, real_ag
+            kernels.reduce_shards, kernels.pack = real_sum, real_pack
+    return events, m.reducer.num_buckets
+
+
+def test_all_to_all_overlaps_backward(world2):
+    for events, nb in world2.run(_order_of_events):
+        kinds = [k for k, _ in events]
+        assert nb > 2 and kinds.count("a2a") == nb and kinds.count("ag") == nb and kinds.count("sum") == nb
+        last_pack = max(i for i, k in enumerate(kinds) if k == "pack")
+        first_sum = kinds.index("sum")
+        assert kinds.index("a2a") < last_pack < first_sum, kinds  # a2a of bucket 0 while backward runs
+        assert all(k in ("pack", "a2a") for k in kinds[:first_sum]), kinds
+        assert kinds[first_sum:] == ["sum", "ag"] * nb, kinds
