@@ -98,6 +98,40 @@ class CompressionState:
         return f"CompressionState(error_feedback={self.error_feedback})"
 
 
+class FP8CompressionState(CompressionState):
+    """State of :func:`fp8_compress_hook`.
+
+    ``block_size``: elements per fp8 scale (a power of two, 16 to 4096; 256:
+    4 bytes of scale per 256 bytes of fp8, 1.6 %).  ``error_feedback``
+    (default True): this rank's quantization error is added to its next
+    step's gradient, inside the quantize launch.  ``exempt``: which
+    parameters travel in fp32 instead: None (default) exempts 1-D parameters
+    (norm weights, biases: few bytes, most sensitive), or a callable
+    ``param -> bool``, or a collection of parameters (empty: none)."""
+
+    def __init__(self, process_group=None, block_size: int = 256, error_feedback: bool = True,
+                 exempt=None):
+        super().__init__(process_group, error_feedback)
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 16 <= block_size <= 4096 \
+                or block_size & (block_size - 1):
+            raise ValueError(f"FP8CompressionState: block_size={block_size!r} must be a power of two "
+                             "from 16 to 4096 (e.g. 128 or 256)")
+        if exempt is not None and not callable(exempt):
+            try:
+                exempt = tuple(exempt)
+            except TypeError:
+                raise TypeError("FP8CompressionState: exempt must be None, a callable param -> bool, or "
+                                f"a collection of parameters, got {type(exempt).__name__}") from None
+            if not all(isinstance(p, torch.Tensor) for p in exempt):
+                raise TypeError("FP8CompressionState: exempt must hold parameters (tensors)")
+        self.block_size = block_size
+        self.exempt = exempt
+
+    def __repr__(self) -> str:
+        return (f"FP8CompressionState(block_size={self.block_size}, error_feedback={self.error_feedback}, "
+                f"exempt={'1-D params' if self.exempt is None else self.exempt!r})")
+
+
 def state_group(state):
     """The process group a hook's ``state`` names (None: the module's)."""
     if isinstance(state, CompressionState):
@@ -223,6 +257,18 @@ def bf16_fp32acc_hook(state, bucket):
     return fut.then(decompress)
 
 
+def fp8_compress_hook(state, bucket):
+    """Block-scaled fp8 (e4m3) on the wire with fp32 accumulation and error
+    feedback, 1-D parameters exempted (in fp32): see
+    :class:`FP8CompressionState` and the README.  A fused path of
+    fastddp.DistributedDataParallel only (pack, quantize and shard-sum
+    launches around an all-to-all and an all-gather); called as a plain hook
+    (on torch's DDP) it raises."""
+    raise RuntimeError("fastddp.hooks.fp8_compress_hook runs only as the fused path of "
+                       "fastddp.DistributedDataParallel (register it there, with the module's process "
+                       "group); torch's DDP cannot run it")
+
+
 def noop_hook(_, bucket):
     """No communication: grads stay local (measures what comm costs)."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -292,7 +338,8 @@ _tag(fp16_compress_hook, "compress", torch.float16)
 _tag(bf16_compress_hook, "compress", torch.bfloat16)
 _tag(noop_hook, "noop", None)
 _tag(bf16_fp32acc_hook, "fp32acc", torch.bfloat16)
+_tag(fp8_compress_hook, "fp8", torch.float8_e4m3fn)
 
-__all__ += ["CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+__all__ += ["FP8CompressionState", "fp8_compress_hook", "CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
             "noop_hook", "bf16_fp32acc_hook", "allgather_then_aggregate_hook", "fp16_compress_wrapper",
             "bf16_compress_wrapper", "check_hook", "state_group"]

@@ -22,6 +22,8 @@ FusedCompression   fp16/bf16 hooks: scale in fp32, cast, 16-bit wire,  MUL, befo
                    optional error feedback in the same pack launch
 Fp32Accumulate     ``bf16_fp32acc_hook``: bf16 all-to-all, fp32 shard  MUL, before the cast
                    sum (one rounding), bf16 all-gather
+BlockFp8           ``fp8_compress_hook``: block-scaled e4m3 all-to-all, MUL, before quantizing
+                   fp32 shard sum, re-quantized all-gather
 NoOp               ``noop_hook``: nothing on the wire                  NONE
 SparseAllReduce    a sparse parameter's bucket without a hook          DIV (in place)
 =================  ==================================================  ===============
@@ -41,7 +43,7 @@ import torch
 from . import groups, kernels
 from .comm import Pending
 
-__all__ = ["Scaling", "Reduction", "AllReduce", "PythonHook", "FusedCompression", "Fp32Accumulate", "NoOp",
+__all__ = ["Scaling", "Reduction", "AllReduce", "PythonHook", "FusedCompression", "Fp32Accumulate", "BlockFp8", "NoOp",
            "SparseAllReduce", "choose", "fill_flat", "unpack_grads"]
 
 
@@ -460,11 +462,11 @@ class _ShardStep:
     callback thread (the interpreter is not thread-safe, and collectives
     issued from callbacks could reach the ranks in different orders)."""
 
-    __slots__ = ("owner", "r", "bucket", "a2a", "ag", "iteration", "health")
+    __slots__ = ("owner", "r", "bucket", "a2a", "ag", "iteration", "health", "extra")
 
-    def __init__(self, owner, r, bucket, a2a, iteration, health):
+    def __init__(self, owner, r, bucket, a2a, iteration, health, extra=()):
         self.owner, self.r, self.bucket, self.a2a = owner, r, bucket, a2a
-        self.ag, self.iteration, self.health = None, iteration, health
+        self.ag, self.iteration, self.health, self.extra = None, iteration, health, extra
 
     def wait(self, timeout=None) -> bool:
         self.owner.finish(self)
@@ -544,6 +546,184 @@ class Fp32Accumulate(FusedCompression):
         self.recv, self.open = {}, []
 
 
+
+class BlockFp8(Reduction):
+    """Block-scaled fp8 (e4m3) on the wire, summed in fp32 (``fp8_compress_hook``)::
+
+        pack      the bucket's non-exempt grads * fp32(1/W) into an fp32 stage
+                  laid out like the bucket, padded to W shards of whole blocks
+                  (ONE launch; exempt slots stay 0); the exempt grads (default:
+                  1-D params) * fp32(1/W) into a compact fp32 buffer (one
+                  launch); the stage -> fp8 bits + one power-of-two scale per
+                  block, error feedback read and rewritten there (ONE launch)
+        issue     all-to-all of the fp8 shards and of their scales; the exempt
+                  buffer's fp32 all-reduce (all async, when the bucket is ready)
+        finish    end of backward, every bucket in flight in bucket order: wait
+                  its all-to-alls; ONE launch dequantizes the W slices of this
+                  rank's shard, adds them in fp32 in rank order and quantizes
+                  the sum again; all-gather fp8 + scales (async)
+        unpack    dequantize into the stage (ONE launch), the exempt values
+                  into their slots (one launch), the stage -> .grad (ONE launch)
+
+    Bytes: 1 per element + 4 per block of scales, + 4 per exempt element.
+    The residual (error feedback) keeps this rank's quantization error; the
+    re-quantization of the sum is shared by all ranks and not fed back."""
+
+    kind = "fp8"
+    scaling = Scaling.MUL
+
+    def __init__(self, state):
+        self.block = state.block_size
+        self.error_feedback = state.error_feedback
+        self.exempt_rule = state.exempt
+        self.fused = ("fp8", torch.float8_e4m3fn)
+        self.bufs: dict[int, dict] = {}
+        self.residual: dict[int, torch.Tensor] = {}
+        self.unfinished: set[int] = set()
+        self.open: list[_ShardStep] = []
+        self.carry = None  # residuals of the buckets before a rebuild, until the new ones are sized
+
+    # ------------------------------------------------------------ buffers
+    def _exempt(self, p) -> bool:
+        rule = self.exempt_rule
+        if rule is None:
+            return p.dim() <= 1
+        if callable(rule):
+            return bool(rule(p))
+        return any(p is q for q in rule)
+
+    def _bufs(self, r, bucket) -> dict:
+        d = self.bufs.get(bucket.index)
+        if d is not None and d["world"] == r.world:
+            return d
+        if bucket.complex or bucket.flat.dtype != torch.float32:
+            raise TypeError(f"fp8_compress_hook: bucket {bucket.index} holds {bucket.flat.dtype}"
+                            f"{' complex' if bucket.complex else ''} gradients; the fp8 path reduces "
+                            "float32 gradients (use bf16_fp32acc_hook, or no hook, for other dtypes)")
+        W, B, N, dev = r.world, self.block, bucket.flat.numel(), bucket.flat.device
+        shard = -(-N // (W * B)) * B
+        ex = [k for k, p in enumerate(bucket.params) if self._exempt(p)]
+        q8 = [k for k in range(len(bucket.params)) if k not in ex]
+        lay = bucket.layout
+
+        def sub(ks, offsets):
+            return kernels.Layout([lay.shapes[k] for k in ks], offsets, [lay.strides[k] for k in ks])
+
+        ex_numels = [lay.numels[k] for k in ex]
+        d = {"world": W, "shard": shard, "ex": ex, "q8": q8,
+             "lay8": sub(q8, [lay.offsets[k] for k in q8]),
+             "lay_ex": sub(ex, kernels.reference.default_offsets(ex_numels)),
+             "stage": torch.zeros(W * shard, dtype=torch.float32, device=dev),
+             "q": torch.zeros(W * shard, dtype=torch.uint8, device=dev),
+             "s": torch.ones(W * shard // B, dtype=torch.float32, device=dev),
+             "rq": torch.empty(W * shard, dtype=torch.uint8, device=dev),
+             "rs": torch.empty(W * shard // B, dtype=torch.float32, device=dev),
+             "exbuf": torch.zeros(sum(ex_numels), dtype=torch.float32, device=dev)}
+        self.bufs[bucket.index] = d
+        if self.error_feedback and (bucket.index not in self.residual
+                                    or self.residual[bucket.index].numel() != W * shard):
+            self.residual[bucket.index] = self._new_residual(bucket, W * shard)
+        return d
+
+    # ---------------------------------------------------------------- pack
+    def pack(self, r, bucket, grads) -> None:
+        d = self._bufs(r, bucket)
+        res, health = self.residual.get(bucket.index), bucket.health
+        if res is not None and bucket.index in self.unfinished:
+            res.zero_()  # the last pack's iteration was abandoned: its residual is stale
+        self.unfinished.add(bucket.index)
+        scale = 1.0 / r.divide_factor()
+        plain = _plain(r, bucket, grads)
+        if plain:
+            src = grads
+        else:  # missing grads (zeros), or grads already bucket views: through the flat bucket
+            fill_flat(r, bucket, grads, Scaling.NONE, health)
+            src, health = bucket.views, None  # flagged by fill_flat
+        if d["q8"]:
+            kernels.pack([src[k] for k in d["q8"]], d["stage"], layout=d["lay8"], scale=scale, health=health)
+        if d["ex"]:
+            kernels.pack([src[k] for k in d["ex"]], d["exbuf"], layout=d["lay_ex"], scale=scale, health=health)
+        kernels.quantize_fp8(d["stage"], d["q"], d["s"], self.block, residual=res, health=bucket.health)
+        if plain:
+            _alias_views(r, bucket, grads)
+
+    # --------------------------------------------------------- collectives
+    def _start(self, r, bucket, d, health) -> Pending:
+        self.open = [s for s in self.open if s.iteration == r.num_iterations and s.bucket.index < bucket.index]
+        pg = r.comm.pg
+        works = [groups.all_to_all_single(d["rq"], d["q"], pg), groups.all_to_all_single(d["rs"], d["s"], pg)]
+        extra = [groups.all_reduce(d["exbuf"], pg, async_op=True)] if d["ex"] else []
+        step = _ShardStep(self, r, bucket, works, r.num_iterations, health, extra)
+        self.open.append(step)
+        nbytes = d["q"].numel() + 4 * d["s"].numel() + 4 * d["exbuf"].numel()
+        return r.comm.hook(step, nbytes)
+
+    def issue(self, r, bucket) -> Pending:
+        return self._start(r, bucket, self.bufs[bucket.index], bucket.health)
+
+    def shadow(self, r, bucket) -> Pending:
+        d = self._bufs(r, bucket)
+        d["q"].zero_()
+        d["s"].fill_(1.0)
+        d["exbuf"].zero_()
+        return self._start(r, bucket, d, None)
+
+    def finish(self, step: _ShardStep) -> None:
+        """Sum and all-gather every open step not yet gathered (in issue
+        order), then wait for ``step``'s all-gathers and exempt all-reduce."""
+        for s in self.open:
+            if s.ag is None:
+                for w in s.a2a:
+                    groups.wait(w)
+                d, n = self.bufs[s.bucket.index], self.bufs[s.bucket.index]["shard"]
+                nb = n // self.block
+                kernels.reduce_fp8_shards(d["rq"], d["rs"], d["rq"][:n], d["rs"][:nb], s.r.world, self.block,
+                                          health=s.health)
+                pg = s.r.comm.pg
+                s.ag = [groups.all_gather_into_tensor(d["q"], d["rq"][:n], pg),
+                        groups.all_gather_into_tensor(d["s"], d["rs"][:nb], pg)]
+        for w in list(step.ag) + list(step.extra):
+            groups.wait(w)
+        self.open.remove(step)
+
+    # -------------------------------------------------------------- unpack
+    def unpack(self, r, bucket, result, track_unused: bool) -> None:
+        self.unfinished.discard(bucket.index)
+        d = self.bufs[bucket.index]
+        stage = d["stage"]
+        kernels.dequantize_fp8(d["q"], d["s"], stage, self.block)
+        if d["ex"]:
+            views = bucket.layout.views(stage)
+            kernels.unpack(d["exbuf"], [views[k] for k in d["ex"]], layout=d["lay_ex"])
+        unpack_grads(r, bucket, stage, track_unused)
+        if d["ex"]:  # the stage is the next pack's destination: exempt slots must read 0 again
+            views = bucket.layout.views(stage)
+            for k in d["ex"]:
+                views[k].zero_()
+
+    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
+        """Residuals follow their parameters into the rebuilt buckets (a stale
+        one is dropped); they are sized at each new bucket's first pack."""
+        old_res = {i: t for i, t in self.residual.items() if i not in self.unfinished}
+        self.bufs, self.residual, self.unfinished, self.open = {}, {}, set(), []
+        self.carry = (old_res, old_locate, {b.index for b in new_buckets if not b.sparse}) \
+            if self.error_feedback and old_res else None
+
+    def _new_residual(self, bucket, numel: int) -> torch.Tensor:
+        res = torch.zeros(numel, dtype=torch.float32, device=bucket.flat.device)
+        if self.carry is not None:
+            old_res, old_locate, todo = self.carry
+            views = bucket.layout.views(res)
+            for pos, i in enumerate(bucket.indices):
+                ob, opos = old_locate[i]
+                if ob.index in old_res:
+                    views[pos].copy_(ob.layout.views(old_res[ob.index])[opos])
+            todo.discard(bucket.index)
+            if not todo:
+                self.carry = None
+        return res
+
+
 def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduction, Reduction]:
     """The bucket modes for a DDP module: ``(dense, sparse)``.
 
@@ -552,9 +732,12 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduct
     state's group is the module's), else as an ordinary callback."""
     if hook is None:
         return AllReduce(Scaling.DIV if batched_grad_copy else Scaling.MUL), SparseAllReduce()
-    from .hooks import CompressionState
+    from .hooks import CompressionState, FP8CompressionState
 
     tag = getattr(hook, "_fastddp_fused", None)
+    if isinstance(state, FP8CompressionState) and (tag is None or tag[0] != "fp8"):
+        raise TypeError(f"FP8CompressionState is the state of fastddp.hooks.fp8_compress_hook; "
+                        f"{getattr(hook, '__name__', hook)!r} is not it")
     error_feedback = isinstance(state, CompressionState) and state.error_feedback
     if tag is None:
         if isinstance(state, CompressionState):
@@ -562,6 +745,14 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduct
                             f"{getattr(hook, '__name__', hook)!r} is not one of them")
         return PythonHook(hook, state), PythonHook(hook, state)
     kind, dtype = tag
+    if kind == "fp8":
+        if not group_ok:
+            raise ValueError("fp8_compress_hook runs only as fastddp's fused path: its state's "
+                             "process_group must be None or the DDP module's process group")
+        fp8_state = state if isinstance(state, FP8CompressionState) else FP8CompressionState()
+        if state is not None and not isinstance(state, FP8CompressionState):
+            raise TypeError(f"fp8_compress_hook takes an FP8CompressionState (or None), got {type(state).__name__}")
+        return BlockFp8(fp8_state), PythonHook(hook, state)
     if error_feedback and kind not in ("compress", "fp32acc"):
         raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
                          "compression hooks and bf16_fp32acc_hook only")

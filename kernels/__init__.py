@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from ._ops import (Layout, backend, launch_count, pack, reset_backend, reset_launch_count, stats, unpack,
                    triton_available as _triton_available)
-from ._ops import reduce_shards
+from ._ops import dequantize_fp8, quantize_fp8, reduce_fp8_shards, reduce_shards
 from . import reference
 from .reference import Health, first_nonfinite
 
@@ -40,6 +40,7 @@ if _triton_available():
     try:
         from . import pack_kernel as _pack_kernel, unpack_kernel as _unpack_kernel  # noqa: F401
         from . import shard_kernel as _shard_kernel  # noqa: F401
+        from . import fp8_kernel as _fp8_kernel  # noqa: F401
     except Exception as _exc:  # a broken Triton must not take the reference path down
         import warnings
 
@@ -53,6 +54,9 @@ __all__ = [
     "first_nonfinite",
     "launch_count",
     "pack",
+    "dequantize_fp8",
+    "quantize_fp8",
+    "reduce_fp8_shards",
     "reduce_shards",
     "reference",
     "reset_backend",

@@ -199,3 +199,10 @@ def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int,
     if bad is not None:
         health.bitwise_or_((bad.to(torch.int32) * int(reference.Health.OVERFLOW)).reshape(health.shape))
     return out
+
+
+# fp8: the contract's whole-tensor ops (a handful of passes per call, no
+# per-element Python) are the CPU path as they stand.
+quantize_fp8 = reference.quantize_fp8
+dequantize_fp8 = reference.dequantize_fp8
+reduce_fp8_shards = reference.reduce_fp8_shards
