@@ -397,3 +397,51 @@ def test_launches_per_bucket(world2):
         for nb, mixed, only_ex, launches, ref in per_rank:
             assert ref == 0
             assert launches == 5 * nb + 2 * mixed + only_ex, (nb, mixed, only_ex, launches)
+
+
+# ------------------------------------------------------- the CPU path
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("with_res", [False, True])
+@pytest.mark.parametrize("nblocks", [1, 7, 300, 513])  # around the 64K-element chunk at block 256
+def test_cpu_path_matches_reference(block, with_res, nblocks):
+    from fastddp.kernels import torch_path as T
+
+    x = _values(block * nblocks, nblocks)
+    if nblocks > 8:
+        x = torch.cat([_edge_blocks(block), x])
+    r = _values(x.numel(), 9).clamp(-1e3, 1e3) if with_res else None
+    outs = []
+    for fn in (R.quantize_fp8, T.quantize_fp8):
+        q, s = torch.empty(x.numel(), dtype=U8), torch.empty(x.numel() // block)
+        rr, h = (r.clone() if r is not None else None), torch.zeros(1, dtype=torch.int32)
+        fn(x, q, s, block, rr, h)
+        outs.append((q, s, rr, int(h)))
+    (q1, s1, r1, h1), (q2, s2, r2, h2) = outs
+    nan = (q1 & 0x7F) == 0x7F
+    assert torch.equal(nan, (q2 & 0x7F) == 0x7F) and torch.equal(q1[~nan], q2[~nan])
+    assert torch.equal(s1, s2) and h1 == h2
+    if r1 is not None:
+        assert torch.equal(r1, r2)
+    d1, d2 = torch.empty(x.numel()), torch.empty(x.numel())
+    R.dequantize_fp8(q1, s1, d1, block)
+    T.dequantize_fp8(q1, s1, d2, block)
+    assert torch.equal(d1.nan_to_num(7.0), d2.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("n", [32 * 3, 32 * 4099])  # one chunk; several
+def test_cpu_reduce_matches_reference(world, n):
+    from fastddp.kernels import torch_path as T
+
+    block = 32
+    g = torch.Generator().manual_seed(world + n)
+    sq = torch.randint(0, 256, (world * n,), dtype=U8, generator=g)
+    ss = R.fp8_scales(torch.rand(world * n // block, generator=g) * 3e36)
+    h1, h2 = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    aq, as_ = torch.empty(n, dtype=U8), torch.empty(n // block)
+    R.reduce_fp8_shards(sq, ss, aq, as_, world, block, h1)
+    bq_, bs_ = sq.clone(), ss.clone()
+    T.reduce_fp8_shards(bq_, bs_, bq_[:n], bs_[:n // block], world, block, h2)  # in place
+    nan = (aq & 0x7F) == 0x7F
+    assert torch.equal(nan, (bq_[:n] & 0x7F) == 0x7F) and torch.equal(aq[~nan], bq_[:n][~nan])
+    assert torch.equal(as_, bs_[:n // block]) and int(h1) == int(h2)
