@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import _triton_common as C
-from ._ops import _bump
+from ._counters import bump as _bump
 
 __all__ = ["launch_quantize_fp8", "launch_dequantize_fp8", "launch_reduce_fp8_shards"]
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import _triton_common as C
-from ._ops import _bump
+from ._counters import bump as _bump
 
 __all__ = ["launch_reduce_shards"]
 
