@@ -212,18 +212,21 @@ def _fastddp(model, process_group, options, hook: str | None = None, **kwargs):
     cls = getattr(fastddp, "DistributedDataParallel", None)
     if cls is None:
         raise ImportError("fastddp has no DistributedDataParallel yet")
-    fn = None
+    fn, state = None, None
     if hook is not None:
         from fastddp import hooks
 
-        fn = getattr(hooks, f"{hook}_compress_hook", None)
+        # "fp16" -> fp16_compress_hook; a full hook name ("bf16_fp32acc_hook") as it is
+        fn = getattr(hooks, hook if hook.endswith("_hook") else f"{hook}_compress_hook", None)
         if fn is None:
-            raise ImportError(f"fastddp.hooks has no {hook}_compress_hook yet")
+            raise ImportError(f"fastddp.hooks has no {hook} hook yet")
+        if fn.__name__ == "fp8_compress_hook":
+            state = hooks.FP8CompressionState(process_group)  # block 256, error feedback, 1-D exempt
     ddp = cls(model, device_ids=options.device_ids, process_group=process_group,
               bucket_cap_mb=options.bucket_cap_mb, **kwargs)
     notes = []
     if fn is not None:
-        ddp.register_comm_hook(None, fn)
+        ddp.register_comm_hook(state, fn)
         notes.append(f"hooks.{fn.__name__}")
     return ddp, "; ".join(notes)
 
@@ -291,6 +294,11 @@ def registry() -> dict[str, WrapperSpec]:
                     baselines=("torch-fp16",), wire_itemsize=2),
         WrapperSpec("fastddp-bf16", "fastddp", "bf16", P(_fastddp, hook="bf16"),
                     baselines=("torch-bf16", "torch-fp16", "replicate-bf16"), wire_itemsize=2),
+        # opt-in: the low-precision reductions torch's DDP has no twin for (peers: its 16-bit hooks)
+        WrapperSpec("fastddp-bf16acc", "fastddp", "bf16acc", P(_fastddp, hook="bf16_fp32acc_hook"),
+                    baselines=("torch-fp16", "torch-bf16", "replicate-bf16"), wire_itemsize=2),
+        WrapperSpec("fastddp-fp8", "fastddp", "fp8", P(_fastddp, hook="fp8_compress_hook"),
+                    baselines=("torch-fp16", "torch-bf16", "replicate-bf16"), wire_itemsize=1),
         WrapperSpec("replicate", "replicate", "default", _replicate),
         WrapperSpec("replicate-bf16", "replicate", "bf16", P(_replicate, reduce_dtype=torch.bfloat16),
                     wire_itemsize=2),
