@@ -33,6 +33,8 @@ fastddp-batched    ... batched_grad_copy=True
 fastddp-view       ... gradient_as_bucket_view=True
 fastddp-fp16       ... + register_comm_hook(None, fastddp.hooks.fp16_compress_hook)
 fastddp-bf16       ... + register_comm_hook(None, fastddp.hooks.bf16_compress_hook)
+fastddp-auto       ... bucket_cap_mb="auto" (opt-in row; tunes in its first ~25
+                   steps: time it with --warmup 30 to see the settled layout)
 =================  ===========================================================
 
 Simulated interconnect (``--simulate-bandwidth``): the runner passes a
@@ -221,6 +223,13 @@ def _fastddp(model, process_group, options, hook: str | None = None, **kwargs):
     return ddp, "; ".join(notes)
 
 
+def _fastddp_auto(model, process_group, options):
+    import dataclasses
+
+    ddp, _ = _fastddp(model, process_group, dataclasses.replace(options, bucket_cap_mb="auto"))
+    return ddp, "bucket_cap_mb='auto' (tuning steps count unless --warmup >= 30)"
+
+
 def registry() -> dict[str, WrapperSpec]:
     """Every wrapper by name (a fresh dict on every call)."""
     P = functools.partial
@@ -241,6 +250,7 @@ def registry() -> dict[str, WrapperSpec]:
                     baselines=("torch-fp16",), wire_itemsize=2),
         WrapperSpec("fastddp-bf16", "fastddp", "bf16", P(_fastddp, hook="bf16"),
                     baselines=("torch-bf16", "torch-fp16"), wire_itemsize=2),
+        WrapperSpec("fastddp-auto", "fastddp", "auto", _fastddp_auto, baselines=("torch",)),
     ]
     from .compile_wrappers import specs as compile_specs  # torch-compile, fastddp-compile (opt-in rows)
 

@@ -92,20 +92,18 @@ def parse_cap(value, what: str = "bucket_cap_mb"):
     return value
 
 
-def resolve_cap(bucket_cap_mb, bucket_cap_mb_list) -> tuple:
+def resolve_cap(bucket_cap_mb, bucket_cap_mb_list, configured=None) -> tuple:
     """The constructor's ``bucket_cap_mb`` -> ``(cap or None, auto)``.
 
     Explicit arguments win; with neither ``bucket_cap_mb`` nor
-    ``bucket_cap_mb_list``, ``fastddp.configure(bucket_cap_mb=...)``, else
-    ``FASTDDP_BUCKET_CAP_MB`` (``auto`` or MiB)."""
-    from .health import configured
-
+    ``bucket_cap_mb_list``, ``configured`` (``fastddp.configure``'s value),
+    else ``FASTDDP_BUCKET_CAP_MB`` (``auto`` or MiB)."""
     value = parse_cap(bucket_cap_mb)
     if value == "auto" and bucket_cap_mb_list:
         raise ValueError("fastddp: bucket_cap_mb='auto' and bucket_cap_mb_list were both given; "
                          "'auto' tunes the caps itself: pass one or the other")
     if value is None and not bucket_cap_mb_list:
-        value = configured("bucket_cap_mb")
+        value = configured
         if value is None:
             env = os.environ.get("FASTDDP_BUCKET_CAP_MB", "").strip()
             value = parse_cap(env, "FASTDDP_BUCKET_CAP_MB") if env else None

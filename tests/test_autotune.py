@@ -70,16 +70,18 @@ def test_parse_and_resolve(monkeypatch):
     with pytest.raises(ValueError, match="FASTDDP_BUCKET_CAP_MB"):
         autotune.resolve_cap(None, None)
     monkeypatch.setenv("FASTDDP_BUCKET_CAP_MB", "10")
+    from fastddp.health import configured
+
     try:
         fastddp.configure(bucket_cap_mb="auto")  # configure wins over the environment
-        assert autotune.resolve_cap(None, None) == (None, True)
+        assert autotune.resolve_cap(None, None, configured("bucket_cap_mb")) == (None, True)
         fastddp.configure(check_finite="warn")   # other options leave it alone
-        assert autotune.resolve_cap(None, None) == (None, True)
+        assert autotune.resolve_cap(None, None, configured("bucket_cap_mb")) == (None, True)
         with pytest.raises(ValueError, match="configure"):
             fastddp.configure(bucket_cap_mb="x")
     finally:
         fastddp.configure(bucket_cap_mb=None, check_finite=None)
-    assert autotune.resolve_cap(None, None) == (10, False)
+    assert autotune.resolve_cap(None, None, configured("bucket_cap_mb")) == (10, False)
 
 
 def test_predict_serial_wire():
@@ -252,3 +254,39 @@ def test_join_freezes_tuning(world2, when):
         if when:
             assert r["before"] == "trial"
     assert res[0]["rep"] == res[1]["rep"]
+
+
+def test_constructor_configure_and_env(monkeypatch, tmp_path):
+    import fastddp
+    from fastddp import DistributedDataParallel as DDP
+    from tests._dist import single_rank_group
+
+    monkeypatch.delenv("FASTDDP_BUCKET_CAP_MB", raising=False)
+    with single_rank_group(tmp_path):
+        m = nn.Linear(4, 4)
+        assert "autotune" not in DDP(m).stats()
+        assert DDP(m, bucket_cap_mb="auto").stats()["autotune"]["state"] == "wait"
+        with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB or 'auto'"):
+            DDP(m, bucket_cap_mb="big")
+        with pytest.raises(ValueError, match="both given"):
+            DDP(m, bucket_cap_mb="auto", bucket_cap_mb_list=[1, 5])
+        try:
+            fastddp.configure(bucket_cap_mb="auto")
+            assert DDP(m).stats()["autotune"]["state"] == "wait"
+            assert "autotune" not in DDP(m, bucket_cap_mb=5).stats()
+        finally:
+            fastddp.configure(bucket_cap_mb=None)
+        monkeypatch.setenv("FASTDDP_BUCKET_CAP_MB", "auto")
+        d = DDP(m)
+        assert d.stats()["autotune"]["state"] == "wait"
+        # one rank: it tunes too (no collectives needed), settles, grads untouched
+        opt = torch.optim.SGD(d.parameters(), lr=0.1)
+        for step in range(30):
+            opt.zero_grad()
+            x = torch.randn(2, 4)
+            local = copy.deepcopy(m)
+            d(x).sum().backward()
+            local(x).sum().backward()
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(d.parameters(), local.parameters()))
+            opt.step()
+        assert d.stats()["autotune"]["state"] == "settled"
