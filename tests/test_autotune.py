@@ -290,3 +290,105 @@ def test_constructor_configure_and_env(monkeypatch, tmp_path):
             assert all(torch.equal(p.grad, q.grad) for p, q in zip(d.parameters(), local.parameters()))
             opt.step()
         assert d.stats()["autotune"]["state"] == "settled"
+
+
+# ----------------------------------------------- the search, on a fake clock
+class _FakeReducer:
+    """What the tuner reads of a reducer, with a clock the test drives."""
+
+    def __init__(self, n=16, numel=256 * 1024):
+        from fastddp.reducer import ReducerOptions
+
+        self.params = [torch.empty(numel) for _ in range(n)]
+        self.sparse = (False,) * n
+        self.opts = ReducerOptions(bucket=planner.BucketConfig())
+        self.pg, self.world, self.rank, self.device = None, 1, 0, torch.device("cpu")
+        self.rebuild_order = list(range(n))[::-1]
+        self.has_rebuilt_buckets, self.steps_reduced, self.fused_path = True, 1, None
+        self.ready_probe = None
+        self.config = self.opts.bucket
+        self.installs = 0
+
+    def plan_for(self, cfg):
+        return planner.rebuilt_plan(self.params, self.rebuild_order, cfg)
+
+    def set_bucket_config(self, cfg):
+        self.installs += 1
+        self.config = cfg
+        return True
+
+
+def _drive(monkeypatch, true_cost, steps=40, alpha=1e-4, beta=1e-9):
+    """Run the tuner over ``steps`` fake steps; ``true_cost(plan)`` is a step's
+    duration (s). Returns the tuner, the reducer and the true cost of every
+    layout in the grid."""
+    clock = [0.0]
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(autotune.Tuner, "_microbench", lambda self, r: (alpha, beta))
+    r = _FakeReducer()
+    t = autotune.Tuner(r)
+    for _ in range(steps):
+        t.boundary(r)
+        if not t.active:
+            break
+        plan = r.plan_for(r.config)
+        start = clock[0]
+        if r.ready_probe is not None:  # backward: param k of the ready order at k ms
+            for k, i in enumerate(r.rebuild_order):
+                clock[0] = start + 1e-3 * (k + 1)
+                r.ready_probe(i)
+        clock[0] = start + true_cost(plan) - 1e-3
+        t.on_all_issued()
+        clock[0] = start + true_cost(plan)
+        t.on_finalized()
+        r.steps_reduced += 1
+    truth = {(l.first_mb, l.rest_mb): true_cost(r.plan_for(l.config)) for l in t.layouts}
+    return t, r, truth
+
+
+def _landscape(alpha, beta, host=30e-6, base=0.05):
+    ready = [0.0] * 16
+    for k, i in enumerate(list(range(16))[::-1]):
+        ready[i] = 1e-3 * (k + 1)
+    return lambda plan: base + autotune.predict(plan, ready, alpha, beta, host)
+
+
+def test_search_finds_the_minimum_the_model_misjudges(monkeypatch):
+    # the model believes collectives are cheap (0.1 ms, 1 GB/s); really each
+    # costs 4 ms + 1 ms/MiB: fewer, larger buckets win
+    t, r, truth = _drive(monkeypatch, _landscape(4e-3, 1e-3 / 2**20))
+    rep = t.report()
+    assert rep["state"] == "settled" and rep["settled_at_step"] <= 30, rep
+    chosen = (rep["chosen"]["first_mb"], rep["chosen"]["rest_mb"])
+    assert truth[chosen] <= 1.03 * min(truth.values()), (chosen, truth)
+    assert len(rep["tried"]) <= autotune.MAX_LAYOUTS
+    assert rep["tried"][0]["torch_args"] == {"bucket_cap_mb": None}
+    model_best = min(t.layouts, key=lambda l: l.predicted_s)
+    assert (rep["tried"][1]["first_mb"], rep["tried"][1]["rest_mb"]) == (model_best.first_mb, model_best.rest_mb)
+
+
+def test_search_never_tries_a_layout_known_to_be_bad(monkeypatch):
+    # model and reality agree (alpha 2 ms): tiny buckets are predicted far
+    # worse than the best measured and must not be tried
+    t, r, truth = _drive(monkeypatch, _landscape(2e-3, 1e-3 / 2**20, base=0.01), alpha=2e-3, beta=1e-3 / 2**20)
+    rep = t.report()
+    best = min(truth.values())
+    for lay in rep["tried"]:
+        assert truth[(lay["first_mb"], lay["rest_mb"])] <= best * 1.15 or lay["torch_args"] == {
+            "bucket_cap_mb": None}, (lay, best)
+    never = [l for l in t.layouts if truth[(l.first_mb, l.rest_mb)] > 1.5 * best]
+    assert never, "the grid should hold clearly bad layouts"
+    tried = {(l["first_mb"], l["rest_mb"]) for l in rep["tried"]}
+    assert not tried & {(l.first_mb, l.rest_mb) for l in never}
+
+
+def test_gain_within_noise_keeps_torchs_default(monkeypatch):
+    base = _landscape(4e-3, 1e-3 / 2**20)
+    default_cost = base(_FakeReducer().plan_for(planner.BucketConfig()))
+    # every other layout 0.5% faster than the default: below the 1% noise floor
+    t, r, truth = _drive(monkeypatch, lambda plan: default_cost * (
+        1.0 if [b.param_indices for b in plan.buckets] == [b.param_indices for b in _FakeReducer().plan_for(
+            planner.BucketConfig()).buckets] else 0.995))
+    rep = t.report()
+    assert rep["chosen"]["torch_args"] == {"bucket_cap_mb": None}, rep["reason"]
+    assert "within noise" in rep["reason"]
