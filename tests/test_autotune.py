@@ -392,3 +392,36 @@ def test_gain_within_noise_keeps_torchs_default(monkeypatch):
     rep = t.report()
     assert rep["chosen"]["torch_args"] == {"bucket_cap_mb": None}, rep["reason"]
     assert "within noise" in rep["reason"]
+
+
+def _compile_body(rank, world_size):
+    import torch._dynamo
+
+    from fastddp import DistributedDataParallel as DDP
+    from tests.test_compile import _fresh_dynamo
+
+    _fresh_dynamo()
+    base = Stack(depth=4)
+    auto = DDP(copy.deepcopy(base), bucket_cap_mb="auto")
+    ref = torch_ddp_class()(copy.deepcopy(base))
+    run = torch.compile(auto, backend="aot_eager")
+    caps, equal = set(), []
+    opts = [torch.optim.SGD(d.parameters(), lr=0.01) for d in (auto, ref)]
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        for fwd, o in zip((run, ref), opts):
+            o.zero_grad(set_to_none=True)
+            ((fwd(x) - y) ** 2).mean().backward()
+        equal.append(_same(_grads(auto), _grads(ref)))
+        caps.add(auto.bucket_bytes_cap)
+        for o in opts:
+            o.step()
+    return {"equal": equal, "report": auto.stats()["autotune"], "caps": sorted(caps)}
+
+
+def test_compile_aot_eager(world2):
+    """torch.compile: no crash, the same gradients as torch's eager DDP at
+    every step while the caps change under the compiled module."""
+    for r in world2.run(_compile_body, timeout=600):
+        assert all(r["equal"]), r["equal"]
+        assert r["report"]["state"] == "settled", r["report"]
