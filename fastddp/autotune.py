@@ -167,7 +167,8 @@ class Layout:
         return {"bucket_cap_mb_list": [self.first_mb, self.rest_mb]}
 
     def label(self) -> str:
-        return f"first {_mb(self.first_mb)} / rest {_mb(self.rest_mb)} MiB ({self.buckets} buckets)"
+        return (f"first {_mb(self.first_mb)} / rest {_mb(self.rest_mb)} MiB "
+                f"({self.buckets} bucket{'' if self.buckets == 1 else 's'})")
 
     def report(self) -> dict:
         return {"first_mb": self.first_mb, "rest_mb": self.rest_mb, "buckets": self.buckets,

@@ -202,6 +202,7 @@ def test_auto_tunes_with_exact_gradients(world2, mode):
         assert r["settled_at"] is not None and r["settled_at"] < STEPS, r["report"]
         rep = r["report"]
         assert rep["state"] == "settled" and rep["steps"] <= STEPS
+        assert rep["steps"] == r["settled_at"] + 1  # no_sync forwards are not steps
         assert len(rep["tried"]) >= 2, rep   # torch's default and at least the model's best
         assert rep["chosen"] in rep["tried"], rep
         assert r["same_buckets"], rep["chosen"]
