@@ -33,12 +33,16 @@ fastddp-batched    ... batched_grad_copy=True
 fastddp-view       ... gradient_as_bucket_view=True
 fastddp-fp16       ... + register_comm_hook(None, fastddp.hooks.fp16_compress_hook)
 fastddp-bf16       ... + register_comm_hook(None, fastddp.hooks.bf16_compress_hook)
+fastddp-bf16acc    ... + fastddp.hooks.bf16_fp32acc_hook (bf16 wire, fp32 sum; opt-in)
+fastddp-fp8        ... + fastddp.hooks.fp8_compress_hook, FP8CompressionState() (opt-in)
 replicate          torch's FSDP2-based ``replicate``
                    (torch.distributed._composable.replicate_with_fsdp), applied
                    per block then on the root as torchtitan's apply_replicate
                    does (:func:`replicate_blocks` says what a block is); fp32
 replicate-bf16     ... with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16):
                    params and compute fp32, gradients all-reduced in bf16
+fastddp-auto       ... bucket_cap_mb="auto" (opt-in row; tunes in its first ~25
+                   steps: time it with --warmup 30 to see the settled layout)
 =================  ===========================================================
 
 Simulated interconnect (``--simulate-bandwidth``): the runner passes a
@@ -274,6 +278,13 @@ def _replicate(model, process_group, options, reduce_dtype: torch.dtype | None =
     return model, note
 
 
+def _fastddp_auto(model, process_group, options):
+    import dataclasses
+
+    ddp, _ = _fastddp(model, process_group, dataclasses.replace(options, bucket_cap_mb="auto"))
+    return ddp, "bucket_cap_mb='auto' (tuning steps count unless --warmup >= 30)"
+
+
 def registry() -> dict[str, WrapperSpec]:
     """Every wrapper by name (a fresh dict on every call)."""
     P = functools.partial
@@ -302,6 +313,7 @@ def registry() -> dict[str, WrapperSpec]:
         WrapperSpec("replicate", "replicate", "default", _replicate),
         WrapperSpec("replicate-bf16", "replicate", "bf16", P(_replicate, reduce_dtype=torch.bfloat16),
                     wire_itemsize=2),
+        WrapperSpec("fastddp-auto", "fastddp", "auto", _fastddp_auto, baselines=("torch", "replicate")),
     ]
     from .compile_wrappers import specs as compile_specs  # torch-compile, fastddp-compile (opt-in rows)
 

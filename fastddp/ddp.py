@@ -94,7 +94,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group=None,
-        bucket_cap_mb: float | None = None,
+        bucket_cap_mb: float | str | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -203,6 +203,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None,
             check_finite=self.config.check_finite,
+            auto_bucket_cap=self.config.auto_bucket_cap,
         )
         sparse = self._sparse_params if len(self._sparse_params) == len(parameters) else None
         if sparse and any(sparse) and self._mp is not None:
@@ -419,7 +420,11 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
 
     def join_hook(self, **kwargs):
         """The :class:`~torch.distributed.algorithms.join.JoinHook` for a
-        shared ``Join`` context (e.g. with ``ZeroRedundancyOptimizer``)."""
+        shared ``Join`` context (e.g. with ``ZeroRedundancyOptimizer``).
+        Ends ``bucket_cap_mb="auto"``'s tuning (every rank builds the context
+        at the same step; a joined rank's shadow collectives have no tuner's)."""
+        if self.reducer is not None:
+            self.reducer.freeze_tuning("join()")
         return join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     join_device = property(lambda self: self.device)

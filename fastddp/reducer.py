@@ -28,6 +28,7 @@ as in torch; complex parameters are reduced through their real view.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import compile as _compile, groups, planner, profiling, reduction
+from . import autotune, compile as _compile, groups, planner, profiling, reduction
 from .buckets import Bucket
 from .comm import Comm
 from .health import HealthCheck
@@ -66,6 +67,8 @@ class ReducerOptions:
     """mixed_precision: the buckets' (wire) dtype; None: the params' dtype."""
     check_finite: str | None = None
     """``"raise"`` / ``"warn"``: gradient health flags set by the packs (:mod:`fastddp.health`)."""
+    auto_bucket_cap: bool = False
+    """``bucket_cap_mb="auto"``: :mod:`fastddp.autotune` changes ``bucket`` in the first steps."""
 
 
 class Reducer:
@@ -106,6 +109,10 @@ class Reducer:
         self._buckets: list[Bucket] = []
         self.health = HealthCheck(options.check_finite, self.device) if options.check_finite else None
         self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
+        self.rebuild_order: list[int] | None = None  # rank 0's ready order of the one rebuild
+        self.ready_probe: Callable[[int], None] | None = None  # autotune: sees each ready mark
+        self._forward_syncs = False
+        self.tuner = autotune.Tuner(self) if options.auto_bucket_cap else None
         # post-accumulate-grad hooks fire as the post hook torch's reducer puts
         # on AccumulateGrad (also for undefined grads), without tuples of grads
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -170,7 +177,39 @@ class Reducer:
         return self.opts.bucket.should_rebuild and not self._has_rebuilt
 
     def rebuild_buckets(self) -> bool:
-        """Before a forward: rebuild once, in rank 0's ready order (torch's rule)."""
+        """Before a forward: rebuild once, in rank 0's ready order (torch's
+        rule); with ``bucket_cap_mb="auto"``, the tuner's step boundary."""
+        rebuilt = self._rebuild_once()
+        syncs, self._forward_syncs = self._forward_syncs, False
+        if self.tuner is not None and self.tuner.active and syncs:
+            rebuilt = self.tuner.boundary(self) or rebuilt
+        return rebuilt
+
+    def plan_for(self, config: planner.BucketConfig) -> planner.BucketPlan:
+        """The plan torch's rebuild makes with ``config`` (the one ready order, else the initial plan)."""
+        if self.rebuild_order is None:
+            return planner.initial_plan(self.params, config, self.sparse)
+        return planner.rebuilt_plan(self.params, self.rebuild_order, config, self.sparse)
+
+    def set_bucket_config(self, config: planner.BucketConfig) -> bool:
+        """New caps between steps (``bucket_cap_mb="auto"``): the buckets
+        torch's rebuild makes with them; False when the buckets stay the same."""
+        self.ensure_prior_reduction_finished()
+        if self.ready.expect_hooks and any(b.work is not None for b in self._buckets):
+            raise RuntimeError("fastddp internal error: bucket caps changed while buckets are in flight")
+        plan = self.plan_for(config)
+        self.opts = dataclasses.replace(self.opts, bucket=config)
+        if [b.param_indices for b in plan.buckets] == [b.param_indices for b in self.plan.buckets]:
+            return False
+        self._install_plan(plan)
+        return True
+
+    def freeze_tuning(self, why: str) -> None:
+        """End ``bucket_cap_mb="auto"``'s tuning now (join): no collectives."""
+        if self.tuner is not None:
+            self.tuner.freeze(self, why)
+
+    def _rebuild_once(self) -> bool:
         self.ensure_prior_reduction_finished()
         order = self.ready.ready_order
         if not self._should_rebuild() or not order:
@@ -180,7 +219,8 @@ class Reducer:
             return False  # an unfinished iteration (its error was caught): learn it again
         t = torch.tensor(order, dtype=torch.int64, device=self.device)
         groups.broadcast(t, self.pg, src=0)
-        self._install_plan(planner.rebuilt_plan(self.params, t.tolist(), self.opts.bucket, self.sparse))
+        self.rebuild_order = t.tolist()
+        self._install_plan(planner.rebuilt_plan(self.params, self.rebuild_order, self.opts.bucket, self.sparse))
         self._has_rebuilt = True
         return True
 
@@ -188,6 +228,7 @@ class Reducer:
     def prepare_for_forward(self, sync: bool = True) -> None:
         """Every forward of the module; ``sync``: its backward will be reduced."""
         self.ready.reduced_since_forward = False
+        self._forward_syncs = sync
         if sync:
             self.num_iterations += 1
             self._fwd_work = None
@@ -231,6 +272,8 @@ class Reducer:
 
     def _mark_ready(self, index: int) -> None:
         self.ready.mark(index)
+        if self.ready_probe is not None:
+            self.ready_probe(index)
         bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -250,6 +293,8 @@ class Reducer:
     def _all_buckets_issued(self) -> None:
         self._t_all_issued = time.perf_counter()
         self.comm.mark_all_issued()
+        if self.tuner is not None and self.tuner.active:
+            self.tuner.on_all_issued()
         if self.ready.dynamic_find_unused:
             self.ready.all_reduce_used_map()
 
@@ -325,6 +370,8 @@ class Reducer:
                 self.after_finalize()
             # host view of the exposed comm: last bucket issued -> all reduced (CUDA: events too)
             self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
+            if self.tuner is not None and self.tuner.active:
+                self.tuner.on_finalized()
             self.steps_reduced += 1
             self.ready.finish()
 
