@@ -287,8 +287,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             walk = self.find_unused_parameters and not self.static_graph  # the outputs' graph
-            self.reducer.prepare_for_backward(
-                [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)] if walk else [])
+            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            self.reducer.prepare_for_backward(outs if walk else [])
+            self.reducer.watch_outputs(outs)  # a second backward through them is reduced too
         else:
             self.require_forward_param_sync = False
         if (self.find_unused_parameters and not self.static_graph) or (

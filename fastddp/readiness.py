@@ -11,7 +11,6 @@ failed one so the next starts clean.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -46,8 +45,6 @@ class Readiness:
         self.collect_order = False
         self.num_bwd_calls = 0            # torch's num_bwd_calls_: backwards that fired a hook
         self.first_hook_called = False
-        self.reduced_since_forward = False
-        self.warned_extra_backward = False
 
     # torch counts backward passes, not forwards: a forward re-run inside
     # backward (non-reentrant checkpoint around the whole module) must not end
@@ -84,6 +81,21 @@ class Readiness:
             self.per_iter_counts = list(self.hook_counts)
         self.collect_order = self.should_rebuild()
 
+    def rearm(self, unused: list[int]) -> None:
+        """Another backward through the outputs of an already reduced forward
+        (``retain_graph=True``): reduce it too, with that forward's unused
+        params.  The ready order was learnt from its first backward."""
+        self.expect_hooks = True
+        self.first_hook_called = False
+        self.marked = bytearray(len(self.names))
+        self.marked_unused = False
+        if self.dynamic_find_unused:
+            self.global_used = None
+            self.unused = list(unused)
+        if self.static:
+            self.per_iter_counts = list(self.hook_counts)
+        self.collect_order = False
+
     def _search_unused(self, outputs, index_of) -> list[int]:
         """Params whose AccumulateGrad node is not reachable from the outputs."""
         seen, reached = set(), set()
@@ -114,20 +126,11 @@ class Readiness:
             self.hook_counts[index] += 1
             return []
         if not self.expect_hooks:
-            if self.reduced_since_forward and not self.warned_extra_backward:
-                # Not an error: calling ``ddp.module`` directly for a local
-                # step is a known pattern; retain_graph twice is the usual bug.
-                self.warned_extra_backward = True
-                warnings.warn(
-                    f"fastddp: parameter {self.names[index]!r} got a gradient from a backward "
-                    "that no DDP forward prepared, after this iteration's gradients were "
-                    "already averaged (e.g. backward(retain_graph=True) twice over one "
-                    "forward, or a forward through ddp.module). Those gradients are LOCAL, "
-                    "not synchronised across ranks, and are added to the averaged ones. Run a "
-                    "new forward through the DDP module for every backward, or accumulate "
-                    "inside no_sync() and reduce with the last backward. (Warned once.)",
-                    RuntimeWarning, stacklevel=3)
-            return []  # no_sync(), eval, or a backward that DDP did not prepare
+            # no_sync(), eval, or a backward through ``ddp.module``'s own
+            # forward (a deliberate local step): local, as torch.  A second
+            # backward through a DDP forward's outputs was re-armed by
+            # :meth:`rearm` before any hook of it fired.
+            return []
         out = []
         if not self.marked_unused:
             self.marked_unused = True
@@ -196,7 +199,6 @@ class Readiness:
         """The iteration's buckets are reduced."""
         self.expect_hooks = False
         self.first_hook_called = False
-        self.reduced_since_forward = True
         if self.used_work is not None:
             self._wait_used_map()  # never let the next iteration's map race this one
         if self.dynamic_find_unused:

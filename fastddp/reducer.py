@@ -28,6 +28,7 @@ as in torch; complex parameters are reduced through their real view.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class Reducer:
         self._dense, self._sparse_mode = reduction.choose(None, None, options.batched_grad_copy, True)
         self.mixed_precision_hook: Callable | None = None  # set by the front (mixed_precision)
         self.after_finalize: Callable | None = None         # ditto: frozen params back to fp
+        self.refuse_extra_backward: Callable[[], str | None] | None = None  # ditto: why not (mixed_precision)
         self.ready = Readiness(self.names, process_group, self.device, static=options.static_graph,
                                find_unused=options.find_unused_parameters,
                                should_rebuild=self._should_rebuild,
@@ -187,7 +189,6 @@ class Reducer:
     # ----------------------------------------------------------- iteration
     def prepare_for_forward(self, sync: bool = True) -> None:
         """Every forward of the module; ``sync``: its backward will be reduced."""
-        self.ready.reduced_since_forward = False
         if sync:
             self.num_iterations += 1
             self._fwd_work = None
@@ -215,6 +216,52 @@ class Reducer:
         self.ready.reset(outputs, self._index_of)
         r = self.ready
         self._fast_hooks = not (r.track_used or r.static or r.unused or r.collect_order or self.debug)
+
+    def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
+        """After prepare_for_backward: every later backward through these
+        outputs is reduced too (``retain_graph=True``, two losses through one
+        forward), not just the first.  A backward that reaches no DDP output
+        (a forward through ``ddp.module``) stays local, as in torch."""
+        token = (self.steps_reduced, tuple(self.ready.unused))
+        hook = functools.partial(self._output_hook, token)
+        for t in outputs:
+            if t.requires_grad:
+                t.register_hook(hook)
+
+    @_compile.eager  # compiled autograd: called eagerly
+    def _output_hook(self, token, _grad) -> None:
+        # An output's gradient is computed before any parameter's of the same
+        # backward: re-arming here is in time for all of them.
+        if self.ready.expect_hooks or self.steps_reduced == token[0]:
+            return  # this forward's first backward (or one that failed) is still the one armed
+        self._rearm(token[1])
+
+    def _rearm(self, unused) -> None:
+        """Reduce another backward over an already reduced forward.  The
+        ``.grad`` hold avg(g) from the first reduction (the same on every rank)
+        plus this backward's local increment d: reducing the total gives
+        avg(avg(g) + d) = avg(g) + avg(d) = avg(g + d), the average of what both
+        backwards accumulated locally (exactly where the arithmetic is exact).
+        Every rank must run the same number of backwards, as it must run
+        the same forwards."""
+        why = None
+        if self._fwd_work is not None:
+            why = ("inside join(): the ranks that have joined shadow one backward per forward "
+                   "and would not match this one's collectives")
+        elif self.refuse_extra_backward is not None:
+            why = self.refuse_extra_backward()
+        if why is not None:
+            raise RuntimeError(
+                f"fastddp: a second backward through the outputs of one DDP forward "
+                f"(backward(retain_graph=True) twice, or two losses of one forward) on rank "
+                f"{self.rank} cannot be averaged {why}. Sum the losses and call backward once, or "
+                "run a new forward for each backward.")
+        with self._lock:
+            self._next_bucket = 0
+            for b in self._buckets:
+                b.pending, b.work = b.size, None
+            self.ready.rearm(list(unused))
+            self._fast_hooks = False
 
     # ------------------------------------------------------------ readiness
     def _make_hook(self, index: int):

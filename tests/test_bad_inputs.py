@@ -79,28 +79,131 @@ def test_buffer_shapes_differ_across_ranks(world2):
         assert "buffer" in msg and "'stats'" in msg and "[3]" in msg and "[5]" in msg, msg
 
 
-def _retain_graph_body(rank, world_size):
-    m = make_model("mlp")
-    ddp = ddp_class()(m)
-    x, y = make_batch("mlp", rank, 0)
-    loss = loss_fn(ddp(x), y)
-    loss.backward(retain_graph=True)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        loss.backward()
-    texts = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
-    # a new forward per backward: no warning
-    with warnings.catch_warnings(record=True) as w2:
-        warnings.simplefilter("always")
-        loss_fn(ddp(x), y).backward()
-    texts2 = [str(x.message) for x in w2 if "LOCAL" in str(x.message)]
-    return texts, texts2
+class _TwoHeads(nn.Module):
+    """A trunk and two heads, small integer weights: with small integer inputs
+    every gradient, its halving and its sum are exact in fp32 and fp16, so a
+    second backward's reduction can be checked with ``torch.equal``."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+        with torch.no_grad():
+            for i, p in enumerate(self.parameters()):
+                p.copy_((torch.arange(p.numel()).reshape(p.shape) + i) % 5 - 2)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.a(h), self.b(h)
 
 
-def test_second_backward_over_a_reduced_forward_warns(world2):
-    for texts, texts2 in world2.run(_retain_graph_body):
-        assert texts and "LOCAL" in texts[0] and "retain_graph" in texts[0], texts
-        assert not texts2, texts2
+def _int_batch(rank, step):
+    return ((torch.arange(12).reshape(3, 4) * (rank + 2) + step) % 5 - 2).float()
+
+
+def _two_losses(outs, k, only_a):
+    a, b = outs
+    if k == 0:
+        return a.sum() + 2 * b.sum()
+    return (k + 2) * a.sum() if only_a else (k + 2) * a.sum() - b.sum()
+
+
+def _local_grads(model, world_size, steps, n_backward, only_a):
+    """What each rank's backwards accumulate locally, averaged over the ranks."""
+    import copy
+
+    per_rank = []
+    for r in range(world_size):
+        m = copy.deepcopy(model)
+        for step in range(steps):
+            outs = m(_int_batch(r, step))
+            for k in range(n_backward):
+                _two_losses(outs, k, only_a).backward(retain_graph=k < n_backward - 1)
+        per_rank.append([p.grad.clone() for p in m.parameters()])
+    return [sum(gs) / world_size for gs in zip(*per_rank)]
+
+
+def _hook_of(name):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if name == "allreduce":
+        return default_hooks.allreduce_hook
+    if name == "fp16":
+        return default_hooks.fp16_compress_hook
+    if name == "python":  # not one of torch's: runs as a plain Python comm hook
+        return lambda state, bucket: default_hooks.allreduce_hook(state, bucket)
+    return None
+
+
+def _second_backward_body(rank, world_size, kwargs, hook, n_backward, only_a):
+    import copy
+
+    base = _TwoHeads()
+    ddp = ddp_class()(copy.deepcopy(base), **kwargs)
+    if hook:
+        ddp.register_comm_hook(None, _hook_of(hook))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "LOCAL gradients" warning any more
+        for step in range(2):  # grads accumulate over the steps (no zero_grad)
+            outs = ddp(_int_batch(rank, step))
+            for k in range(n_backward):
+                _two_losses(outs, k, only_a).backward(retain_graph=k < n_backward - 1)
+    got = [p.grad.clone() for p in ddp.module.parameters()]
+    want = _local_grads(base, world_size, 2, n_backward, only_a)
+    bad = [n for (n, _), g, w in zip(ddp.module.named_parameters(), got, want) if not torch.equal(g, w)]
+    return bad, [g.sum().item() for g in got]
+
+
+SECOND_BACKWARD = {
+    "default": ({}, None, 2, False),
+    "three_backwards": ({}, None, 3, False),
+    "buckets_per_param": ({"bucket_cap_mb": 1e-6}, None, 2, False),
+    "bucket_view": ({"gradient_as_bucket_view": True}, None, 2, False),
+    "batched_grad_copy": ({"batched_grad_copy": True}, None, 2, False),
+    "find_unused_loss2_skips_a_head": ({"find_unused_parameters": True}, None, 2, True),
+    "static_graph": ({"static_graph": True}, None, 2, False),
+    "allreduce_hook": ({}, "allreduce", 2, False),
+    "python_hook": ({}, "python", 2, False),
+    "fp16_hook": ({}, "fp16", 2, False),
+    "fp16_hook_bucket_view": ({"gradient_as_bucket_view": True}, "fp16", 2, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SECOND_BACKWARD))
+def test_second_backward_over_one_forward_is_averaged(world2, case):
+    """Two losses through one forward (retain_graph=True): torch's DDP leaves
+    each rank with avg(g1) + its own local g2 (silently different per rank);
+    fastddp reduces every backward: .grad == avg over ranks of g1 + g2."""
+    res = world2.run(_second_backward_body, *SECOND_BACKWARD[case])
+    for rank, (bad, sums) in enumerate(res):
+        assert not bad, f"rank {rank}: {bad} differ from the average of the local gradients"
+    assert res[0][1] == res[1][1], "the ranks' gradients differ"
+
+
+def _local_step_body(rank, world_size):
+    """The pattern torch's docs allow besides no_sync(): accumulate through
+    ``ddp.module`` (local), reduce with the last micro-batch through DDP."""
+    import copy
+
+    base = _TwoHeads()
+    ddp = ddp_class()(copy.deepcopy(base))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _two_losses(ddp(_int_batch(rank, 0)), 0, False).backward()  # a reduced step first
+        for p in ddp.module.parameters():
+            p.grad = None
+        _two_losses(ddp.module(_int_batch(rank, 1)), 0, False).backward()  # local
+        local = [p.grad.clone() for p in ddp.module.parameters()]
+        _two_losses(ddp(_int_batch(rank, 2)), 0, False).backward()  # reduces both
+    return local, [p.grad.clone() for p in ddp.module.parameters()]
+
+
+def test_local_step_through_module_then_ddp_step(world2):
+    (l0, g0), (l1, g1) = world2.run(_local_step_body)
+    assert not all(torch.equal(a, b) for a, b in zip(l0, l1)), "the local step should differ per rank"
+    for a, b in zip(g0, g1):
+        assert torch.equal(a, b)
 
 
 def _added_param_body(rank, world_size, debug):
