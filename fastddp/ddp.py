@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import compile as _compile, groups, join, planner, profiling
 from .config import DDPConfig, params_for_reducer
-from .verify import check_no_new_parameters
+from .verify import ModuleWatch
 from .reducer import Reducer, ReducerOptions
 
 __all__ = ["DistributedDataParallel"]
@@ -185,6 +185,13 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if self._mp is not None:
             self.reducer.mixed_precision_hook = self._mp.restore_bucket
             self.reducer.after_finalize = self._mp.restore_all
+            if self._mp.param_dtype is not None:
+                self.reducer.refuse_extra_backward = lambda: (
+                    "with mixed_precision(param_dtype=...): the first backward's end put the "
+                    "full-precision parameters back and freed the low-precision copies its graph saved")
+        self._watch = self.reducer.module_watch = ModuleWatch(
+            self.module, parameters, names, self.parameters_to_ignore, groups.rank(self.process_group),
+            check_dtype=self._mp is None)
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (torch's private API, public in spirit)."""
@@ -262,12 +269,14 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.reducer.prepare_for_forward(grad_sync)
         if self.reducer.debug:
-            check_no_new_parameters(self.module, self.reducer.params, self.parameters_to_ignore)
+            self._watch.check()
+        elif self._watch.frozen:
+            self._watch.check_frozen()
         work = Join.notify_join_context(self)
         if work:
             self.reducer.set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
         if torch.is_grad_enabled() and self.reducer.rebuild_buckets():
-            check_no_new_parameters(self.module, self.reducer.params, self.parameters_to_ignore)
+            self._watch.check()
         if self.will_sync_module_buffers():
             self._sync_buffers()
         if self._join_config.enable:

@@ -35,6 +35,7 @@ class Readiness:
         self.marked = bytearray(n)
         self.marked_unused = False
         self.unused: list[int] = []
+        self.foreign: list[torch.Tensor] = []  # the last walk's leaves that are not DDP's params
         self.local_used = bytearray(n)
         self.global_used: list[int] | None = None
         self.used_work = None
@@ -43,6 +44,7 @@ class Readiness:
         self.per_iter_counts: list[int] = []
         self.ready_order: list[int] = []  # for the one bucket rebuild
         self.collect_order = False
+        self.armed = [0, 0]               # backwards armed: first of their forward, extra (debug: ranks agree)
         self.num_bwd_calls = 0            # torch's num_bwd_calls_: backwards that fired a hook
         self.first_hook_called = False
 
@@ -74,6 +76,7 @@ class Readiness:
         self.first_hook_called = False
         self.marked = bytearray(len(self.names))
         self.marked_unused = False
+        self.armed[0] += 1
         if self.dynamic_find_unused:
             self.global_used = None
             self.unused = self._search_unused(outputs, index_of)
@@ -89,6 +92,7 @@ class Readiness:
         self.first_hook_called = False
         self.marked = bytearray(len(self.names))
         self.marked_unused = False
+        self.armed[1] += 1
         if self.dynamic_find_unused:
             self.global_used = None
             self.unused = list(unused)
@@ -99,6 +103,7 @@ class Readiness:
     def _search_unused(self, outputs, index_of) -> list[int]:
         """Params whose AccumulateGrad node is not reachable from the outputs."""
         seen, reached = set(), set()
+        self.foreign = []
         stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while stack:
             fn = stack.pop()
@@ -110,6 +115,8 @@ class Readiness:
                 i = index_of.get(id(var))
                 if i is not None:
                     reached.add(i)
+                else:
+                    self.foreign.append(var)  # not DDP's: an input, another module's, or changed after wrapping
             stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None and nxt not in seen)
         return [i for i in range(len(self.names)) if i not in reached]
 
@@ -228,7 +235,8 @@ class Readiness:
             hint = ("You can enable unused parameter detection by passing the keyword argument "
                     "`find_unused_parameters=True` to `fastddp.DistributedDataParallel` (as with "
                     "torch's DDP), and by making sure all `forward` function outputs participate "
-                    "in calculating loss.")
+                    "in calculating loss. (A parameter replaced in the module after wrapping, or "
+                    "set to requires_grad=False, also stops getting gradients: wrap the model again.)")
         return RuntimeError(
             "Expected to have finished reduction in the prior iteration before starting a new one. "
             "This error indicates that your module has parameters that were not used in producing "
@@ -241,12 +249,23 @@ class Readiness:
         here instead of leaving its peers blocked in a collective."""
         if self.world == 1:
             return
-        marked = torch.tensor(list(self.marked), dtype=torch.uint8, device=self.device)
+        marked = torch.tensor([*self.armed, *self.marked], dtype=torch.int64, device=self.device)
         if groups.is_registered(self.pg) and groups.backend_name(self.pg) == "gloo":
             dist.monitored_barrier(group=self.pg, wait_all_ranks=True)
         every = [torch.empty_like(marked) for _ in range(self.world)]
         groups.all_gather(every, marked, self.pg)
         every = [e.cpu() for e in every]
+        counts = [tuple(e[:2].tolist()) for e in every]
+        if len(set(counts)) > 1:
+            self.abort()
+            raise RuntimeError(
+                f"fastddp (debug mode): the ranks disagree on how many backwards DDP reduces: "
+                f"{', '.join(f'rank {r}: {a} + {b} extra' for r, (a, b) in enumerate(counts))} so far. A backward "
+                "through the outputs of a DDP forward is averaged, a second one over the same forward "
+                "(retain_graph=True) too, so every rank must run the same forwards and backwards "
+                "(no rank-dependent extra backward, no_sync() on every rank or none); otherwise "
+                "buckets of different backwards are averaged together.")
+        every = [e[2:] for e in every]
         for r in range(self.world):
             diff = (every[r] != every[0]).nonzero().flatten().tolist()
             if diff:

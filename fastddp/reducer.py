@@ -91,6 +91,7 @@ class Reducer:
         self.mixed_precision_hook: Callable | None = None  # set by the front (mixed_precision)
         self.after_finalize: Callable | None = None         # ditto: frozen params back to fp
         self.refuse_extra_backward: Callable[[], str | None] | None = None  # ditto: why not (mixed_precision)
+        self.module_watch = None  # ditto: verify.ModuleWatch, for what the find_unused walk meets
         self.ready = Readiness(self.names, process_group, self.device, static=options.static_graph,
                                find_unused=options.find_unused_parameters,
                                should_rebuild=self._should_rebuild,
@@ -215,6 +216,13 @@ class Reducer:
             b.pending, b.work = b.size, None
         self.ready.reset(outputs, self._index_of)
         r = self.ready
+        if r.foreign and self.module_watch is not None:
+            foreign, r.foreign = r.foreign, []
+            try:
+                self.module_watch.check_leaves(foreign)
+            except RuntimeError:
+                self.abort_iteration()
+                raise
         self._fast_hooks = not (r.track_used or r.static or r.unused or r.collect_order or self.debug)
 
     def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:

@@ -318,3 +318,225 @@ def _debug_parity_body(rank, world_size):
 
 def test_debug_mode_keeps_torch_gradients(world2):
     assert world2.run(_debug_parity_body) == [True, True]
+
+
+# ------------------------------------------------------------------------
+# The module, the gradients or the ranks' schedules changed under DDP: every
+# scenario ends in gradients equal to the exact average or in an error that
+# names the parameter and the rank (torch's DDP: see each test).
+
+def _net():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _x(rank, step):
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(rank * 100 + step))
+
+
+def _steps(ddp, rank, steps, first=0):
+    for s in range(first, first + steps):
+        ddp(_x(rank, s)).sum().backward()
+
+
+def _scenario_body(rank, world_size, name):
+    """Run scenario ``name``; return ``"ok"`` with the grads, or the error text."""
+    import contextlib
+    import copy
+
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    debug = name.endswith("_debug")
+    short = name.startswith(("extra_backward_one_rank", "no_sync_one_rank"))
+    if debug:
+        os.environ["FASTDDP_DEBUG"] = "1"
+    pg = _short_group(world_size) if short else None
+    m = _net()
+    base = copy.deepcopy(m)
+    try:
+        if name == "unfreeze_after_wrapping":
+            m[0].weight.requires_grad_(False)
+        kw = {"process_group": pg}
+        if name in ("replace_param_find_unused", "view_grad_replaced"):
+            kw.update(find_unused_parameters=name.startswith("replace"),
+                      gradient_as_bucket_view=name.startswith("view"))
+        if name == "mixed_precision_second_backward":
+            kw["mixed_precision"] = _MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        ddp = ddp_class()(m, **kw)
+        if name == "mixed_precision_second_backward":
+            out = ddp(_x(rank, 0)).float()
+            out.sum().backward(retain_graph=True)
+            out.sum().backward()
+        elif name.startswith("extra_backward_one_rank"):
+            _steps(ddp, rank, 2)  # past the bucket rebuild (its broadcast comes first otherwise)
+            out = ddp(_x(rank, 2))
+            out.sum().backward(retain_graph=True)
+            if rank == 0:
+                out.sum().backward()
+            _steps(ddp, rank, 3, 3)
+        elif name == "no_sync_one_rank":
+            with ddp.no_sync() if rank == 0 else contextlib.nullcontext():
+                _steps(ddp, rank, 1)
+            _steps(ddp, rank, 3, 1)
+        elif name == "unfreeze_after_wrapping":
+            _steps(ddp, rank, 2)  # past the bucket rebuild
+            m[0].weight.requires_grad_(True)
+            _steps(ddp, rank, 1, 2)
+        elif name.startswith("freeze_after_wrapping"):
+            _steps(ddp, rank, 2)
+            m[0].weight.requires_grad_(False)
+            _steps(ddp, rank, 2, 2)
+        elif name.startswith("replace_param"):
+            _steps(ddp, rank, 2)
+            m[0].weight = nn.Parameter(m[0].weight.detach().clone())
+            _steps(ddp, rank, 2, 2)
+        elif name.startswith(("param_shape_changed", "module_dtype_changed")):
+            _steps(ddp, rank, 1 if not debug else 2)  # before the rebuild / after it (debug mode)
+            if name.startswith("param_shape"):
+                m[2].weight.data = torch.zeros(4, 8)
+                m[2].bias.data = torch.zeros(4)
+                _steps(ddp, rank, 1, 2)
+            else:
+                m.double()
+                ddp(_x(rank, 2).double()).sum().backward()
+        elif name == "grad_dtype_replaced":
+            _steps(ddp, rank, 1)
+            m[0].weight.grad = m[0].weight.grad.half()
+            _steps(ddp, rank, 1, 1)
+        elif name == "grad_resized":
+            _steps(ddp, rank, 1)
+            with torch.no_grad():
+                m[0].weight.grad.resize_(4, 8)
+            _steps(ddp, rank, 1, 1)
+        elif name == "view_grad_replaced":
+            _steps(ddp, rank, 1)
+            for p in m.parameters():
+                p.grad = p.grad.clone()  # no longer views of the buckets
+            _steps(ddp, rank, 1, 1)
+            m[0].weight.grad = None       # zero_grad(set_to_none) of one parameter
+            _steps(ddp, rank, 1, 2)
+            ref = [copy.deepcopy(base) for _ in range(world_size)]
+            for r, mm in enumerate(ref):
+                for s in range(3):
+                    if s == 2:
+                        mm[0].weight.grad = None
+                    mm(_x(r, s)).sum().backward()
+            want = [sum(gs) / world_size for gs in zip(*[[p.grad for p in mm.parameters()] for mm in ref])]
+            return "ok", [(p.grad - w).abs().max().item() for p, w in zip(m.parameters(), want)]
+        else:
+            raise AssertionError(name)
+        return "ok", [p.grad.clone() if p.grad is not None else None for p in m.parameters()]
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        os.environ.pop("FASTDDP_DEBUG", None)
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(pg)
+
+
+def _errors(world, name, timeout=120):
+    res = world.run(_scenario_body, name, timeout=timeout)
+    assert all(isinstance(r, str) for r in res), f"{name}: no error on some rank: {res}"
+    return res
+
+
+def test_mixed_precision_second_backward_is_an_error(world2):
+    """The first backward's end freed the fp16 copies the retained graph
+    saved: torch errors inside its own machinery; fastddp names the cause."""
+    for rank, msg in enumerate(_errors(world2, "mixed_precision_second_backward")):
+        assert "second backward" in msg and "mixed_precision" in msg and f"rank {rank}" in msg, msg
+
+
+def test_extra_backward_on_one_rank_debug_mode(world2):
+    """Rank 0 alone runs a second backward: its buckets would be averaged
+    with rank 1's next step.  Debug mode says so before any collective."""
+    for msg in _errors(world2, "extra_backward_one_rank_debug"):
+        assert "disagree on how many backwards" in msg and "rank 0: 3 + 1 extra" in msg, msg
+
+
+def test_extra_backward_on_one_rank_is_an_error_not_a_hang(world2):
+    """Without debug mode the collectives pair up wrongly until one rank waits
+    alone: an error within the group's timeout (10 s here), never a hang.
+    (torch's DDP leaves rank 0's second backward local: no error, averaged
+    away by the next step only if the grads are not zeroed.)"""
+    res = world2.run(_scenario_body, "extra_backward_one_rank", timeout=90)
+    assert any(isinstance(r, str) and "Timed out" in r for r in res), res
+
+
+def test_no_sync_on_one_rank_is_an_error_not_a_hang(world2):
+    """no_sync() on rank 0 only: as in torch, one rank ends waiting alone,
+    and the group's timeout turns that into an error there (the other rank
+    may finish with mispaired averages, as in torch: only debug mode's
+    check, or the error on its peer, shows it)."""
+    res = world2.run(_scenario_body, "no_sync_one_rank", timeout=90)
+    assert any(isinstance(r, str) and "Timed out" in r for r in res), res
+
+
+def test_parameter_unfrozen_after_wrapping(world2):
+    """Fine-tuning's unfreeze after wrapping: torch's DDP trains the parameter
+    with local gradients (the ranks drift apart); fastddp refuses."""
+    for rank, msg in enumerate(_errors(world2, "unfreeze_after_wrapping")):
+        assert "'0.weight'" in msg and "requires_grad=False when the model was wrapped" in msg, msg
+        assert f"rank {rank}" in msg and "Wrap the model again" in msg, msg
+
+
+def test_parameter_frozen_after_wrapping(world2):
+    """As torch: the parameter no longer gets gradients, the reduction
+    cannot finish, the error names it."""
+    for rank, msg in enumerate(_errors(world2, "freeze_after_wrapping")):
+        assert "'0.weight'" in msg and f"rank {rank}" in msg and "requires_grad=False" in msg, msg
+
+
+def test_parameter_replaced_after_wrapping(world2):
+    """module.weight = nn.Parameter(...): the old one never gets a gradient
+    again; the error names it (torch's too, without the name)."""
+    for msg in _errors(world2, "replace_param"):
+        assert "'0.weight'" in msg and "replaced" in msg, msg
+
+
+def test_parameter_replaced_after_wrapping_find_unused(world2):
+    """With find_unused_parameters torch's DDP counts the old parameter as
+    unused and leaves the new one's gradients local (silently per rank);
+    fastddp's graph walk meets the new one and refuses."""
+    for rank, msg in enumerate(_errors(world2, "replace_param_find_unused")):
+        assert "'0.weight'" in msg and "not among the parameters DDP averages" in msg, msg
+        assert f"rank {rank}" in msg, msg
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_parameter_shape_changed_after_wrapping(world2, debug):
+    """.data of another shape: the bucket slot no longer fits.  Caught at the
+    bucket rebuild (the 2nd forward), or at every forward in debug mode."""
+    for rank, msg in enumerate(_errors(world2, "param_shape_changed" + ("_debug" if debug else ""))):
+        assert "'2.weight'" in msg and "(4, 8)" in msg and "(2, 8)" in msg and f"rank {rank}" in msg, msg
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_module_dtype_changed_after_wrapping(world2, debug):
+    """module.double() after wrapping: torch's DDP reduces in its float32
+    buckets and leaves the ranks' float64 gradients different (silently);
+    fastddp says to change the module before wrapping it."""
+    for rank, msg in enumerate(_errors(world2, "module_dtype_changed" + ("_debug" if debug else ""))):
+        assert "torch.float64" in msg and "torch.float32" in msg and f"rank {rank}" in msg, msg
+
+
+def test_grad_replaced_with_another_dtype(world2):
+    """p.grad = p.grad.half(): torch itself refuses the assignment (grad_dtype)."""
+    for msg in _errors(world2, "grad_dtype_replaced"):
+        assert "grad_dtype" in msg, msg
+
+
+def test_grad_resized_by_user(world2):
+    """p.grad.resize_(...): the next backward's accumulation fails (autograd's
+    error, as under torch's DDP), before any bucket reads it."""
+    for msg in _errors(world2, "grad_resized"):
+        assert "must match the size" in msg, msg
+
+
+def test_bucket_view_grads_replaced_by_user(world2):
+    """gradient_as_bucket_view, then user code replaces every .grad by a copy
+    and sets one to None: the next reductions still give the exact average."""
+    for status, errs in world2.run(_scenario_body, "view_grad_replaced"):
+        assert status == "ok" and max(errs) < 1e-6, errs
