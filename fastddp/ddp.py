@@ -296,7 +296,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             walk = self.find_unused_parameters and not self.static_graph  # the outputs' graph
-            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            outs = [output] if isinstance(output, torch.Tensor) else [
+                t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
             self.reducer.prepare_for_backward(outs if walk else [])
             self.reducer.watch_outputs(outs)  # a second backward through them is reduced too
         else:

@@ -72,33 +72,26 @@ class Readiness:
     # ------------------------------------------------------------ iteration
     def reset(self, outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> None:
         """A backward that DDP reduces is coming (after its forward)."""
-        self.expect_hooks = True
-        self.first_hook_called = False
-        self.marked = bytearray(len(self.names))
-        self.marked_unused = False
-        self.armed[0] += 1
-        if self.dynamic_find_unused:
-            self.global_used = None
-            self.unused = self._search_unused(outputs, index_of)
-        if self.static:
-            self.per_iter_counts = list(self.hook_counts)
-        self.collect_order = self.should_rebuild()
+        self._arm(extra=False, unused=(lambda: self._search_unused(outputs, index_of)))
 
     def rearm(self, unused: list[int]) -> None:
         """Another backward through the outputs of an already reduced forward
         (``retain_graph=True``): reduce it too, with that forward's unused
         params.  The ready order was learnt from its first backward."""
+        self._arm(extra=True, unused=lambda: list(unused))
+
+    def _arm(self, extra: bool, unused: Callable[[], list[int]]) -> None:
         self.expect_hooks = True
         self.first_hook_called = False
         self.marked = bytearray(len(self.names))
         self.marked_unused = False
-        self.armed[1] += 1
+        self.armed[extra] += 1
         if self.dynamic_find_unused:
             self.global_used = None
-            self.unused = list(unused)
+            self.unused = unused()
         if self.static:
             self.per_iter_counts = list(self.hook_counts)
-        self.collect_order = False
+        self.collect_order = not extra and self.should_rebuild()
 
     def _search_unused(self, outputs, index_of) -> list[int]:
         """Params whose AccumulateGrad node is not reachable from the outputs."""

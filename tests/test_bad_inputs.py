@@ -1,10 +1,15 @@
-"""Beyond torch: inputs torch's DDP is silent or crashes on, made clear errors.
+"""Beyond torch: inputs torch's DDP is silent or crashes on, made correct or
+clear errors.
 
 Different parameter names at one index across ranks, buffer shapes that
-differ across ranks, a second backward over an already reduced forward,
-parameters added after wrapping, a meta-device module, a process group the
-rank is not a member of, and (debug mode) ranks that disagree on which
-parameters got gradients -- a hang in torch, an error naming the rank and the
+differ across ranks, a second backward over an already reduced forward
+(averaged, every reduction path), parameters added, replaced, unfrozen or
+reshaped after wrapping, a module cast after wrapping, ``.grad`` replaced or
+resized by user code, ranks whose schedules differ (an extra backward or
+``no_sync()`` on one rank: an error, never a hang), a meta-device module, a
+process group the rank is not a member of, and (debug mode) ranks that
+disagree on which parameters got gradients -- a hang or a silently wrong
+gradient in torch, the exact average or an error naming the rank and the
 parameters here.
 """
 
