@@ -28,7 +28,6 @@ as in torch; complex parameters are reduced through their real view.
 from __future__ import annotations
 
 import collections
-import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -111,6 +110,8 @@ class Reducer:
         self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
         # post-accumulate-grad hooks fire as the post hook torch's reducer puts
         # on AccumulateGrad (also for undefined grads), without tuples of grads
+        self._fwd_reduced_at, self._fwd_unused = 0, []   # see watch_outputs
+        self._output_hook = self._make_output_hook()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self.params)]
 
@@ -230,22 +231,26 @@ class Reducer:
         outputs is reduced too (``retain_graph=True``, two losses through one
         forward), not just the first.  A backward that reaches no DDP output
         (a forward through ``ddp.module``) stays local, as in torch."""
-        hook, seen = None, set()
+        self._fwd_reduced_at, self._fwd_unused = self.steps_reduced, self.ready.unused
+        seen = set()
         for t in outputs:
             fn = t.grad_fn  # a pre-hook on the node: a fifth of Tensor.register_hook's cost
             if fn is not None and fn not in seen:
                 seen.add(fn)
-                if hook is None:
-                    hook = functools.partial(self._output_hook, (self.steps_reduced, tuple(self.ready.unused)))
-                fn.register_prehook(hook)
+                fn.register_prehook(self._output_hook)
 
-    @_compile.eager  # compiled autograd: called eagerly
-    def _output_hook(self, token, _grad_outputs) -> None:
-        # An output's gradient is computed before any parameter's of the same
-        # backward: re-arming here is in time for all of them.
-        if self.ready.expect_hooks or self.steps_reduced == token[0]:
-            return  # this forward's first backward (or one that failed) is still the one armed
-        self._rearm(token[1])
+    def _make_output_hook(self):
+        reducer = self
+
+        def output_hook(_grad_outputs):
+            # An output's node runs before any parameter's AccumulateGrad of
+            # the same backward: re-arming here is in time for all of them.
+            if reducer.ready.expect_hooks or reducer.steps_reduced == reducer._fwd_reduced_at:
+                return  # the forward's first backward (or one that failed) is still the one armed
+            reducer._rearm(reducer._fwd_unused)
+        # one object for the reducer's life (compiled autograd would recompile
+        # for a new hook each step); called eagerly under compiled autograd
+        return _compile.eager(output_hook)
 
     def _rearm(self, unused) -> None:
         """Reduce another backward over an already reduced forward.  The

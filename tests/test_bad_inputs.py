@@ -373,6 +373,11 @@ def _scenario_body(rank, world_size, name):
             out = ddp(_x(rank, 0)).float()
             out.sum().backward(retain_graph=True)
             out.sum().backward()
+        elif name == "join_second_backward":
+            with ddp.join():
+                out = ddp(_x(rank, 0))
+                out.sum().backward(retain_graph=True)
+                out.sum().backward()
         elif name.startswith("extra_backward_one_rank"):
             _steps(ddp, rank, 2)  # past the bucket rebuild (its broadcast comes first otherwise)
             out = ddp(_x(rank, 2))
@@ -452,6 +457,13 @@ def test_mixed_precision_second_backward_is_an_error(world2):
     saved: torch errors inside its own machinery; fastddp names the cause."""
     for rank, msg in enumerate(_errors(world2, "mixed_precision_second_backward")):
         assert "second backward" in msg and "mixed_precision" in msg and f"rank {rank}" in msg, msg
+
+
+def test_second_backward_inside_join_is_an_error(world2):
+    """Ranks that joined shadow one backward per forward: a second one could
+    not be matched (torch's DDP leaves it local)."""
+    for rank, msg in enumerate(_errors(world2, "join_second_backward")):
+        assert "second backward" in msg and "join()" in msg and f"rank {rank}" in msg, msg
 
 
 def test_extra_backward_on_one_rank_debug_mode(world2):
