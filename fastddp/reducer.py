@@ -92,6 +92,8 @@ class Reducer:
         self._dense, self._sparse_mode = reduction.choose(None, None, options.batched_grad_copy, True)
         self.mixed_precision_hook: Callable | None = None  # set by the front (mixed_precision)
         self.after_finalize: Callable | None = None         # ditto: frozen params back to fp
+        self.refuse_extra_backward: Callable[[], str | None] | None = None  # ditto: why not (mixed_precision)
+        self.module_watch = None  # ditto: verify.ModuleWatch, for what the find_unused walk meets
         self.ready = Readiness(self.names, process_group, self.device, static=options.static_graph,
                                find_unused=options.find_unused_parameters,
                                should_rebuild=self._should_rebuild,
@@ -115,6 +117,8 @@ class Reducer:
         self.tuner = autotune.Tuner(self) if options.auto_bucket_cap else None
         # post-accumulate-grad hooks fire as the post hook torch's reducer puts
         # on AccumulateGrad (also for undefined grads), without tuples of grads
+        self._fwd_reduced_at, self._fwd_unused = 0, []   # see watch_outputs
+        self._output_hook = self._make_output_hook()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self.params)]
 
@@ -227,7 +231,6 @@ class Reducer:
     # ----------------------------------------------------------- iteration
     def prepare_for_forward(self, sync: bool = True) -> None:
         """Every forward of the module; ``sync``: its backward will be reduced."""
-        self.ready.reduced_since_forward = False
         self._forward_syncs = sync
         if sync:
             self.num_iterations += 1
@@ -255,7 +258,67 @@ class Reducer:
             b.pending, b.work = b.size, None
         self.ready.reset(outputs, self._index_of)
         r = self.ready
+        if r.foreign and self.module_watch is not None:
+            foreign, r.foreign = r.foreign, []
+            try:
+                self.module_watch.check_leaves(foreign)
+            except RuntimeError:
+                self.abort_iteration()
+                raise
         self._fast_hooks = not (r.track_used or r.static or r.unused or r.collect_order or self.debug)
+
+    def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
+        """After prepare_for_backward: every later backward through these
+        outputs is reduced too (``retain_graph=True``, two losses through one
+        forward), not just the first.  A backward that reaches no DDP output
+        (a forward through ``ddp.module``) stays local, as in torch."""
+        self._fwd_reduced_at, self._fwd_unused = self.steps_reduced, self.ready.unused
+        seen = set()
+        for t in outputs:
+            fn = t.grad_fn  # a pre-hook on the node: a fifth of Tensor.register_hook's cost
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                fn.register_prehook(self._output_hook)
+
+    def _make_output_hook(self):
+        reducer = self
+
+        def output_hook(_grad_outputs):
+            # An output's node runs before any parameter's AccumulateGrad of
+            # the same backward: re-arming here is in time for all of them.
+            if reducer.ready.expect_hooks or reducer.steps_reduced == reducer._fwd_reduced_at:
+                return  # the forward's first backward (or one that failed) is still the one armed
+            reducer._rearm(reducer._fwd_unused)
+        # one object for the reducer's life (compiled autograd would recompile
+        # for a new hook each step); called eagerly under compiled autograd
+        return _compile.eager(output_hook)
+
+    def _rearm(self, unused) -> None:
+        """Reduce another backward over an already reduced forward.  The
+        ``.grad`` hold avg(g) from the first reduction (the same on every rank)
+        plus this backward's local increment d: reducing the total gives
+        avg(avg(g) + d) = avg(g) + avg(d) = avg(g + d), the average of what both
+        backwards accumulated locally (exactly where the arithmetic is exact).
+        Every rank must run the same number of backwards, as it must run
+        the same forwards."""
+        why = None
+        if self._fwd_work is not None:
+            why = ("inside join(): the ranks that have joined shadow one backward per forward "
+                   "and would not match this one's collectives")
+        elif self.refuse_extra_backward is not None:
+            why = self.refuse_extra_backward()
+        if why is not None:
+            raise RuntimeError(
+                f"fastddp: a second backward through the outputs of one DDP forward "
+                f"(backward(retain_graph=True) twice, or two losses of one forward) on rank "
+                f"{self.rank} cannot be averaged {why}. Sum the losses and call backward once, or "
+                "run a new forward for each backward.")
+        with self._lock:
+            self._next_bucket = 0
+            for b in self._buckets:
+                b.pending, b.work = b.size, None
+            self.ready.rearm(list(unused))
+            self._fast_hooks = False
 
     # ------------------------------------------------------------ readiness
     def _make_hook(self, index: int):
