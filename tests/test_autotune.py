@@ -245,15 +245,18 @@ def _join_body(rank, world_size, when):
             "params_equal": all(torch.equal(a, b) for a, b in zip(auto.parameters(), ref.parameters()))}
 
 
-@pytest.mark.parametrize("when", [0, 9])
+@pytest.mark.parametrize("when", [0, 4])
 def test_join_freezes_tuning(world2, when):
+    # 4 steps: the rebuild, the probe and 2 of the first layout's 3 measured
+    # steps, so tuning is still under way whatever the timings (at 9 steps a
+    # tuner whose second layout gains nothing within noise has settled already)
     res = world2.run(_join_body, when, timeout=300)
     for r in res:
         assert r["params_equal"]
         assert r["rep"]["state"] == "settled", r["rep"]
         assert "join()" in r["rep"]["reason"], r["rep"]["reason"]
         if when:
-            assert r["before"] == "trial"
+            assert r["before"] in ("probe", "trial"), r["before"]
     assert res[0]["rep"] == res[1]["rep"]
 
 
