@@ -1,8 +1,11 @@
 """``fastddp-bench`` / ``python -m fastddp.bench``: the end-to-end benchmark.
 
 Runs the model zoo under local (no DDP), torch DDP and fastddp side by side,
-interleaved, on 2 gloo ranks (CPU) or one NCCL rank per GPU, prints a table
-and writes ``<out>/<device>/<date>-<label>.md`` + ``.json`` + PNG charts.
+interleaved round by round, on 2 gloo ranks (CPU) or one NCCL rank per GPU,
+until every fastddp row's step-time ratio to each of its peers is known to
+±3% (90% interval) or the model's time budget is spent; prints per model a
+table and the verdicts (faster / slower / equal / undecided) and writes
+``<out>/<device>/<date>-<label>.md`` + ``.json`` + PNG charts.
 Exits 1 when any fastddp row is unavailable or failed (the report is still
 written), 2 on bad arguments.
 See reports/README.md for what every column means.
@@ -39,6 +42,7 @@ def _bandwidths(values: list[str] | None) -> tuple[float | None, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     from .models import DEFAULT_MODELS, model_zoo
+    from .report import DEFAULT_BUDGET_S as R_DEFAULT_BUDGET_S, DEFAULT_HALF_WIDTH as R_DEFAULT_HALF_WIDTH
     from .wrappers import DEFAULT_WRAPPERS, registry
 
     p = argparse.ArgumentParser(
@@ -53,15 +57,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wrappers", nargs="+", metavar="NAME", help="wrappers to compare")
     p.add_argument("--world", type=int, help="ranks to spawn (default: 2 on CPU, all GPUs on CUDA; "
                                              "ignored under torchrun)")
-    p.add_argument("--steps", type=int, help="timed steps per wrapper (default: per model)")
-    p.add_argument("--warmup", type=int, help="warm-up steps per wrapper, >= 1 (default 3, quick 1)")
+    p.add_argument("--half-width", type=float, default=R_DEFAULT_HALF_WIDTH * 100, metavar="PCT",
+                   help="precision goal: rounds go on until every fastddp/peer step-time ratio's 90%% interval "
+                        "is within +-PCT%% (also the margin of an 'equal' verdict; default %(default)g)")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help=f"time per model (and simulated bandwidth) after which the rounds stop whatever the "
+                        f"precision, plus what earlier models left unused: model i ends by (i+1) x SECONDS "
+                        f"into the run (default {R_DEFAULT_BUDGET_S:g}: the 4 default models in about 10 "
+                        f"minutes)")
+    p.add_argument("--steps", type=int, help="a fixed number of timed rounds per model instead of the "
+                                             "precision goal and budget")
+    p.add_argument("--warmup", type=int, help="warm-up rounds per model, >= 1 (default 3, quick 1)")
     p.add_argument("--bucket-cap-mb", type=float, help="bucket_cap_mb for both DDPs (default: theirs, 25)")
     p.add_argument("--out", default="reports", help="report folder (default: reports/)")
-    p.add_argument("--quick", action="store_true", help="few steps: a smoke run (about 1.5 minutes on 2 idle CPU cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: a few rounds, every wrapper runs and the table prints; no verdicts "
+                        "(about 1.5 minutes on 2 idle CPU cores)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler Chrome trace per wrapper (rank 0)")
     p.add_argument("--simulate-bandwidth", nargs="+", metavar="GBPS",
                    help="simulated serial interconnect in GB/s; a list (1,10) gives one section each; "
                         "'none' adds a section without simulation")
+    p.add_argument("--link", metavar="netns:RATE",
+                   help="a real link: 2 ranks in two network namespaces joined by a veth pair shaped to "
+                        "RATE Gbit/s (tc tbf); gloo on the CPU; needs root and iproute2")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
     p.add_argument("--seed", type=int, default=0)
@@ -93,20 +111,38 @@ def main(argv: list[str] | None = None) -> int:
         models=_names(args.models) or DEFAULT_MODELS,
         wrappers=_names(args.wrappers),
         world=args.world, steps=args.steps, warmup=args.warmup,
+        half_width=args.half_width / 100, budget_s=args.budget,
         bucket_cap_mb=args.bucket_cap_mb, out=args.out, label=args.label, quick=args.quick,
         trace_dir=args.trace, bandwidths=bandwidths, threads=args.threads, cpu=args.cpu,
-        seed=args.seed, progress=not args.no_progress, charts=not args.no_charts,
+        seed=args.seed, progress=not args.no_progress, charts=not args.no_charts, link=args.link,
         command=" ".join(shlex.quote(a) for a in ["fastddp-bench", *(sys.argv[1:] if argv is None else argv)]),
     )
     try:
         cfg.validate()
     except ValueError as e:
         parser.error(str(e))
+    if cfg.link is not None:
+        from .netlink import LinkError, check_requirements
+
+        try:
+            check_requirements()
+        except LinkError as e:
+            print(f"fastddp-bench: {e}", file=sys.stderr)
+            return 2
+    if cfg.mode == "adaptive" and cfg.progress:
+        total = cfg.stop_rule().budget_s * len(cfg.models) * len(cfg.bandwidths)
+        print(f"fastddp-bench: {len(cfg.models)} model(s) x {len(cfg.bandwidths)} section(s), rounds until "
+              f"every pair is within ±{cfg.half_width * 100:g}% or {cfg.stop_rule().budget_s:g} s per model: "
+              f"at most ~{total / 60:.0f} min", file=sys.stderr)
     result = run(cfg)
     if result is None:  # a torchrun rank other than 0
         return 0
     report, paths = result
     print(R.summary_text(report))
+    link = report.meta.get("link")
+    if link:
+        print(f"link: {link['what']}; measured {link['measured_gbit']:g} Gbit/s ({link['probe']}), "
+              f"small all-reduce {link['small_allreduce_ms']:g} ms")
     print(f"report: {paths['md']}")
     print(f"json:   {paths['json']}")
     for c in paths["charts"]:

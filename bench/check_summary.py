@@ -1,7 +1,7 @@
 """Short text summaries of bench/gpu_check.sh's result files.
 
     python bench/check_summary.py kernels kernels.json   # fastddp kernels: % of copy bandwidth
-    python bench/check_summary.py bench bench.json       # fastddp-bench: overhead x torch per option
+    python bench/check_summary.py bench bench.json       # fastddp-bench: step time x best peer per option
     python bench/check_summary.py pytest tests.log       # pytest's result line and its FAILED lines
 
 Each prints a few lines (a one-screen summary is the goal) and exits 0; a
@@ -49,7 +49,8 @@ def bench_lines(path: Path) -> list[str]:
     doc = json.loads(path.read_text())
     meta = doc["meta"]
     out = [f"{meta.get('device', '?')}, world {meta.get('world_size')} ({meta.get('backend')}), "
-           f"torch {meta.get('torch')}: overhead x torch (same option; < 1 is better)"]
+           f"torch {meta.get('torch')}: step time x best peer, paired by round (< 1 is faster; "
+           f"verdict < faster, > slower, = equal, ? undecided)"]
     for sec in doc["sections"]:
         rows = sec["rows"]
         fast = list(dict.fromkeys(r["wrapper"] for r in rows if r.get("family") == "fastddp"))
@@ -68,8 +69,9 @@ def bench_lines(path: Path) -> list[str]:
                 elif r.get("status", "ok") != "ok":
                     cells.append(r["status"].split(":")[0].upper())
                 else:
-                    v = ratios.get((model, w))
-                    cells.append("n/a" if v is None else f"{v:.2f}")
+                    v, verdict = ratios.get((model, w), (None, None))
+                    mark = {"faster": " <", "slower": " >", "equal": " =", "undecided": " ?"}.get(verdict, "")
+                    cells.append("n/a" if v is None else f"{v:.3f}{mark}")
             out.append("  " + f"{model:<13}" + "".join(f"{c:>10}" for c in cells))
         stand_ins = sorted({r["wrapper"] for r in rows if str(r.get("note", "")).startswith("stand-in")})
         if stand_ins:
@@ -80,9 +82,12 @@ def bench_lines(path: Path) -> list[str]:
 
 
 def _ratios(sec: dict) -> dict:
-    """(model, wrapper) -> overhead ratio as the report stored it (bench/report.py
-    derives it before writing; no torch import here: this runs in a summary)."""
-    return {(r["model"], r["wrapper"]): r.get("ratio") for r in sec["rows"]}
+    """(model, wrapper) -> (step-time ratio to the best peer, its verdict) as
+    the report stored them (bench/report.py derives them before writing; no
+    torch import here: this runs in a summary)."""
+    verdicts = {(c["model"], c["wrapper"]): c.get("verdict") for c in sec.get("comparisons", ()) if c.get("best")}
+    return {(r["model"], r["wrapper"]): (r.get("ratio"), verdicts.get((r["model"], r["wrapper"])))
+            for r in sec["rows"]}
 
 
 def pytest_lines(path: Path, max_failed: int = 8) -> list[str]:

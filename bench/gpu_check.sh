@@ -39,7 +39,9 @@
 #   5 bench        85 s     fastddp-bench --world 1 (NCCL):     --models tiny at world 1 (every
 #                           small transformer mlp25m, 15        wrapper) and world 2 (5), on CPU
 #                           steps, every fastddp row beside     (120 s)
-#                           its torch row (torch-batched: a
+#                           its torch row, + torch's FSDP2
+#                           replicate (fp32, bf16 reduce)
+#                           (torch-batched: a
 #                           labelled stand-in on torch 2.11)
 #
 # Files written into the folder (8, each capped at 15 MiB):
@@ -357,7 +359,7 @@ say "4/5 kernels-bw ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[
 
 # ---------------------------------------------------------------- 5 bench
 WRAPPERS=(local torch torch-batched torch-view torch-fp16 torch-bf16
-          fastddp fastddp-batched fastddp-view fastddp-fp16 fastddp-bf16)
+          fastddp fastddp-batched fastddp-view fastddp-fp16 fastddp-bf16 replicate replicate-bf16)
 copy_bench() {  # the newest report under $1 -> $dest/bench.md/json
     local md js
     md=$(ls -t "$1"/*/*.md 2>/dev/null | head -1)
@@ -379,7 +381,7 @@ else
         rc1=$STAGE_RC
         copy_bench "$work/bench1"
         TRITON_INTERPRET=1 run_stage bench-w2 $((B_BENCH / 2)) - "$py" -m fastddp.bench --world 2 --cpu \
-            --models tiny --wrappers local torch fastddp torch-fp16 fastddp-fp16 \
+            --models tiny --wrappers local torch fastddp torch-fp16 fastddp-fp16 replicate \
             --steps 2 --warmup 1 --label dry-run-2rank --out "$work/bench2" --no-progress --no-charts
         rc2=$STAGE_RC
         STAGE_RC=$(( rc1 != 0 ? rc1 : rc2 )); STAGE_SECS=$((SECONDS - t_b)); STAGE_BUDGET=$b0
@@ -389,7 +391,7 @@ else
             --wrappers "${WRAPPERS[@]}" --steps 15 --warmup 3 --label gpu-1rank --out "$work/bench" --no-progress \
             --no-charts
         copy_bench "$work/bench"
-        detail="world 1 (NCCL), 3 models, 11 wrappers, 15 steps"
+        detail="world 1 (NCCL), 3 models, ${#WRAPPERS[@]} wrappers, 15 steps"
     fi
     record bench "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET "$detail"
 fi

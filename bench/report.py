@@ -1,15 +1,34 @@
 """Statistics and report writing for the end-to-end runner; pure.
 
-Nothing here starts processes or touches torch.distributed: the runner hands
-over per-step samples and per-wrapper measurements, and this module turns
-them into numbers (:func:`summarize`, :func:`derive`), a terminal table
-(:func:`format_table`), and the files under ``reports/<device>/``
-(:func:`write_report`: ``<date>-<label>.md``, ``.json`` and PNG charts).
+Nothing here starts processes or touches torch.distributed (torch serves as
+a vectorised math library for the bootstrap): the runner hands over
+per-round samples and per-wrapper measurements, and this module turns them
+into decisions (:func:`compare`, :class:`Stopper`, :func:`derive`), the
+terminal text (:func:`summary_text`), and the files under
+``reports/<device>/`` (:func:`write_report`: ``<date>-<label>.md``,
+``.json`` and PNG charts).
+
+The statistic: every round ran each wrapper once on the same batch (order
+rotated), and a round's time is the slowest rank's (:func:`merge_ranks`).
+A fastddp row is compared with each of its peers *paired by round*::
+
+    ratio  = exp(trimmed mean over rounds of log(fastddp_i / peer_i))
+    diff   = trimmed mean over rounds of (fastddp_i - peer_i)          [ms]
+
+with a percentile-bootstrap 90% interval that resamples whole rounds
+(:class:`Resampler`): a slow round slows both and cancels.  The trimmed mean
+(the middle 60% of rounds) keeps a few disturbed rounds from moving the
+estimate, as a median would, but with a smooth bootstrap.  The verdict
+(:func:`decide`) reads the ratio's interval against a margin of ±X
+(the precision goal, 3% by default).  The overhead over ``local`` is the same
+paired statistic; a ratio of two overheads is shown only where the peer's
+overhead interval lies above zero, and never below 0.
 
 Data model: a :class:`Report` holds the run's metadata and one
 :class:`Section` per simulated bandwidth (a single section with
 ``bandwidth_gbps=None`` when no bandwidth is simulated); a section holds one
-:class:`Row` per (model, wrapper).
+:class:`Row` per (model, wrapper), how each model's rounds ended
+(``runs``) and, once derived, its :class:`Comparison` list.
 """
 
 from __future__ import annotations
@@ -17,23 +36,46 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import torch
+
 __all__ = [
-    "Quantiles", "Row", "Section", "Report",
-    "quantile", "summarize", "bootstrap_ratio", "derive", "format_table", "targets",
-    "to_markdown", "to_json", "from_json", "slugify", "write_report", "summary_text", "verdict_lines",
-    "TARGETS",
+    "Quantiles", "Row", "Section", "Report", "Comparison", "Resampler", "StopRule", "Stopper",
+    "quantile", "summarize", "trimmed_mean", "merge_ranks", "compare", "decide", "pairs", "derive",
+    "comparison_table", "format_table", "summary_text", "run_text", "verdict_text", "clip_span",
+    "to_markdown", "to_json", "from_json", "slugify", "write_report",
+    "LEVEL", "BOOTSTRAP", "TRIM", "MIN_ROUNDS", "MIN_CI_ROUNDS", "DEFAULT_HALF_WIDTH",
+    "DEFAULT_BUDGET_S", "TERMINAL_WIDTH",
 ]
 
-#: fastddp's overhead over local as a fraction of torch DDP's, per model
-#: (other models: :data:`DEFAULT_TARGET`); reports/README.md says why.
-TARGETS = {"small": 0.8}
-DEFAULT_TARGET = 1.0
+#: Confidence level of every interval.
+LEVEL = 0.90
+#: Bootstrap resamples behind each interval (seeded: reports are reproducible).
+BOOTSTRAP = 1000
+#: Fraction of rounds cut from each end before averaging.
+TRIM = 0.2
+#: Below this many rounds no interval is given (the bootstrap of 4 rounds says nothing).
+MIN_CI_ROUNDS = 5
+#: Rounds before the precision goal may stop a model: a bootstrap interval
+#: of a dozen rounds is too narrow too often to stop on.
+MIN_ROUNDS = 20
+#: Default precision goal and equality margin: ±3% of the peer's step time.
+DEFAULT_HALF_WIDTH = 0.03
+#: Default time per model (build, warm-up, rounds, profiled step): the 4
+#: default models then take about 10 minutes on 2 cores.
+DEFAULT_BUDGET_S = 140.0
+#: Time kept back at the end of a model's budget, in rounds' time, for the
+#: profiled step of every wrapper that follows the rounds (a step under the
+#: memory profiler takes 2-4x a plain one on the 600-tensor model).
+POST_ROUNDS = 3.0
+#: Rounds a model runs at least, even when its budget is already spent.
+MIN_TIMED_ROUNDS = 3
+#: Every line the terminal summary prints fits this.
+TERMINAL_WIDTH = 100
 
 MiB = 1 << 20
 
@@ -42,8 +84,9 @@ MiB = 1 << 20
 
 def quantile(samples: Sequence[float], q: float) -> float:
     """The ``q``-quantile (0..1) of ``samples`` with linear interpolation
-    between closest ranks (numpy's default method)."""
-    if not samples:
+    between closest ranks (numpy's default method); infinite samples are
+    allowed (equal neighbours are returned as they are)."""
+    if len(samples) == 0:
         raise ValueError("quantile of no samples")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile q must be in [0, 1], got {q}")
@@ -51,7 +94,10 @@ def quantile(samples: Sequence[float], q: float) -> float:
     pos = q * (len(xs) - 1)
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    frac = pos - lo
+    if frac == 0 or xs[hi] == xs[lo]:
+        return xs[lo]
+    return xs[lo] + (xs[hi] - xs[lo]) * frac
 
 
 @dataclass
@@ -70,6 +116,190 @@ def summarize(samples: Sequence[float]) -> Quantiles | None:
     return Quantiles(quantile(samples, 0.5), quantile(samples, 0.2), quantile(samples, 0.8))
 
 
+def _cut(n: int, trim: float = TRIM) -> int:
+    """Samples cut from each end of ``n`` (at least one is kept)."""
+    return min(int(trim * n), (n - 1) // 2)
+
+
+def trimmed_mean(samples: Sequence[float], trim: float = TRIM) -> float:
+    """Mean of ``samples`` without the lowest and highest ``trim`` fraction
+    (``int(trim * n)`` from each end)."""
+    if len(samples) == 0:
+        raise ValueError("trimmed mean of no samples")
+    xs = sorted(samples)
+    k = _cut(len(xs), trim)
+    kept = xs[k:len(xs) - k]
+    return math.fsum(kept) / len(kept)
+
+
+def merge_ranks(per_rank: Sequence[Sequence[Sequence[float]]]) -> list[tuple[float, float, float]]:
+    """One round's samples from every rank -> one sample per wrapper.
+
+    ``per_rank[rank][wrapper] = (step ms, exposed ms, host CPU ms)``; a
+    round's step time and exposed communication are the slowest rank's (it
+    sets the pace of data parallel training), its host CPU time the mean
+    over ranks (the work one rank does).  Exposed time < 0 means "not
+    measured" on that rank and stays < 0 only when no rank measured it."""
+    if not per_rank:
+        raise ValueError("merge_ranks: no rank's samples")
+    width = len(per_rank[0])
+    if any(len(r) != width for r in per_rank):
+        raise ValueError(f"merge_ranks: ranks report different numbers of wrappers "
+                         f"{[len(r) for r in per_rank]}")
+    out = []
+    for w in range(width):
+        col = [r[w] for r in per_rank]
+        out.append((max(c[0] for c in col), max(c[1] for c in col),
+                    math.fsum(c[2] for c in col) / len(col)))
+    return out
+
+
+class Resampler:
+    """The paired bootstrap over ``n`` rounds: ``resamples`` draws of ``n``
+    round indices with replacement (seeded), shared by every statistic of a
+    model so that all its intervals resample the same rounds.
+
+    A resample is kept as counts per round, so the trimmed mean of a
+    resample is a weighted sum over the sorted sample: no sort per
+    resample (1000 x 300 rounds in ~15 ms)."""
+
+    def __init__(self, n: int, resamples: int = BOOTSTRAP, seed: int = 0):
+        if n < 1:
+            raise ValueError(f"Resampler needs at least one round, got {n}")
+        if resamples < 10:
+            raise ValueError(f"Resampler needs at least 10 resamples, got {resamples}")
+        self.n, self.resamples = n, resamples
+        gen = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, n, (resamples, n), generator=gen)
+        self.counts = torch.zeros(resamples, n, dtype=torch.float64)
+        self.counts.scatter_add_(1, idx, torch.ones(resamples, n, dtype=torch.float64))
+
+    def trimmed_means(self, samples: Sequence[float]) -> torch.Tensor:
+        """The trimmed mean of ``samples`` (one per round) in every resample."""
+        if len(samples) != self.n:
+            raise ValueError(f"Resampler over {self.n} rounds got {len(samples)} samples")
+        x = torch.as_tensor(samples, dtype=torch.float64)
+        xs, order = x.sort()
+        c = self.counts[:, order]
+        upto = c.cumsum(1)
+        k = _cut(self.n)
+        # each sorted value's count that falls inside positions [k, n - k)
+        w = (upto.clamp(max=self.n - k) - (upto - c).clamp(min=k)).clamp(min=0)
+        return (w @ xs) / (self.n - 2 * k)
+
+
+def _interval(boot: torch.Tensor | Sequence[float], level: float = LEVEL) -> tuple[float, float]:
+    """Percentile interval of bootstrap values (infinite values allowed)."""
+    vals = boot.tolist() if isinstance(boot, torch.Tensor) else list(boot)
+    a = (1.0 - level) / 2
+    return quantile(vals, a), quantile(vals, 1.0 - a)
+
+
+def decide(ci: tuple[float, float] | None, margin: float) -> str:
+    """The verdict of a step-time ratio interval (fastddp / peer):
+
+    * ``equal``: the whole interval lies within ``1 ± margin`` (any
+      difference is smaller than the margin);
+    * ``faster`` / ``slower``: the whole interval is below / above 1;
+    * ``undecided``: anything else, or no interval."""
+    if ci is None:
+        return "undecided"
+    lo, hi = ci
+    if 1.0 - margin < lo and hi < 1.0 + margin:
+        return "equal"
+    if hi < 1.0:
+        return "faster"
+    if lo > 1.0:
+        return "slower"
+    return "undecided"
+
+
+def verdict_text(verdict: str | None, margin: float) -> str:
+    if verdict is None:
+        return "-"
+    return f"equal ±{margin * 100:g}%" if verdict == "equal" else verdict
+
+
+@dataclass
+class Comparison:
+    """A fastddp row against one peer, paired by round."""
+
+    model: str
+    wrapper: str
+    peer: str
+    rounds: int
+    ratio: float
+    """Step time fastddp / peer: exp of the trimmed mean of the per-round log ratios."""
+    ratio_ci: tuple[float, float] | None
+    diff_ms: float
+    """Trimmed mean of the per-round difference fastddp - peer, ms (< 0: fastddp faster)."""
+    diff_ci: tuple[float, float] | None
+    overhead_ratio: float | None = None
+    """fastddp's overhead over ``local`` / the peer's; None unless the
+    peer's overhead interval lies above 0; never below 0."""
+    overhead_ratio_ci: tuple[float, float] | None = None
+    verdict: str | None = None
+    """``faster``, ``slower``, ``equal`` (within the margin) or
+    ``undecided``; None where no verdict is given (``--quick``)."""
+    best: bool = False
+    """The peer with the lowest step time of this row's peers: the headline."""
+
+    @property
+    def half_width(self) -> float | None:
+        """Half the width of the ratio's interval (a fraction of the peer's step time)."""
+        return None if self.ratio_ci is None else (self.ratio_ci[1] - self.ratio_ci[0]) / 2
+
+
+def _paired(samples: Sequence[float], rs: Resampler | None) -> tuple[float, tuple[float, float] | None]:
+    point = trimmed_mean(samples)
+    if rs is None:
+        return point, None
+    return point, _interval(rs.trimmed_means(samples))
+
+
+def compare(a: Sequence[float], b: Sequence[float], local: Sequence[float] | None = None, *,
+            margin: float = DEFAULT_HALF_WIDTH, verdict: bool = True, resampler: Resampler | None = None,
+            model: str = "", wrapper: str = "", peer: str = "") -> Comparison:
+    """Compare step times ``a`` (fastddp) with ``b`` (its peer), round by
+    round (``a[i]``, ``b[i]`` and ``local[i]`` ran in the same round).
+
+    ``resampler`` (over the same number of rounds) lets every comparison of
+    a model share one set of resamples; without it one is made.  Fewer than
+    :data:`MIN_CI_ROUNDS` rounds: point estimates only, verdict
+    ``undecided``."""
+    n = min(len(a), len(b), len(local) if local is not None else len(a))
+    if n < 1:
+        raise ValueError(f"compare {wrapper or 'a'} with {peer or 'b'}: no rounds")
+    a, b = list(a[:n]), list(b[:n])
+    bad = [x for x in a + b if not x > 0]
+    if bad:
+        raise ValueError(f"compare {wrapper or 'a'} with {peer or 'b'}: step times must be > 0 ms, got {bad[0]}")
+    rs = None
+    if n >= MIN_CI_ROUNDS:
+        rs = resampler if resampler is not None and resampler.n == n else Resampler(n)
+    log_ratio, point_ci = _paired([math.log(x / y) for x, y in zip(a, b)], rs)
+    diff, diff_ci = _paired([x - y for x, y in zip(a, b)], rs)
+    cmp = Comparison(model, wrapper, peer, n, math.exp(log_ratio),
+                     None if point_ci is None else (math.exp(point_ci[0]), math.exp(point_ci[1])),
+                     diff, diff_ci)
+    if local is not None and rs is not None:
+        loc = list(local[:n])
+        over_b = [y - z for y, z in zip(b, loc)]
+        boot_b = rs.trimmed_means(over_b)
+        if _interval(boot_b)[0] > 0:  # the peer's overhead is clearly positive
+            over_a = [x - z for x, z in zip(a, loc)]
+            boot_a = rs.trimmed_means(over_a)
+            ratios = torch.where(boot_b > 0, (boot_a / boot_b).clamp(min=0.0),
+                                 torch.full_like(boot_b, math.inf))
+            cmp.overhead_ratio = max(0.0, trimmed_mean(over_a) / trimmed_mean(over_b))
+            cmp.overhead_ratio_ci = _interval(ratios)
+    if verdict:
+        cmp.verdict = decide(cmp.ratio_ci, margin)
+    return cmp
+
+
+# -- data model ----------------------------------------------------------------
+
 @dataclass
 class Row:
     """One (model, wrapper) result."""
@@ -81,15 +311,15 @@ class Row:
     ``failed: <reason>`` (raised while running)."""
     note: str = ""
     family: str = ""
-    """``local``, ``torch`` or ``fastddp``."""
+    """``local``, ``floor``, ``torch``, ``fastddp`` (or another wrapper family)."""
     baselines: list[str] = field(default_factory=list)
-    """Torch wrappers the overhead ratio may be taken against (first present)."""
+    """The peers a fastddp row is compared with: every one present and ok."""
     step_ms: list[float] = field(default_factory=list)
-    """Per-step wall time, max over ranks, ms."""
+    """Per-round wall time of this wrapper's step, max over ranks, ms."""
     exposed_ms: list[float] = field(default_factory=list)
-    """Per-step exposed communication, max over ranks, ms."""
+    """Per-round exposed communication, max over ranks, ms."""
     cpu_ms: list[float] = field(default_factory=list)
-    """Per-step host CPU time of a rank (all its threads: Python, autograd,
+    """Per-round host CPU time of a rank (all its threads: Python, autograd,
     gloo), mean over ranks, ms.  Far less noisy than wall time on a shared
     machine: it measures the work a wrapper adds, not the waiting."""
     ops_per_step: int | None = None
@@ -106,14 +336,15 @@ class Row:
     step: Quantiles | None = None
     exposed: Quantiles | None = None
     overhead_ms: float | None = None
-    ratio: float | None = None
-    ratio_ci: tuple[float, float] | None = None
-    """Bootstrap 90% interval of ``ratio`` (steps resampled in rounds)."""
-    ratio_baseline: str | None = None
+    """Trimmed mean over rounds of (this step - ``local``'s step), ms."""
+    overhead_ci: tuple[float, float] | None = None
     cpu_overhead_ms: float | None = None
-    """Median host CPU per step minus the local median."""
-    cpu_ratio: float | None = None
-    """``cpu_overhead_ms`` over the baseline's."""
+    """The same for host CPU time."""
+    ratio: float | None = None
+    """fastddp rows: step time / the best peer's (see :class:`Comparison`)."""
+    ratio_ci: tuple[float, float] | None = None
+    ratio_baseline: str | None = None
+    """The best peer (lowest step time of the peers present)."""
 
     @property
     def ok(self) -> bool:
@@ -132,6 +363,15 @@ class Section:
 
     bandwidth_gbps: float | None
     rows: list[Row] = field(default_factory=list)
+    half_width: float = DEFAULT_HALF_WIDTH
+    """The precision goal, and the margin of an ``equal`` verdict."""
+    verdicts: bool = True
+    """False for ``--quick``: a smoke run decides nothing."""
+    runs: dict[str, dict] = field(default_factory=dict)
+    """Per model: ``rounds``, ``stopped`` (``precision``, ``budget``,
+    ``fixed`` or ``quick``), ``elapsed_s`` and ``budget_s``."""
+    comparisons: list[Comparison] = field(default_factory=list)
+    """Derived by :func:`derive`."""
 
     @property
     def title(self) -> str:
@@ -150,113 +390,198 @@ class Report:
     sections: list[Section] = field(default_factory=list)
 
 
-def _median(xs: Sequence[float]) -> float:
-    return quantile(xs, 0.5)
-
-
-def _overhead_ratio(row: Sequence[float], base: Sequence[float], local: Sequence[float]) -> float | None:
-    d = _median(base) - _median(local)
-    return None if d <= 0 else (_median(row) - _median(local)) / d
-
-
-#: Bootstrap resamples behind each ratio's interval (seeded: reports are reproducible).
-BOOTSTRAP = 1000
-
-
-def bootstrap_ratio(row: Sequence[float], base: Sequence[float], local: Sequence[float],
-                    resamples: int = BOOTSTRAP, level: float = 0.90,
-                    seed: int = 0) -> tuple[float, float] | None:
-    """A percentile-bootstrap interval of the overhead ratio
-    ``(median(row) - median(local)) / (median(base) - median(local))``.
-
-    Step ``k`` of every wrapper ran in the same round (same batch, the
-    wrappers interleaved), so rounds are resampled together: the interval
-    keeps what pairing removes (a slow round slows every wrapper).  None
-    with fewer than 5 rounds or when too many resamples have no positive
-    baseline overhead."""
-    n = min(len(row), len(base), len(local))
-    if n < 5:
-        return None
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
-        idx = [rng.randrange(n) for _ in range(n)]
-        r = _overhead_ratio([row[i] for i in idx], [base[i] for i in idx], [local[i] for i in idx])
-        if r is not None:
-            ratios.append(r)
-    if len(ratios) < 0.9 * resamples:
-        return None
-    a = (1.0 - level) / 2
-    return quantile(ratios, a), quantile(ratios, 1.0 - a)
-
-
-def derive(section: Section) -> Section:
-    """Fill each row's quantiles, overhead over ``local`` (median minus the
-    local median of the same model), overhead ratio against its torch
-    baseline with a bootstrap interval (None when either overhead is missing
-    or the baseline's is <= 0, where a ratio means nothing), and the same
-    for host CPU time.  Returns ``section`` (modified in place)."""
-    by_key = {(r.model, r.wrapper): r for r in section.rows}
-    for r in section.rows:
-        r.step = summarize(r.step_ms) if r.ok else None
-        r.exposed = summarize(r.exposed_ms) if r.ok else None
-    for r in section.rows:
-        r.overhead_ms = r.ratio = r.ratio_ci = r.ratio_baseline = None
-        r.cpu_overhead_ms = r.cpu_ratio = None
-        local = by_key.get((r.model, "local"))
-        if r.step is None or local is None or local.step is None:
-            continue
-        r.overhead_ms = r.step.median - local.step.median
-        if r.cpu_ms and local.cpu_ms:
-            r.cpu_overhead_ms = _median(r.cpu_ms) - _median(local.cpu_ms)
-    for r in section.rows:
-        local = by_key.get((r.model, "local"))
-        for b in r.baselines:
-            base = by_key.get((r.model, b))
-            if base is None or not base.ok:
-                continue
-            r.ratio_baseline = b
-            if r.overhead_ms is not None and base.overhead_ms is not None and base.overhead_ms > 0:
-                r.ratio = r.overhead_ms / base.overhead_ms
-                r.ratio_ci = bootstrap_ratio(r.step_ms, base.step_ms, local.step_ms)
-            if r.cpu_overhead_ms is not None and base.cpu_overhead_ms is not None \
-                    and base.cpu_overhead_ms > 0:
-                r.cpu_ratio = r.cpu_overhead_ms / base.cpu_overhead_ms
-            break
-    return section
-
-
-def targets(section: Section) -> list[dict]:
-    """The target check per (model, fastddp wrapper) that has a baseline:
-    ratio, its 90% interval, target, and the verdict: ``met`` is whether the
-    point estimate is within the target (None when the ratio is undefined,
-    e.g. the torch overhead was <= 0); ``verdict`` is ``"met"`` when the
-    whole interval is within the target, ``"missed"`` when all of it is
-    above, ``"inconclusive"`` when the interval straddles it."""
+def pairs(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
+    """(fastddp row, peer row) for every fastddp row and every peer of it
+    (``baselines``) present in ``rows``, both ok and measured."""
+    by = {(r.model, r.wrapper): r for r in rows}
     out = []
-    for r in section.rows:
-        if r.family != "fastddp" or r.ratio_baseline is None or r.overhead_ms is None:
+    for r in rows:
+        if r.family != "fastddp" or not r.ok or not r.step_ms:
             continue
-        target = TARGETS.get(r.model, DEFAULT_TARGET)
-        verdict = None
-        if r.ratio_ci is not None:
-            lo, hi = r.ratio_ci
-            verdict = "met" if hi <= target else "missed" if lo > target else "inconclusive"
-        out.append({"model": r.model, "wrapper": r.wrapper, "baseline": r.ratio_baseline,
-                    "ratio": r.ratio, "ci": r.ratio_ci, "target": target,
-                    "met": None if r.ratio is None else r.ratio <= target,
-                    "verdict": verdict, "cpu_ratio": r.cpu_ratio})
+        for name in r.baselines:
+            peer = by.get((r.model, name))
+            if peer is not None and peer.ok and peer.step_ms:
+                out.append((r, peer))
     return out
 
 
-# -- formatting ----------------------------------------------------------------
+def _models(rows: Sequence[Row]) -> list[str]:
+    return list(dict.fromkeys(r.model for r in rows))
 
-COLUMNS = ("model", "wrapper", "median ms", "p20", "p80", "overhead ms", "x torch",
-           "cpu +ms", "cpu x torch", "ops/step", "wire MB", "peak MiB", "exposed ms", "note")
 
+def derive(section: Section) -> Section:
+    """Fill each row's quantiles and paired overhead over ``local`` (with its
+    interval), and the section's comparisons: every fastddp row against
+    every peer present, with verdicts unless ``section.verdicts`` is False;
+    each fastddp row's ``ratio`` is the one against its best peer.  Returns
+    ``section`` (modified in place)."""
+    by = {(r.model, r.wrapper): r for r in section.rows}
+    samplers: dict[int, Resampler] = {}
+
+    def sampler(n: int) -> Resampler | None:
+        if n < MIN_CI_ROUNDS:
+            return None
+        if n not in samplers:
+            samplers[n] = Resampler(n)
+        return samplers[n]
+
+    for r in section.rows:
+        r.step = summarize(r.step_ms) if r.ok else None
+        r.exposed = summarize(r.exposed_ms) if r.ok else None
+        r.overhead_ms = r.overhead_ci = r.cpu_overhead_ms = None
+        r.ratio = r.ratio_ci = r.ratio_baseline = None
+        local = by.get((r.model, "local"))
+        if r.step is None or local is None or local.step is None:
+            continue
+        if r is local:
+            r.overhead_ms = 0.0
+        else:
+            n = min(len(r.step_ms), len(local.step_ms))
+            r.overhead_ms, r.overhead_ci = _paired([x - y for x, y in zip(r.step_ms, local.step_ms)], sampler(n))
+        n = min(len(r.cpu_ms), len(local.cpu_ms))
+        if n:
+            r.cpu_overhead_ms = trimmed_mean([x - y for x, y in zip(r.cpu_ms, local.cpu_ms)])
+
+    section.comparisons = []
+    for r, peer in pairs(section.rows):
+        local = by.get((r.model, "local"))
+        loc = local.step_ms if local is not None and local.ok and local.step_ms else None
+        n = min(len(r.step_ms), len(peer.step_ms), len(loc) if loc else len(r.step_ms))
+        section.comparisons.append(compare(
+            r.step_ms, peer.step_ms, loc, margin=section.half_width, verdict=section.verdicts,
+            resampler=sampler(n), model=r.model, wrapper=r.wrapper, peer=peer.wrapper))
+    for r in section.rows:
+        mine = [c for c in section.comparisons if (c.model, c.wrapper) == (r.model, r.wrapper)]
+        if not mine:
+            continue
+        best = max(mine, key=lambda c: c.ratio)  # the same fastddp samples: highest ratio = fastest peer
+        best.best = True
+        r.ratio, r.ratio_ci, r.ratio_baseline = best.ratio, best.ratio_ci, best.peer
+    # best peer first, in the rows' order
+    order = {(r.model, r.wrapper): i for i, r in enumerate(section.rows)}
+    section.comparisons.sort(key=lambda c: (order[(c.model, c.wrapper)], not c.best))
+    return section
+
+
+# -- when to stop ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a model's rounds end: every compared pair's step-time ratio
+    interval within ±``half_width`` (after ``min_rounds``), or the time
+    budget of the model spent, whichever comes first."""
+
+    half_width: float = DEFAULT_HALF_WIDTH
+    """Half-width goal of every pair's 90% ratio interval (0.03: ±3%)."""
+    budget_s: float = DEFAULT_BUDGET_S
+    """Seconds per model, from its build to its last profiled step; what a
+    model leaves unused goes to the models after it (:meth:`model_budget`)."""
+    min_rounds: int = MIN_ROUNDS
+    """Rounds before the precision goal may stop the model."""
+
+    def __post_init__(self):
+        if not 0.0 < self.half_width < 1.0:
+            raise ValueError(f"half-width must be a fraction in (0, 1) (0.03 = ±3%), got {self.half_width}")
+        if not self.budget_s > 0:
+            raise ValueError(f"the time budget per model must be > 0 s, got {self.budget_s}")
+        if self.min_rounds < MIN_CI_ROUNDS:
+            raise ValueError(f"min_rounds must be >= {MIN_CI_ROUNDS}, got {self.min_rounds}")
+
+    def model_budget(self, index: int, used_s: float) -> float:
+        """The budget of the run's model ``index`` (0-based, across sections)
+        when the models before it took ``used_s`` in all: each model must
+        end by ``(index + 1) x budget_s`` into the run, so time a model saves
+        by reaching the precision early goes to the next ones (the slow
+        models, last in the default order, need it most) and the run never
+        takes more than ``models x budget_s``.  May be <= 0 after an overrun."""
+        return (index + 1) * self.budget_s - used_s
+
+    def widest(self, rows: Sequence[Row]) -> float | None:
+        """The widest half-width of the compared pairs' ratio intervals in
+        ``rows`` (one model); None when nothing is compared, inf with too
+        few rounds for an interval."""
+        found = pairs(rows)
+        if not found:
+            return None
+        n = min(min(len(a.step_ms), len(b.step_ms)) for a, b in found)
+        if n < MIN_CI_ROUNDS:
+            return math.inf
+        rs = Resampler(n)
+        worst = 0.0
+        for a, b in found:
+            lo, hi = _interval(rs.trimmed_means([math.log(x / y) for x, y in zip(a.step_ms[:n], b.step_ms[:n])]))
+            worst = max(worst, (math.exp(hi) - math.exp(lo)) / 2)
+        return worst
+
+
+class Stopper:
+    """Applies a :class:`StopRule` round after round (rank 0 of the runner).
+
+    The precision check bootstraps every pair, so it runs at ``min_rounds``
+    and then each time the rounds have grown by a tenth; the budget is
+    checked every round: the next round plus the work after the rounds
+    (:data:`POST_ROUNDS` rounds' time) must fit."""
+
+    def __init__(self, rule: StopRule, budget_s: float | None = None):
+        self.rule = rule
+        self.budget_s = rule.budget_s if budget_s is None else budget_s
+        """This model's budget (:meth:`StopRule.model_budget`); default: the rule's."""
+        self.next_check = rule.min_rounds
+        self.widest: float | None = None
+
+    def update(self, rows: Sequence[Row], rounds: int, elapsed_s: float, round_s: float) -> str | None:
+        """``"precision"``, ``"budget"`` or None (go on), after ``rounds``
+        timed rounds, ``elapsed_s`` into the model's budget, the last round
+        having taken ``round_s``."""
+        if rounds >= self.next_check:
+            self.widest = self.rule.widest(rows)
+            self.next_check = rounds + max(1, rounds // 10)
+            if self.widest is not None and self.widest <= self.rule.half_width:
+                return "precision"
+        if rounds >= MIN_TIMED_ROUNDS and elapsed_s + round_s * (1.0 + POST_ROUNDS) > self.budget_s:
+            return "budget"
+        return None
+
+
+def run_text(model: str, info: Mapping | None, margin: float) -> str:
+    """``"small: 212 rounds in 38 s, stopped: every pair within ±3%"``."""
+    if not info:
+        return model
+    stopped = info.get("stopped")
+    if stopped == "precision":
+        how = f"every pair within ±{margin * 100:g}%"
+    elif stopped == "budget":
+        how = f"time budget of {info.get('budget_s') or 0:.0f} s spent"
+    else:
+        how = {"fixed": "fixed number of rounds (--steps)", "quick": "--quick smoke run, no verdicts",
+               "failed": "every wrapper failed"}.get(stopped, str(stopped))
+    return f"{model}: {info.get('rounds', '?')} rounds in {info.get('elapsed_s', 0):.0f} s, stopped: {how}"
+
+
+# -- cells -----------------------------------------------------------------------
 
 def _f(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _ms(x: float | None) -> str:
+    """Milliseconds with about 4 significant digits."""
+    if x is None:
+        return "-"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    a = abs(x)
+    return f"{x:.2f}" if a < 100 else f"{x:.1f}" if a < 1000 else f"{x:.0f}"
+
+
+def _x(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    return "inf" if math.isinf(x) else f"{x:.{digits}f}"
+
+
+def _iv(ci: tuple[float, float] | None, fmt=_ms) -> str:
+    return "-" if ci is None else f"{fmt(ci[0])}..{fmt(ci[1])}"
 
 
 def _size(x: float) -> str:
@@ -264,77 +589,188 @@ def _size(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1 else f"{x:.1f}"
 
 
-def _cells(r: Row) -> list[str]:
-    if not r.ok:
-        return [r.model, r.wrapper] + ["-"] * (len(COLUMNS) - 3) + [r.status]
-    ratio = "-"
-    if r.ratio is not None:
-        ratio = f"{r.ratio:.2f}"
-    elif r.ratio_baseline is not None:
-        ratio = "n/a"
-    ops = "-" if r.ops_per_step is None else str(r.ops_per_step)
+def _row_cells(r: Row) -> dict[str, str]:
     wire = "-" if r.wire_bytes is None else _size(r.wire_bytes / 1e6)
     if r.wire_bytes is not None and r.wire_source == "computed":
         wire += "*"
-    peak = "n/a" if r.peak_bytes is None else _size(r.peak_bytes / MiB)
-    return [
-        r.model, r.wrapper,
-        _f(r.step.median if r.step else None, 2),
-        _f(r.step.p20 if r.step else None, 2),
-        _f(r.step.p80 if r.step else None, 2),
-        _f(r.overhead_ms, 2),
-        ratio,
-        _f(r.cpu_overhead_ms, 2),
-        _f(r.cpu_ratio, 2),
-        ops, wire, peak,
-        _f(r.exposed.median if r.exposed else None, 2),
-        r.note,
-    ]
+    return {
+        "median": _ms(r.step.median if r.step else None),
+        "p20": _ms(r.step.p20 if r.step else None),
+        "p80": _ms(r.step.p80 if r.step else None),
+        "p20..p80": "-" if r.step is None else f"{_ms(r.step.p20)}..{_ms(r.step.p80)}",
+        "overhead": _ms(r.overhead_ms),
+        "overhead ci": _iv(r.overhead_ci),
+        "cpu": _ms(r.cpu_overhead_ms),
+        "ops": "-" if r.ops_per_step is None else str(r.ops_per_step),
+        "wire": wire,
+        "peak": "n/a" if r.peak_bytes is None else _size(r.peak_bytes / MiB),
+        "exposed": _ms(r.exposed.median if r.exposed else None),
+    }
 
 
-def format_table(section: Section) -> str:
-    """A fixed-width text table of ``section`` (call :func:`derive` first)."""
-    rows = [list(COLUMNS)] + [_cells(r) for r in section.rows]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
+#: (key, terminal header, markdown header) of the per-wrapper table.
+_ROW_COLUMNS = (
+    ("median", "ms", "median ms"), ("p20", None, "p20"), ("p80", None, "p80"),
+    ("p20..p80", "p20..p80", None), ("overhead", "+local", "+local ms"), ("overhead ci", None, "90%"),
+    ("cpu", "cpu+", "cpu +ms"), ("ops", "ops/step", "ops/step"), ("wire", "wire MB", "wire MB"),
+    ("peak", "peak MiB", "peak MiB"), ("exposed", "exposed", "exposed ms"),
+)
+
+#: The comparison list's columns: (header, shown in the terminal).
+COMPARE_COLUMNS = (("model", False), ("wrapper", True), ("peer", True), ("x peer", True), ("90%", True),
+                   ("diff ms", True), ("90% ", True), ("ovh x", True), ("90%  ", False), ("verdict", True))
+
+
+def comparison_table(section: Section) -> list[list[str]]:
+    """The comparison list, one row of cells per (fastddp row, peer) in
+    :data:`COMPARE_COLUMNS` order: the terminal and the markdown both print
+    these rows (the terminal without the columns it has no room for).
+    ``*`` marks the best peer where a row has several."""
+    count: dict[tuple[str, str], int] = {}
+    for c in section.comparisons:
+        count[c.model, c.wrapper] = count.get((c.model, c.wrapper), 0) + 1
+    out = []
+    for c in section.comparisons:
+        star = "*" if c.best and count[c.model, c.wrapper] > 1 else ""
+        out.append([c.model, c.wrapper, star + c.peer, _x(c.ratio), _iv(c.ratio_ci, _x),
+                    _ms(c.diff_ms), _iv(c.diff_ci), _x(c.overhead_ratio, 2),
+                    _iv(c.overhead_ratio_ci, lambda v: _x(v, 2)), verdict_text(c.verdict, section.half_width)])
+    return out
+
+
+def _fixed(rows: list[list[str]], right: set[int], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
-    for k, row in enumerate(rows):
-        left = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
-        right = [row[i].rjust(widths[i]) for i in range(2, len(COLUMNS) - 1)]
-        lines.append("  ".join(left + right + [row[-1]]).rstrip())
-        if k == 0:
-            lines.append("-" * len(lines[0]))
-    return "\n".join(lines)
+    for row in rows:
+        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return lines
 
 
-def _md_table(section: Section) -> str:
-    out = ["| " + " | ".join(COLUMNS) + " |",
-           "|" + "|".join(["---", "---"] + ["---:"] * (len(COLUMNS) - 3) + ["---"]) + "|"]
+def _clip(line: str, width: int = TERMINAL_WIDTH) -> str:
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def format_table(section: Section, meta: Mapping | None = None) -> str:
+    """The terminal text of one section (call :func:`derive` first): per
+    model, how its rounds ended, the per-wrapper table and its comparisons;
+    every line fits :data:`TERMINAL_WIDTH` columns (a long status or note
+    is cut)."""
+    descriptions = (meta or {}).get("model_descriptions") or {}
+    cols = [(k, t) for k, t, _ in _ROW_COLUMNS if t is not None]
+    cmp_cols = [i for i, (_, shown) in enumerate(COMPARE_COLUMNS) if shown]
+    table = comparison_table(section)
+    lines: list[str] = []
+    for model in _models(section.rows):
+        head = run_text(model, section.runs.get(model), section.half_width)
+        lines.append(_clip(head))
+        if model in descriptions:
+            lines.append(_clip(f"  ({descriptions[model]})"))
+        rows = [r for r in section.rows if r.model == model]
+        body = [["wrapper"] + [t for _, t in cols]]
+        notes = []
+        for r in rows:
+            if not r.ok:
+                continue
+            cells = _row_cells(r)
+            body.append([r.wrapper] + [cells[k] for k, _ in cols])
+            if r.note:
+                notes.append(f"{r.wrapper}: {r.note}")
+        if len(body) > 1:
+            lines += _fixed(body, right=set(range(1, len(body[0]))))
+        for r in rows:
+            if not r.ok:
+                lines.append(_clip(f"  {r.wrapper}  {r.status}"))
+        mine = [[row[i] for i in cmp_cols] for row in table if row[0] == model]
+        if mine:
+            header = [COMPARE_COLUMNS[i][0].strip() for i in cmp_cols]
+            lines.append("  paired by round, fastddp / peer:")
+            lines += [_clip(x) for x in _fixed([header] + mine, right={2, 3, 4, 5, 6})]
+        lines += [_clip(f"  note: {n}") for n in notes]
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _tally(section: Section) -> str | None:
+    if not section.comparisons:
+        return None
+    if not section.verdicts:
+        return "no verdicts: --quick is a smoke run (every wrapper ran; see the table)"
+    counts: dict[str, int] = {}
+    for c in section.comparisons:
+        counts[c.verdict] = counts.get(c.verdict, 0) + 1
+    parts = [f"{counts[v]} {verdict_text(v, section.half_width)}"
+             for v in ("faster", "equal", "slower", "undecided") if v in counts]
+    return f"verdicts ({len(section.comparisons)} pairs, 90% intervals): " + ", ".join(parts)
+
+
+def summary_text(report: Report) -> str:
+    """The terminal version: per section its title, :func:`format_table` and
+    a tally of the verdicts."""
+    parts = []
+    for s in report.sections:
+        derive(s)
+        parts += [f"== {s.title} ==", format_table(s, report.meta), ""]
+        tally = _tally(s)
+        if tally:
+            parts += [_clip(tally), ""]
+    return "\n".join(parts)
+
+
+# -- markdown and JSON -----------------------------------------------------------
+
+def _md(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _md_rows(section: Section) -> str:
+    cols = [(k, h) for k, _, h in _ROW_COLUMNS if h is not None]
+    out = [_md(["model", "wrapper"] + [h for _, h in cols] + ["note"]),
+           "|" + "|".join(["---", "---"] + ["---:"] * len(cols) + ["---"]) + "|"]
     for r in section.rows:
-        cells = [c.replace("|", "\\|") for c in _cells(r)]
-        out.append("| " + " | ".join(cells) + " |")
+        if not r.ok:
+            out.append(_md([r.model, r.wrapper] + ["-"] * len(cols) + [r.status]))
+            continue
+        cells = _row_cells(r)
+        out.append(_md([r.model, r.wrapper] + [cells[k] for k, _ in cols] + [r.note]))
     return "\n".join(out)
 
 
-def _md_targets(section: Section) -> str:
-    checks = targets(section)
-    if not any(c["ratio"] is not None for c in checks):
-        return "No fastddp row has a ratio in this section (unavailable, or torch's overhead <= 0)."
-    lines = ["| model | wrapper | vs | overhead ratio | 90% interval | target | met (median) "
-             "| verdict (interval) | host CPU ratio |",
-             "|---|---|---|---:|---:|---:|---|---|---:|"]
-    for c in checks:
-        ratio = "n/a" if c["ratio"] is None else f"{c['ratio']:.2f}"
-        ci = "-" if c["ci"] is None else f"{c['ci'][0]:.2f} .. {c['ci'][1]:.2f}"
-        met = "n/a (torch overhead <= 0)" if c["met"] is None else ("yes" if c["met"] else "NO")
-        cpu = "-" if c["cpu_ratio"] is None else f"{c['cpu_ratio']:.2f}"
-        lines.append(f"| {c['model']} | {c['wrapper']} | {c['baseline']} | {ratio} | {ci} | "
-                     f"<= {c['target']:.1f} | {met} | {c['verdict'] or '-'} | {cpu} |")
-    return "\n".join(lines)
+def _md_comparisons(section: Section) -> str:
+    rows = comparison_table(section)
+    if not rows:
+        return "No fastddp row has a peer in this section (not run, unavailable or failed)."
+    heads = [h.strip() for h, _ in COMPARE_COLUMNS]
+    out = [_md(heads), "|" + "|".join(["---"] * 3 + ["---:"] * 6 + ["---"]) + "|"]
+    out += [_md(r) for r in rows]
+    return "\n".join(out)
 
 
-_LEGEND = ("ms: wall time per step, max over ranks. overhead = median - local's median; x torch = "
-           "overhead / the torch row's with the same option (90% interval below); cpu: host CPU "
-           "time per step; wire MB `*`: computed from the parameters, else counted.")
+def _md_runs(section: Section) -> str:
+    out = ["| model | rounds | time s | budget s | stopped | widest pair ± |",
+           "|---|---:|---:|---:|---|---:|"]
+    for model in _models(section.rows):
+        info = section.runs.get(model) or {}
+        hws = [c.half_width for c in section.comparisons if c.model == model and c.half_width is not None]
+        widest = f"{max(hws) * 100:.1f}%" if hws else "-"
+        stopped = run_text(model, info, section.half_width).split("stopped: ", 1)[-1] if info else "-"
+        budget = info.get("budget_s")
+        out.append(_md([model, str(info.get("rounds", "-")), _f(info.get("elapsed_s"), 0),
+                        "-" if budget is None else f"{budget:.0f}", stopped, widest]))
+    return "\n".join(out)
+
+
+_LEGEND = ("ms: wall time per step, the slowest rank's, per round. +local: trimmed mean over rounds of "
+           "(step - local's step in the same round), 90% interval. cpu +ms: host CPU time per step over "
+           "local's. wire MB `*`: computed from the parameters, else counted.")
+
+_CMP_LEGEND = ("x peer: fastddp step time / the peer's, paired by round (exp of the trimmed mean of "
+               "per-round log ratios), 90% bootstrap interval over rounds; diff ms: trimmed mean of "
+               "fastddp - peer per round (< 0: fastddp faster). ovh x: fastddp's overhead over local / the "
+               "peer's, only where the peer's overhead interval is above 0. `*`: the best of several peers, "
+               "the row's headline.")
+_VERDICT_LEGEND = ("Verdict from the x peer interval: equal when it lies within the margin, faster / slower "
+                   "when it lies below / above 1, else undecided.")
 
 
 def _meta_lines(meta: Mapping) -> list[str]:
@@ -344,8 +780,10 @@ def _meta_lines(meta: Mapping) -> list[str]:
         ("threads_per_rank", "threads per rank"), ("torch", "torch"), ("triton", "triton"),
         ("nccl", "NCCL"), ("python", "python"), ("numpy", "numpy"), ("fastddp", "fastddp"),
         ("git", "git commit"), ("models", "models"), ("wrappers", "wrappers"),
-        ("steps", "timed steps"), ("warmup", "warm-up steps"), ("bucket_cap_mb", "bucket_cap_mb"),
-        ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("quick", "quick"),
+        ("rounds", "rounds"), ("half_width", "precision goal (±)"), ("budget_s", "budget per model (s)"),
+        ("warmup", "warm-up rounds"), ("bucket_cap_mb", "bucket_cap_mb"),
+        ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("link", "link"), ("quick", "quick"),
+        ("load", "load average (1, 5, 15 min)"),
         ("command", "command"), ("elapsed_s", "run time (s)"), ("elapsed_per_model_s", "per model (s)"),
     ]
     lines = ["| | |", "|---|---|"]
@@ -368,18 +806,23 @@ def to_markdown(report: Report, charts: Mapping[str, Sequence[str]] | None = Non
     charts = charts or {}
     m = report.meta
     out = [f"# fastddp-bench: {m.get('label', '')} on {m.get('device', '?')}", ""]
-    out += ["How this report is produced and what each column means: "
-            "[reports/README.md](../README.md).", ""]
+    out += ["How this report is produced and how to read it: [reports/README.md](../README.md).", ""]
     out += ["## Setup", ""] + _meta_lines(m) + [""]
     models = m.get("model_descriptions") or {}
     if models:
         out += ["Models:", ""] + [f"* `{k}`: {v}" for k, v in models.items()] + [""]
     for section in report.sections:
-        out += [f"## {section.title}", "", _md_table(section), ""]
-        out += [_LEGEND, ""]
+        out += [f"## {section.title}", ""]
+        if not section.verdicts:
+            out += ["**Smoke run (`--quick`): no verdicts; the figures below are not for decisions.**", ""]
+        out += [_md_runs(section), "", _md_rows(section), "", _LEGEND, ""]
+        out += [f"### fastddp against its peers (±{section.half_width * 100:g}% margin)", "",
+                _md_comparisons(section), "", _CMP_LEGEND + (" " + _VERDICT_LEGEND if section.verdicts else ""), ""]
+        tally = _tally(section)
+        if tally:
+            out += [tally, ""]
         for name in charts.get(section.tag, ()):
             out += [f"![{name}]({name})", ""]
-        out += ["### Targets (fastddp overhead / torch overhead)", "", _md_targets(section), ""]
     for name in charts.get("bandwidth", ()):
         out += ["## Step time against simulated bandwidth", "", f"![{name}]({name})", ""]
     return "\n".join(out)
@@ -393,125 +836,195 @@ def _row_json(r: Row) -> dict:
 
 def to_json(report: Report) -> str:
     doc = {"meta": report.meta,
-           "sections": [{"bandwidth_gbps": s.bandwidth_gbps, "rows": [_row_json(r) for r in s.rows]}
+           "sections": [{"bandwidth_gbps": s.bandwidth_gbps, "half_width": s.half_width,
+                         "verdicts": s.verdicts, "runs": s.runs,
+                         "rows": [_row_json(r) for r in s.rows],
+                         "comparisons": [dataclasses.asdict(c) for c in s.comparisons]}
                         for s in report.sections]}
     return json.dumps(doc, indent=1, sort_keys=False)
 
 
-_DERIVED = {"step", "exposed", "overhead_ms", "ratio", "ratio_ci", "ratio_baseline",
-            "cpu_overhead_ms", "cpu_ratio"}
+_DERIVED = {"step", "exposed", "overhead_ms", "overhead_ci", "cpu_overhead_ms", "ratio", "ratio_ci",
+            "ratio_baseline"}
 
 
 def from_json(text: str) -> Report:
-    """Inverse of :func:`to_json` (derived fields are recomputed)."""
+    """Inverse of :func:`to_json` (derived fields are recomputed; a report
+    written before paired statistics reads with the defaults)."""
     doc = json.loads(text)
     names = {f.name for f in dataclasses.fields(Row)} - _DERIVED
     sections = []
     for s in doc["sections"]:
         rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in s["rows"]]
-        sections.append(derive(Section(s["bandwidth_gbps"], rows)))
+        sec = Section(s["bandwidth_gbps"], rows, half_width=s.get("half_width", DEFAULT_HALF_WIDTH),
+                      verdicts=s.get("verdicts", True), runs=s.get("runs", {}))
+        sections.append(derive(sec))
     return Report(doc["meta"], sections)
 
 
 # -- charts ----------------------------------------------------------------------
 
-_FAMILY_COLOR = {"local": "#888888", "floor": "#bbbbbb", "torch": "#4c72b0", "fastddp": "#dd8452"}
+def clip_span(lo: float, hi: float, axis_lo: float, axis_hi: float,
+              fmt=_ms) -> tuple[float, float, list[tuple[float, str]]]:
+    """The part of the whisker ``[lo, hi]`` drawn inside ``[axis_lo,
+    axis_hi]``, and a label ``(x, text)`` at each edge it was cut at, with
+    the true value (``"> 123.4"`` / ``"< 0.51"``)."""
+    if not axis_lo < axis_hi:
+        raise ValueError(f"clip_span: empty axis [{axis_lo}, {axis_hi}]")
+    labels = []
+    if hi > axis_hi:
+        labels.append((axis_hi, f"{fmt(hi)} >"))
+    if lo < axis_lo:
+        labels.append((axis_lo, f"< {fmt(lo)}"))
+    return max(min(lo, axis_hi), axis_lo), min(max(hi, axis_lo), axis_hi), labels
 
 
-def _models(section: Section) -> list[str]:
-    seen: list[str] = []
-    for r in section.rows:
-        if r.model not in seen:
-            seen.append(r.model)
-    return seen
+def _colors(rows: Sequence[Row]) -> dict[str, str]:
+    """One colour per wrapper, the same in every panel and chart."""
+    from matplotlib import colormaps
+
+    names = list(dict.fromkeys(r.wrapper for r in rows))
+    if len(names) <= 10:
+        palette = list(colormaps["tab10"].colors)
+    else:  # tab20's saturated half first: the first 10 wrappers keep tab10's distinct hues
+        tab20 = list(colormaps["tab20"].colors)
+        palette = tab20[0::2] + tab20[1::2]
+    return {n: palette[i % len(palette)] for i, n in enumerate(names)}
 
 
-def _chart_order(rows: list[Row]) -> list[Row]:
-    """Table order, but each fastddp row right after the torch row it is
-    compared with, so pairs sit side by side."""
-    out = [r for r in rows if r.family != "fastddp"]
-    for r in (r for r in rows if r.family == "fastddp"):
-        anchor = next((i for i, x in enumerate(out) if x.wrapper == r.ratio_baseline), None)
-        if anchor is None:
-            out.append(r)
-        else:
-            while anchor + 1 < len(out) and out[anchor + 1].family == "fastddp":
-                anchor += 1
-            out.insert(anchor + 1, r)
-    return out
+def _grid(plt, panels: int, tallest: int, width: float = 6.4):
+    ncols = min(2, panels)
+    nrows = math.ceil(panels / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, nrows * (0.32 * tallest + 1.5) + 1.2),
+                             squeeze=False)
+    for ax in axes.flat[panels:]:
+        ax.set_visible(False)
+    return fig, axes
 
 
-def _ratio_whiskers(section: Section, rows: list[Row]) -> list[tuple[float, float] | None]:
-    """Each row's ratio interval drawn on its overhead bar, as (ms below, ms
-    above) the bar's end: the ratio is the bar over the baseline's overhead,
-    so the interval in ms is ``ci x`` that overhead.  None: no interval."""
-    base = {(r.model, r.wrapper): r for r in section.rows}
-    out: list[tuple[float, float] | None] = []
-    for r in rows:
-        b = base.get((r.model, r.ratio_baseline))
-        if r.ratio_ci is None or b is None or b.overhead_ms is None or r.overhead_ms is None:
-            out.append(None)
-            continue
-        out.append((max(r.overhead_ms - r.ratio_ci[0] * b.overhead_ms, 0.0),
-                    max(r.ratio_ci[1] * b.overhead_ms - r.overhead_ms, 0.0)))
-    return out
+def _legend(fig, colors: Mapping[str, str], names: Sequence[str]) -> float:
+    """A legend of ``names``' colours under the panels, as many per line as
+    the figure's width takes; returns the fraction of the height it needs."""
+    from matplotlib.patches import Patch
+
+    width, height = fig.get_size_inches()
+    ncol = max(1, min(len(names), int(width / 1.7)))
+    handles = [Patch(color=colors[n], label=n) for n in names]
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    return min(0.4, (0.25 * math.ceil(len(names) / ncol) + 0.15) / height)
 
 
-def _plot_bars(section: Section, path: Path, what: str) -> bool:
+def _panel_title(section: Section, model: str) -> str:
+    """``"small: 212 rounds, within ±3%"``: short enough for a panel."""
+    info = section.runs.get(model)
+    if not info:
+        return model
+    how = {"precision": f"within ±{section.half_width * 100:g}%", "budget": "budget spent",
+           "fixed": "fixed count", "quick": "quick: no verdicts"}.get(info.get("stopped"), str(info.get("stopped")))
+    return f"{model}: {info.get('rounds', '?')} rounds, {how}"
+
+
+def _plot_step(section: Section, path: Path) -> bool:
+    """Median step per wrapper, one panel per model; whiskers p20-p80 cut at
+    1.3x the panel's slowest median (the true p80 printed where cut);
+    dashed line: local's median."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    per_model = {}
-    for model in _models(section):
-        rows = [r for r in section.rows if r.model == model and r.ok and r.step is not None]
-        if what == "overhead":
-            rows = [r for r in rows if r.family != "local" and r.overhead_ms is not None]
-        if rows:
-            per_model[model] = _chart_order(rows)
+    per_model = {m: [r for r in section.rows if r.model == m and r.ok and r.step is not None]
+                 for m in _models(section.rows)}
+    per_model = {m: rows for m, rows in per_model.items() if rows}
     if not per_model:
         return False
-    ncols = min(2, len(per_model))
-    nrows = math.ceil(len(per_model) / ncols)
-    tallest = max(len(v) for v in per_model.values())
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.4 * ncols, nrows * (0.3 * tallest + 1.3) + 0.5),
-                             squeeze=False)
-    for ax in axes.flat[len(per_model):]:
-        ax.set_visible(False)
+    colors = _colors(section.rows)
+    fig, axes = _grid(plt, len(per_model), max(len(v) for v in per_model.values()))
     for ax, (model, rows) in zip(axes.flat, per_model.items()):
         ys = list(range(len(rows)))[::-1]
-        colors = [_FAMILY_COLOR.get(r.family, "#55a868") for r in rows]
-        if what == "step":
-            vals = [r.step.median for r in rows]
-            err = [[r.step.median - r.step.p20 for r in rows], [r.step.p80 - r.step.median for r in rows]]
-            ax.barh(ys, vals, xerr=err, color=colors, capsize=2, height=0.7)
-            ax.set_xlabel("ms: median step, whiskers p20-p80", fontsize=8)
-            local = next((r for r in rows if r.family == "local"), None)
-            if local is not None:
-                ax.axvline(local.step.median, color="#444444", linestyle="--", linewidth=1)
-        else:
-            vals = [r.overhead_ms for r in rows]
-            ax.barh(ys, vals, color=colors, height=0.7)
-            ax.axvline(0, color="#444444", linewidth=1)
-            ax.set_xlabel("ms: median step - local median step; whiskers: 90% interval of x torch",
-                          fontsize=8)
-            for y, r, w in zip(ys, rows, _ratio_whiskers(section, rows)):
-                if w is not None:
-                    ax.errorbar(r.overhead_ms, y, xerr=[[w[0]], [w[1]]], fmt="none", ecolor="#222222",
-                                capsize=2, linewidth=1)
-                if r.ratio is not None:
-                    ci = "" if r.ratio_ci is None else f" [{r.ratio_ci[0]:.2f}, {r.ratio_ci[1]:.2f}]"
-                    end = r.overhead_ms + (w[1] if w is not None else 0.0)
-                    ax.annotate(f" x{r.ratio:.2f}{ci}", (max(end, 0), y), va="center", fontsize=7)
-            ax.margins(x=0.2)  # room for the labels right of the longest whisker
+        right = 1.3 * max(r.step.median for r in rows)
+        ax.barh(ys, [r.step.median for r in rows], color=[colors[r.wrapper] for r in rows], height=0.7)
+        for y, r in zip(ys, rows):
+            lo, hi, labels = clip_span(r.step.p20, r.step.p80, 0.0, right)
+            ax.plot([lo, hi], [y, y], color="#222222", linewidth=1)
+            for x, text in labels:
+                ax.annotate(text, (x, y), xytext=(-2, 4), textcoords="offset points", ha="right",
+                            va="bottom", fontsize=7)
+        local = next((r for r in rows if r.family == "local"), None)
+        if local is not None:
+            ax.axvline(local.step.median, color="#444444", linestyle="--", linewidth=1)
+        ax.set_xlim(0, right)
         ax.set_yticks(ys)
         ax.set_yticklabels([r.wrapper for r in rows], fontsize=8)
         ax.tick_params(axis="x", labelsize=8)
-        ax.set_title(model, fontsize=10, loc="left")
+        ax.set_xlabel("ms per step (median; whisker p20-p80; dashed: local)", fontsize=8)
+        ax.set_title(_panel_title(section, model), fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
-    head = "Step time (max over ranks)" if what == "step" else "Overhead over local (x: vs torch, same option)"
-    fig.suptitle(f"{head} - {section.title}", fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    bottom = _legend(fig, colors, list(colors))
+    fig.suptitle(f"Step time, slowest rank per round - {section.title}", fontsize=11)
+    fig.tight_layout(rect=(0, bottom, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _ratio_axis(comps: Sequence[Comparison], margin: float) -> tuple[float, float]:
+    """x limits of a ratio panel: 1 ± 2 x margin, every point, and the
+    intervals as far as 0.67-1.5 (wider ones are cut, their bound printed),
+    padded, within [0.25, 4]."""
+    points = [c.ratio for c in comps]
+    bounds = [b for c in comps if c.ratio_ci is not None for b in c.ratio_ci]
+    lo = min([1 - 2 * margin, min(points)] + [max(b, 2 / 3) for b in bounds])
+    hi = max([1 + 2 * margin, max(points)] + [min(b, 1.5) for b in bounds])
+    pad = 0.08 * (hi - lo)
+    return max(0.25, lo - pad), min(4.0, hi + pad)
+
+
+def _plot_ratio(section: Section, path: Path) -> bool:
+    """Step-time ratio fastddp / peer with its 90% interval, one panel per
+    model; the band is the ``equal`` margin; whiskers cut at the axis with
+    the true bound printed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_model = {m: [c for c in section.comparisons if c.model == m] for m in _models(section.rows)}
+    per_model = {m: cs for m, cs in per_model.items() if cs}
+    if not per_model:
+        return False
+    colors = _colors(section.rows)
+    fig, axes = _grid(plt, len(per_model), max(len(v) for v in per_model.values()))
+    margin = section.half_width
+    stars = {c.model + "/" + c.wrapper for c in section.comparisons if not c.best}  # rows with several peers
+    for ax, (model, comps) in zip(axes.flat, per_model.items()):
+        left, right = _ratio_axis(comps, margin)
+        ys = list(range(len(comps)))[::-1]
+        ax.axvspan(1 - margin, 1 + margin, color="#dddddd", zorder=0)
+        ax.axvline(1.0, color="#444444", linewidth=1)
+        for y, c in zip(ys, comps):
+            color = colors[c.wrapper]
+            if c.ratio_ci is not None:
+                lo, hi, labels = clip_span(c.ratio_ci[0], c.ratio_ci[1], left, right, fmt=_x)
+                ax.plot([lo, hi], [y, y], color=color, linewidth=2)
+                for x, text in labels:
+                    ax.annotate(text, (x, y), xytext=(0, -10), textcoords="offset points",
+                                ha="right" if x == right else "left", fontsize=7)
+            point = min(max(c.ratio, left), right)
+            ax.plot([point], [y], marker="o", color=color, markersize=5)
+            text = f"{c.ratio:.3f}" + ("" if c.verdict is None else f" {verdict_text(c.verdict, margin)}")
+            ax.annotate(text, (point, y), xytext=(0, 5), textcoords="offset points", ha="center", fontsize=7)
+        ax.set_xlim(left, right)
+        ax.set_ylim(-0.8, len(comps) - 0.2)
+        ax.set_yticks(ys)
+        ax.set_yticklabels([f"{c.wrapper} / {'*' if c.best and f'{c.model}/{c.wrapper}' in stars else ''}{c.peer}"
+                            for c in comps], fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.set_xlabel(f"step time fastddp / peer, 90% interval (< 1: fastddp faster; band: ±{margin * 100:g}%)",
+                      fontsize=8)
+        ax.set_title(_panel_title(section, model), fontsize=9, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    bottom = _legend(fig, colors, list(dict.fromkeys(c.wrapper for c in section.comparisons)))
+    fig.suptitle(f"fastddp against its peers, paired by round - {section.title}", fontsize=11)
+    fig.tight_layout(rect=(0, bottom, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -527,20 +1040,21 @@ def _plot_bandwidth(report: Report, path: Path) -> bool:
     sims = [s for s in report.sections if s.bandwidth_gbps is not None]
     if len(sims) < 2:
         return False
-    models = _models(sims[0])
+    models = _models(sims[0].rows)
+    colors = _colors(sims[0].rows)
     fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7.0), squeeze=False)
     for col, model in enumerate(models):
         rows = [r for r in sims[0].rows if r.model == model]
         for top, value in ((True, lambda r: r.step.median if r.step else None),
                            (False, lambda r: r.overhead_ms)):
             ax = axes[0 if top else 1][col]
-            for i, first in enumerate(rows):
+            for first in rows:
                 if not top and first.family == "local":
                     continue
                 pts = [(s.bandwidth_gbps, value(r)) for s in sims for r in s.rows
                        if r.model == model and r.wrapper == first.wrapper and value(r) is not None]
                 if pts:
-                    ax.plot(*zip(*sorted(pts)), marker="o", label=first.wrapper, color=f"C{i % 10}",
+                    ax.plot(*zip(*sorted(pts)), marker="o", label=first.wrapper, color=colors[first.wrapper],
                             linestyle="--" if first.family == "torch" else "-")
             ax.set_xscale("log")
             ax.grid(alpha=0.3)
@@ -580,9 +1094,9 @@ def write_report(report: Report, out_dir: str | Path, charts_on: bool = True) ->
     written: list[Path] = []
     for section in report.sections:
         derive(section)
-        for what in ("step", "overhead") if charts_on else ():
+        for what, plot in (("step", _plot_step), ("ratio", _plot_ratio)) if charts_on else ():
             path = folder / f"{stem}{section.tag}-{what}.png"
-            if _plot_bars(section, path, what):
+            if plot(section, path):
                 charts.setdefault(section.tag, []).append(path.name)
                 written.append(path)
     bw_path = folder / f"{stem}-bandwidth.png"
@@ -594,29 +1108,3 @@ def write_report(report: Report, out_dir: str | Path, charts_on: bool = True) ->
     js = folder / f"{stem}.json"
     js.write_text(to_json(report))
     return {"md": md, "json": js, "charts": written}
-
-
-def verdict_lines(section: Section) -> list[str]:
-    """One line per target of :func:`targets` (call :func:`derive` first)."""
-    out = []
-    for c in targets(section):
-        head = f"{c['model']} {c['wrapper']} vs {c['baseline']}"
-        if c["ratio"] is None:
-            out.append(f"{head}: no ratio (torch overhead <= 0)")
-            continue
-        ci = "" if c["ci"] is None else f" [{c['ci'][0]:.2f}, {c['ci'][1]:.2f}]"
-        verdict = c["verdict"] or (("median met" if c["met"] else "median missed") + ", too few rounds for an interval")
-        out.append(f"{head}: x{c['ratio']:.2f}{ci}, target <= {c['target']:.1f}: {verdict}")
-    return out
-
-
-def summary_text(report: Report) -> str:
-    """The terminal version: per section, the table and one verdict line per target."""
-    parts = []
-    for s in report.sections:
-        derive(s)
-        parts += [f"== {s.title} ==", format_table(s), ""]
-        lines = verdict_lines(s)
-        if lines:
-            parts += ["targets (90% interval):"] + [f"  {x}" for x in lines] + [""]
-    return "\n".join(parts)

@@ -10,11 +10,16 @@ One run (:func:`run`)::
                 (rank 0 measures the memory this leaves resident)
               warm-up rounds, then timed rounds, interleaved:
                 round r: same batch for every wrapper, order rotated by r,
-                         a barrier before each step (not timed)
+                         a barrier before each step (not timed); then one
+                         all_gather of every rank's times -> the round's
+                         sample per wrapper (slowest rank: report.merge_ranks)
+                after each round rank 0 applies the stop rule (every
+                compared pair's ratio interval within +-X, or the model's
+                time budget spent; --steps / --quick: a fixed count) and
+                broadcasts go on / stop
               per wrapper: one profiled step (ops/launches, step peak
                 memory, bytes on the wire); --trace: a Chrome trace
-              all_reduce(MAX) of the per-step times -> rank 0
-    rank 0: the results -> parent: terminal table + reports/<device>/...
+    rank 0: the results -> parent: terminal summary + reports/<device>/...
 
 A step, as timed (``time.perf_counter``; CUDA synchronised before and after)::
 
@@ -35,13 +40,14 @@ import contextlib
 import copy
 import datetime as _dt
 import gc
+import math
 import os
 import platform
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -71,9 +77,19 @@ class BenchConfig:
     world: int | None = None
     """None: 2 on CPU, every visible GPU on CUDA; ignored under torchrun."""
     steps: int | None = None
-    """Timed steps per wrapper; None: the model's default (quick or not)."""
+    """A fixed number of timed rounds per model (no stop rule); None: rounds
+    until the stop rule says so (``quick``: the model's ``quick_steps``)."""
     warmup: int | None = None
-    """Warm-up steps per wrapper (>= 1); None: 3, or 1 with ``quick``."""
+    """Warm-up rounds per model (>= 1); None: 3, or 1 with ``quick``."""
+    half_width: float = R.DEFAULT_HALF_WIDTH
+    """Precision goal: rounds go on until every compared pair's 90% interval
+    of the step-time ratio is within this half-width (0.03: ±3%); also the
+    margin of an ``equal`` verdict."""
+    budget_s: float | None = None
+    """Seconds per model and section (build to last profiled step) before the
+    rounds stop whatever the precision, plus what the models before it left
+    unused (:meth:`report.StopRule.model_budget`); None:
+    :data:`report.DEFAULT_BUDGET_S`."""
     bucket_cap_mb: float | None = None
     out: str = "reports"
     label: str | None = None
@@ -91,16 +107,29 @@ class BenchConfig:
     charts: bool = True
     """Write the PNG charts (matplotlib) next to the report."""
     command: str = ""
+    link: str | None = None
+    """``netns:RATE``: two ranks over a real veth link of RATE Gbit/s
+    (bench/netlink.py; root only, gloo on the CPU); None: loopback."""
 
     def resolved_label(self) -> str:
         if self.label:
             return self.label
         return "quick" if self.quick else "full"
 
-    def steps_for(self, spec: ModelSpec) -> int:
+    @property
+    def mode(self) -> str:
+        """``quick`` (a smoke run: few rounds, no verdicts), ``fixed``
+        (``--steps`` rounds) or ``adaptive`` (the stop rule)."""
+        return "quick" if self.quick else "fixed" if self.steps is not None else "adaptive"
+
+    def rounds_for(self, spec: ModelSpec) -> int | None:
+        """Timed rounds of ``spec``; None: as many as the stop rule wants."""
         if self.steps is not None:
             return self.steps
-        return spec.quick_steps if self.quick else spec.steps
+        return spec.quick_steps if self.quick else None
+
+    def stop_rule(self) -> R.StopRule:
+        return R.StopRule(self.half_width, self.budget_s if self.budget_s is not None else R.DEFAULT_BUDGET_S)
 
     def warmup_steps(self) -> int:
         w = self.warmup if self.warmup is not None else (QUICK_WARMUP if self.quick else DEFAULT_WARMUP)
@@ -126,11 +155,26 @@ class BenchConfig:
             raise ValueError("no model to run")
         if self.steps is not None and self.steps < 1:
             raise ValueError("--steps must be >= 1")
+        if not 0.0 < self.half_width < 1.0:
+            raise ValueError(f"--half-width must be a percentage between 0 and 100 (exclusive), "
+                             f"got {self.half_width * 100:g}")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise ValueError(f"--budget must be > 0 seconds per model, got {self.budget_s:g}")
         if self.world is not None and self.world < 1:
             raise ValueError("--world must be >= 1")
         for bw in self.bandwidths:
             if bw is not None and not bw > 0:
                 raise ValueError(f"--simulate-bandwidth values must be > 0 GB/s, got {bw}")
+        if self.link is not None:
+            from .netlink import parse_link
+
+            parse_link(self.link)
+            if self.world not in (None, 2):
+                raise ValueError(f"--link runs one rank in each of two namespaces: --world must be 2, "
+                                 f"got {self.world}")
+            if any(bw is not None for bw in self.bandwidths):
+                raise ValueError("--link and --simulate-bandwidth are two different wires: use one "
+                                 "(run twice to compare them)")
 
 
 # -- per-rank machinery -----------------------------------------------------------
@@ -143,6 +187,9 @@ class _Ctx:
         self.cuda = device.type == "cuda"
         self.lead = rank == 0
         self.elapsed: dict[str, float] = {}  # "<model><section tag>" -> seconds
+        self.load_start = _load()
+        self.models_done = 0   # models benchmarked so far, all sections
+        self.used_s = 0.0      # their time, build to last profiled step (rank 0's decides)
 
     def barrier(self) -> None:
         if self.cuda:
@@ -201,10 +248,8 @@ class _Entry:
     opt: torch.optim.Optimizer
     clock: _GradClock
     row: R.Row
+    """Its samples: every rank appends the same merged sample per round."""
     counter: object = None
-    step_ms: list[float] = field(default_factory=list)
-    exposed_ms: list[float] = field(default_factory=list)
-    cpu_ms: list[float] = field(default_factory=list)
 
 
 def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float, float]:
@@ -212,6 +257,9 @@ def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float, f
     CPU ms of this process, all threads)."""
     x, y = batch
     ctx.sync()
+    # NaN unless a clock hook fires: replicate swaps the params for DTensors,
+    # so hooks attached before wrapping never run and there is no reading
+    e.clock.t = float("nan")
     c0 = time.process_time()
     t0 = time.perf_counter()
     e.opt.zero_grad(set_to_none=True)
@@ -446,59 +494,69 @@ def _build(ctx: _Ctx, spec: ModelSpec, base: nn.Module, name: str, options: Wrap
     return entry, row
 
 
+def _all_gather(ctx: _Ctx, t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape everywhere), on the CPU, in rank order."""
+    if ctx.cuda:
+        t = t.to(ctx.device)
+    out = [torch.empty_like(t) for _ in range(ctx.world)]
+    dist.all_gather(out, t)
+    return [o.cpu() for o in out]
+
+
 def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed: bool) -> None:
     """One step of every live wrapper on the same batch, order rotated by
-    ``index``; a barrier (untimed) before each step."""
+    ``index``; a barrier (untimed) before each step.  Then one all_gather
+    brings every rank's (step ms, exposed ms, CPU ms, failed) to every rank;
+    :func:`report.merge_ranks` makes the round's sample per wrapper (the
+    slowest rank's step), appended to its row when ``timed``.  A wrapper
+    that raised on any rank is marked failed on all."""
     batch = _batch(ctx, spec, index)
     live = [e for e in entries if e.row.ok]
     if not live:
         return
     k = index % len(live)
+    times: dict[int, tuple[float, float, float]] = {}
     errors: dict[int, BaseException] = {}
     for e in live[k:] + live[:k]:
         ctx.barrier()
         try:
-            ms, exposed, cpu = _step(ctx, spec, e, batch)
+            times[id(e)] = _step(ctx, spec, e, batch)
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
             errors[id(e)] = exc
-            continue
-        if timed:
-            e.step_ms.append(ms)
-            e.exposed_ms.append(exposed)
-            e.cpu_ms.append(cpu)
-    for e, bad in zip(live, ctx.agree_any([id(e) in errors for e in live])):
-        if bad:
+    mine = torch.tensor([[*times.get(id(e), (0.0, -1.0, 0.0)), 1.0 if id(e) in errors else 0.0]
+                         for e in live], dtype=torch.float64)
+    mine[:, 1] = mine[:, 1].nan_to_num(-1.0)  # exposed not measured
+    ranks = _all_gather(ctx, mine)
+    merged = R.merge_ranks([r[:, :3].tolist() for r in ranks])
+    for i, (e, (ms, exposed, cpu)) in enumerate(zip(live, merged)):
+        if any(r[i, 3] > 0 for r in ranks):
             exc = errors.get(id(e))
             e.row.status = f"failed: {_reason(exc) if exc else 'on another rank'}"
+        elif timed:
+            e.row.step_ms.append(ms)
+            e.row.cpu_ms.append(cpu)
+            if exposed >= 0:
+                e.row.exposed_ms.append(exposed)
 
 
-def _gather(ctx: _Ctx, entries: list[_Entry], steps: int) -> None:
-    """Replace every row's samples with the max over ranks (wall time,
-    exposed communication) or the mean over ranks (host CPU), step by step."""
-    t = torch.full((max(len(entries), 1), steps, 2), -1.0, dtype=torch.float64)  # -1: missing
-    cpu = torch.zeros((max(len(entries), 1), steps), dtype=torch.float64)
-    for i, e in enumerate(entries):
-        if e.row.ok and len(e.step_ms) == steps:
-            t[i, :, 0] = torch.tensor(e.step_ms, dtype=torch.float64)
-            t[i, :, 1] = torch.tensor(e.exposed_ms, dtype=torch.float64).nan_to_num(-1.0)
-            cpu[i] = torch.tensor(e.cpu_ms, dtype=torch.float64)
+_STOPS = (None, "precision", "budget")
+
+
+def _agree_stop(ctx: _Ctx, reason: str | None) -> str | None:
+    """Rank 0's stop decision, on every rank (its clock and its rule decide)."""
+    t = torch.tensor([_STOPS.index(reason)], dtype=torch.int64)
     if ctx.cuda:
-        t, cpu = t.to(ctx.device), cpu.to(ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-    t, cpu = t.cpu(), (cpu / ctx.world).cpu()
-    for i, e in enumerate(entries):
-        if e.row.ok:
-            e.row.step_ms = [x for x in t[i, :, 0].tolist() if x >= 0]
-            e.row.exposed_ms = [x for x in t[i, :, 1].tolist() if x >= 0]
-            e.row.cpu_ms = cpu[i].tolist() if len(e.row.step_ms) == steps else []
-            if not e.row.step_ms:
-                e.row.status = "failed: missing step times on some rank"
+        t = t.to(ctx.device)
+    dist.broadcast(t, src=0)
+    return _STOPS[int(t.item())]
 
 
 def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: WrapperOptions,
-                 tag: str, bar) -> list[R.Row]:
-    """Every wrapper on one model: build, warm up, time, profile, gather."""
+                 tag: str, progress) -> tuple[list[R.Row], dict]:
+    """Every wrapper on one model: build, warm up, timed rounds until the
+    stop rule (or the fixed count) ends them, profile.  Returns the rows
+    and how the rounds ended (``Section.runs``)."""
+    t0 = time.perf_counter()
     torch.manual_seed(ctx.cfg.seed)
     base = spec.build().to(ctx.device)
     first = _batch(ctx, spec, -1)
@@ -509,36 +567,58 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
         if entry is not None:
             entries.append(entry)
 
-    warmup, steps = ctx.cfg.warmup_steps(), ctx.cfg.steps_for(spec)
+    warmup, fixed = ctx.cfg.warmup_steps(), ctx.cfg.rounds_for(spec)
+    rule = ctx.cfg.stop_rule()
+    budget = rule.model_budget(ctx.models_done, ctx.used_s)
+    stopper = R.Stopper(rule, budget) if ctx.lead and fixed is None else None
     for i in range(warmup - 1):
         _round(ctx, spec, entries, i, timed=False)
-        bar.update(1)
-    for i in range(steps):
-        _round(ctx, spec, entries, warmup + i, timed=True)
-        bar.update(1)
+        progress.tick(time.perf_counter() - t0, 0, None)
+    rounds, stopped, round_s = 0, None, 0.0
+    while stopped is None:
+        t_round = time.perf_counter()
+        _round(ctx, spec, entries, warmup + rounds, timed=True)
+        rounds += 1
+        now = time.perf_counter()
+        round_s = now - t_round
+        if not any(e.row.ok for e in entries):  # the same on every rank (statuses are agreed)
+            stopped = "failed"
+        elif fixed is not None:
+            stopped = ctx.cfg.mode if rounds >= fixed else None
+        else:
+            reason = stopper.update([e.row for e in entries], rounds, now - t0, round_s) if stopper else None
+            stopped = _agree_stop(ctx, reason)
+        progress.tick(now - t0, rounds, stopper.widest if stopper else None)
 
+    t_post = time.perf_counter()
     for e in entries:
         if e.row.ok:
             _profile_step(ctx, spec, e, _batch(ctx, spec, -2))
+    t_post = time.perf_counter() - t_post
     if ctx.cfg.trace_dir:
         batches = [_batch(ctx, spec, -3 - i) for i in range(TRACE_STEPS)]
         for e in entries:
             if e.row.ok:
                 _trace(ctx, spec, e, batches, tag)
-    _gather(ctx, entries, steps)
 
     for e in entries:
         for h in e.clock.handles:
             h.remove()
     del entries, base
     gc.collect()
-    return rows
+    elapsed = time.perf_counter() - t0
+    ctx.models_done += 1
+    ctx.used_s += elapsed
+    info = {"rounds": rounds, "stopped": stopped, "elapsed_s": round(elapsed, 1),
+            "budget_s": round(budget, 1) if fixed is None else None,
+            "round_s": round(round_s, 3), "profile_s": round(t_post, 1)}
+    return rows, info
 
 
 def _section(ctx: _Ctx, bw: float | None, names: tuple[str, ...], bar) -> R.Section:
     cfg = ctx.cfg
     zoo = model_zoo()
-    section = R.Section(bw)
+    section = R.Section(bw, half_width=cfg.half_width, verdicts=not cfg.quick)
     with contextlib.ExitStack() as stack:
         wire = None
         if bw is not None:
@@ -546,10 +626,11 @@ def _section(ctx: _Ctx, bw: float | None, names: tuple[str, ...], bar) -> R.Sect
         options = WrapperOptions(bucket_cap_mb=cfg.bucket_cap_mb,
                                  device_ids=[ctx.local_rank] if ctx.cuda else None, wire=wire)
         for m in cfg.models:
-            bar.set_description(f"{m}{section.tag}")
-            t0 = time.perf_counter()
-            section.rows += _bench_model(ctx, zoo[m], names, options, section.tag, bar)
-            ctx.elapsed[f"{m}{section.tag}"] = round(time.perf_counter() - t0, 1)
+            bar.start(f"{m}{section.tag}")
+            rows, section.runs[m] = _bench_model(ctx, zoo[m], names, options, section.tag, bar)
+            section.rows += rows
+            ctx.elapsed[f"{m}{section.tag}"] = section.runs[m]["elapsed_s"]
+            bar.end(section.runs[m]["elapsed_s"])
     return section
 
 
@@ -579,7 +660,15 @@ def _git() -> str | None:
     return sha + (" (uncommitted changes)" if dirty else "")
 
 
-def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float) -> dict:
+def _load() -> str | None:
+    """The load average (1, 5, 15 min), or None where the OS has none."""
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return None
+
+
+def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float, sections: list[R.Section]) -> dict:
     cfg = ctx.cfg
     zoo = model_zoo()
     try:
@@ -631,11 +720,15 @@ def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float) -> dict:
         "models": list(cfg.models),
         "model_descriptions": {m: zoo[m].description for m in cfg.models},
         "wrappers": list(names),
-        "steps": {m: cfg.steps_for(zoo[m]) for m in cfg.models},
+        "mode": cfg.mode,
+        "rounds": {f"{m}{s.tag}": info["rounds"] for s in sections for m, info in s.runs.items()},
+        "half_width": f"{cfg.half_width * 100:g}%",
+        "budget_s": cfg.stop_rule().budget_s if cfg.mode == "adaptive" else None,
         "warmup": cfg.warmup_steps(),
         "bucket_cap_mb": cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else "default (25)",
         "simulate_bandwidth_gbps": [b for b in cfg.bandwidths if b is not None] or None,
         "quick": cfg.quick,
+        "load": f"{ctx.load_start} at start, {_load()} at the end" if ctx.load_start else None,
         "command": cfg.command,
         "elapsed_s": round(elapsed, 1),
         "elapsed_per_model_s": dict(ctx.elapsed),
@@ -665,17 +758,25 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
                             world_size=world, timeout=_dt.timedelta(seconds=cfg.timeout_s))
     try:
         ctx = _Ctx(cfg, rank, world, local_rank, device)
+        link_probe = None
+        if cfg.link is not None:  # the rate the link really carries, before the rounds
+            from .netlink import probe_link
+
+            link_probe = probe_link()
         names = cfg.wrapper_names(cuda)
-        zoo = model_zoo()
-        rounds = sum(cfg.warmup_steps() - 1 + cfg.steps_for(zoo[m]) for m in cfg.models) * len(cfg.bandwidths)
-        bar = _progress(ctx, rounds)
+        bar = _Progress(ctx.lead and cfg.progress, cfg)
         try:
             sections = [_section(ctx, bw, names, bar) for bw in cfg.bandwidths]
         finally:
             bar.close()
         if not ctx.lead:
             return None
-        report = R.Report(_meta(ctx, names, time.perf_counter() - t_start), sections)
+        meta = _meta(ctx, names, time.perf_counter() - t_start, sections)
+        if link_probe is not None:
+            from .netlink import parse_link
+
+            meta["link"] = {"spec": cfg.link, "what": parse_link(cfg.link).describe(), **link_probe}
+        report = R.Report(meta, sections)
         for s in report.sections:
             R.derive(s)
         if result_path:
@@ -685,21 +786,84 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
         dist.destroy_process_group()
 
 
-def _progress(ctx: _Ctx, total: int):
-    enabled = ctx.lead and ctx.cfg.progress
-    if enabled:
+def eta_s(total_s: float, used_s: float, elapsed_s: float) -> float:
+    """The most an adaptive run can still take: its total budget (models x
+    sections x budget) less what the finished models used and ``elapsed_s``
+    into the current one (each model ends by its share of the total)."""
+    return max(0.0, total_s - used_s - elapsed_s)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+class _Progress:
+    """Rank 0's progress bar over the whole run (stderr, tqdm when installed;
+    otherwise, or with ``enabled`` False, nothing).
+
+    Adaptive rounds: the bar is time against the run's total budget (models
+    x sections x budget: model i ends by (i + 1) x budget into the run, see
+    :meth:`report.StopRule.model_budget`) and says how long the run can
+    still take at most (:func:`eta_s`), which holds across models whose
+    rounds take different times.  ``--steps`` / ``--quick``: the bar counts
+    rounds."""
+
+    _FORMAT = "{desc} {percentage:3.0f}%|{bar}| "
+
+    def __init__(self, enabled: bool, cfg: BenchConfig):
+        self.cfg, self.label, self.text = cfg, "", ""
+        zoo = model_zoo()
+        models = list(cfg.models) * len(cfg.bandwidths)
+        self.adaptive = cfg.mode == "adaptive"
+        self.total_s = cfg.stop_rule().budget_s * len(models)
+        self.used_s = 0.0
+        self.bar = None
+        if not enabled:
+            return
         try:
             from tqdm import tqdm
-            return tqdm(total=total, unit="round", file=sys.stderr, dynamic_ncols=True, leave=False)
         except ImportError:
-            pass
+            return
+        if self.adaptive:
+            self.bar = tqdm(total=round(self.total_s), file=sys.stderr, dynamic_ncols=True, leave=False,
+                            bar_format=self._FORMAT)
+        else:
+            rounds = sum(cfg.warmup_steps() - 1 + cfg.rounds_for(zoo[m]) for m in models)
+            self.bar = tqdm(total=rounds, unit="round", file=sys.stderr, dynamic_ncols=True, leave=False)
 
-    class _Null:
-        def update(self, n=1): pass
-        def set_description(self, s): pass
-        def close(self): pass
+    def start(self, label: str) -> None:
+        self.label = label
+        if self.bar is not None:
+            self.bar.set_description(label, refresh=False)
+            if self.adaptive:
+                self.tick(0.0, 0, None)
 
-    return _Null()
+    def tick(self, elapsed_s: float, rounds: int, widest: float | None) -> None:
+        """After a round: ``elapsed_s`` into the current model, ``rounds``
+        timed so far, the widest pair's half-width (None: not checked yet)."""
+        if self.bar is None:
+            return
+        if not self.adaptive:
+            self.bar.update(1)
+            return
+        goal = f"±{self.cfg.half_width * 100:g}%"
+        state = "building, warming up" if rounds == 0 else (
+            f"round {rounds}, widest pair " + ("-" if widest is None or math.isinf(widest) else f"±{widest:.1%}")
+            + f" (goal {goal})")
+        self.bar.n = min(round(self.used_s + elapsed_s), self.bar.total)
+        # the text goes into the format itself: tqdm's postfix field would prefix ", "
+        self.text = f"{state}, at most {_clock(eta_s(self.total_s, self.used_s, elapsed_s))} left"
+        self.bar.bar_format = self._FORMAT + self.text.replace("{", "{{").replace("}", "}}")
+        self.bar.refresh()
+
+    def end(self, elapsed_s: float) -> None:
+        """The current model took ``elapsed_s`` in all."""
+        self.used_s += elapsed_s
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _spawn_entry(rank: int, world: int, cfg: BenchConfig, init_method: str, result_path: str) -> None:
@@ -714,11 +878,41 @@ def resolve_world(cfg: BenchConfig) -> int:
     return 2
 
 
+def link_rank(cfg_path: str, result_path: str) -> None:
+    """A rank of a ``--link`` run, started inside its namespace by
+    :func:`_run_linked` (RANK and the rest come from the environment)."""
+    import pickle
+
+    cfg = pickle.loads(Path(cfg_path).read_bytes())
+    rank = int(os.environ["RANK"])
+    worker(rank, int(os.environ["WORLD_SIZE"]), 0, cfg, "env://", result_path if rank == 0 else None)
+
+
+def _run_linked(cfg: BenchConfig) -> R.Report:
+    """Two ranks, one per network namespace, over the ``--link`` veth pair."""
+    import dataclasses
+    import pickle
+
+    from .netlink import NetnsLink, parse_link
+
+    cfg = dataclasses.replace(cfg, cpu=True, world=2)
+    with tempfile.TemporaryDirectory(prefix="fastddp-bench-") as tmp:
+        cfg_path, result = Path(tmp, "cfg.pkl"), Path(tmp, "result.json")
+        cfg_path.write_bytes(pickle.dumps(cfg))
+        argv = [sys.executable, "-c", "import sys; from fastddp.bench.runner import link_rank; "
+                "link_rank(sys.argv[1], sys.argv[2])", str(cfg_path), str(result)]
+        with NetnsLink(parse_link(cfg.link)) as link:
+            link.run_ranks(argv)
+        return R.from_json(result.read_text())
+
+
 def run(cfg: BenchConfig) -> tuple[R.Report, dict] | None:
     """Run the benchmark and write the report; returns ``(report, paths)`` on
     the process that holds rank 0's results (None on other torchrun ranks)."""
     cfg.validate()
-    if under_torchrun():
+    if cfg.link is not None:
+        report = _run_linked(cfg)
+    elif under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         report = worker(rank, world, int(os.environ["LOCAL_RANK"]), cfg, "env://", None)
         if report is None:

@@ -33,6 +33,16 @@ fastddp-batched    ... batched_grad_copy=True
 fastddp-view       ... gradient_as_bucket_view=True
 fastddp-fp16       ... + register_comm_hook(None, fastddp.hooks.fp16_compress_hook)
 fastddp-bf16       ... + register_comm_hook(None, fastddp.hooks.bf16_compress_hook)
+fastddp-bf16acc    ... + fastddp.hooks.bf16_fp32acc_hook (bf16 wire, fp32 sum; opt-in)
+fastddp-fp8        ... + fastddp.hooks.fp8_compress_hook, FP8CompressionState() (opt-in)
+replicate          torch's FSDP2-based ``replicate``
+                   (torch.distributed._composable.replicate_with_fsdp), applied
+                   per block then on the root as torchtitan's apply_replicate
+                   does (:func:`replicate_blocks` says what a block is); fp32
+replicate-bf16     ... with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16):
+                   params and compute fp32, gradients all-reduced in bf16
+fastddp-auto       ... bucket_cap_mb="auto" (opt-in row; tunes in its first ~25
+                   steps: time it with --warmup 30 to see the settled layout)
 =================  ===========================================================
 
 Simulated interconnect (``--simulate-bandwidth``): the runner passes a
@@ -70,6 +80,7 @@ DEFAULT_WRAPPERS = (
     "local", "comm-floor",
     "torch", "torch-batched", "torch-view", "torch-fp16",
     "fastddp", "fastddp-batched", "fastddp-view", "fastddp-fp16", "fastddp-bf16",
+    "replicate", "replicate-bf16",
 )
 
 #: Added to the default set on CUDA (torch refuses its bf16 hook off NCCL).
@@ -97,7 +108,7 @@ class WrapperSpec:
 
     name: str
     family: str
-    """``local``, ``floor``, ``torch`` or ``fastddp``."""
+    """``local``, ``floor``, ``torch``, ``replicate`` or ``fastddp``."""
     option: str
     """``default``, ``batched``, ``view``, ``fp16`` or ``bf16``."""
     factory: Factory = field(repr=False)
@@ -205,20 +216,73 @@ def _fastddp(model, process_group, options, hook: str | None = None, **kwargs):
     cls = getattr(fastddp, "DistributedDataParallel", None)
     if cls is None:
         raise ImportError("fastddp has no DistributedDataParallel yet")
-    fn = None
+    fn, state = None, None
     if hook is not None:
         from fastddp import hooks
 
-        fn = getattr(hooks, f"{hook}_compress_hook", None)
+        # "fp16" -> fp16_compress_hook; a full hook name ("bf16_fp32acc_hook") as it is
+        fn = getattr(hooks, hook if hook.endswith("_hook") else f"{hook}_compress_hook", None)
         if fn is None:
-            raise ImportError(f"fastddp.hooks has no {hook}_compress_hook yet")
+            raise ImportError(f"fastddp.hooks has no {hook} hook yet")
+        if fn.__name__ == "fp8_compress_hook":
+            state = hooks.FP8CompressionState(process_group)  # block 256, error feedback, 1-D exempt
     ddp = cls(model, device_ids=options.device_ids, process_group=process_group,
               bucket_cap_mb=options.bucket_cap_mb, **kwargs)
     notes = []
     if fn is not None:
-        ddp.register_comm_hook(None, fn)
+        ddp.register_comm_hook(state, fn)
         notes.append(f"hooks.{fn.__name__}")
     return ddp, "; ".join(notes)
+
+
+def replicate_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules ``replicate`` is applied to before the root: the model's
+    repeated unit, as torchtitan wraps each transformer block.
+
+    * the children of the first ``nn.ModuleList`` in module order (the
+      layers of an ``nn.TransformerEncoder``), else
+    * the children of a root ``nn.Sequential`` that own parameters, else
+    * none (the root alone).
+
+    Each block is one FSDP parameter group: one copy-in, one all-reduce and
+    one copy-out per backward, so the rule sets replicate's bucket count."""
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList):
+            return list(m)
+    if isinstance(model, nn.Sequential):
+        return [c for c in model if any(True for _ in c.parameters())]
+    return []
+
+
+def _replicate(model, process_group, options, reduce_dtype: torch.dtype | None = None):
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError as exc:  # the row reads "unavailable: ..."
+        raise ImportError(f"torch {torch.__version__} has no replicate_with_fsdp.replicate "
+                          f"({exc})") from None
+    if process_group is not None:
+        # DeviceMesh.from_group looks the group up in c10d's registry, which a
+        # Python ProcessGroup (the simulated wire) is not in; --link netns runs
+        # replicate over a real rate-limited link instead.
+        raise RuntimeError("replicate needs a DeviceMesh, which cannot be built on the simulated "
+                           "wire (a Python process group c10d does not register); use --link netns:RATE")
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    blocks = replicate_blocks(model)
+    for block in blocks:
+        replicate(block, mp_policy=policy)
+    replicate(model, mp_policy=policy)  # mesh: a 1-D mesh over the default group
+    note = f"replicate on {len(blocks)} blocks + root"
+    if reduce_dtype is not None:
+        note += f", reduce_dtype={str(reduce_dtype).replace('torch.', '')}"
+    return model, note
+
+
+def _fastddp_auto(model, process_group, options):
+    import dataclasses
+
+    ddp, _ = _fastddp(model, process_group, dataclasses.replace(options, bucket_cap_mb="auto"))
+    return ddp, "bucket_cap_mb='auto' (tuning steps count unless --warmup >= 30)"
 
 
 def registry() -> dict[str, WrapperSpec]:
@@ -232,15 +296,24 @@ def registry() -> dict[str, WrapperSpec]:
         WrapperSpec("torch-view", "torch", "view", P(_torch, gradient_as_bucket_view=True)),
         WrapperSpec("torch-fp16", "torch", "fp16", P(_torch, hook="fp16"), wire_itemsize=2),
         WrapperSpec("torch-bf16", "torch", "bf16", P(_torch, hook="bf16"), wire_itemsize=2),
-        WrapperSpec("fastddp", "fastddp", "default", _fastddp, baselines=("torch",)),
+        WrapperSpec("fastddp", "fastddp", "default", _fastddp, baselines=("torch", "replicate")),
         WrapperSpec("fastddp-batched", "fastddp", "batched", P(_fastddp, batched_grad_copy=True),
-                    baselines=("torch-batched",)),
+                    baselines=("torch-batched", "replicate")),
         WrapperSpec("fastddp-view", "fastddp", "view", P(_fastddp, gradient_as_bucket_view=True),
-                    baselines=("torch-view",)),
+                    baselines=("torch-view", "replicate")),
         WrapperSpec("fastddp-fp16", "fastddp", "fp16", P(_fastddp, hook="fp16"),
                     baselines=("torch-fp16",), wire_itemsize=2),
         WrapperSpec("fastddp-bf16", "fastddp", "bf16", P(_fastddp, hook="bf16"),
-                    baselines=("torch-bf16", "torch-fp16"), wire_itemsize=2),
+                    baselines=("torch-bf16", "torch-fp16", "replicate-bf16"), wire_itemsize=2),
+        # opt-in: the low-precision reductions torch's DDP has no twin for (peers: its 16-bit hooks)
+        WrapperSpec("fastddp-bf16acc", "fastddp", "bf16acc", P(_fastddp, hook="bf16_fp32acc_hook"),
+                    baselines=("torch-fp16", "torch-bf16", "replicate-bf16"), wire_itemsize=2),
+        WrapperSpec("fastddp-fp8", "fastddp", "fp8", P(_fastddp, hook="fp8_compress_hook"),
+                    baselines=("torch-fp16", "torch-bf16", "replicate-bf16"), wire_itemsize=1),
+        WrapperSpec("replicate", "replicate", "default", _replicate),
+        WrapperSpec("replicate-bf16", "replicate", "bf16", P(_replicate, reduce_dtype=torch.bfloat16),
+                    wire_itemsize=2),
+        WrapperSpec("fastddp-auto", "fastddp", "auto", _fastddp_auto, baselines=("torch", "replicate")),
     ]
     from .compile_wrappers import specs as compile_specs  # torch-compile, fastddp-compile (opt-in rows)
 

@@ -3,6 +3,12 @@
     torchrun --nproc-per-node 2 examples/train.py                     # CPU (gloo) or one GPU per rank (nccl)
     torchrun --nproc-per-node 2 examples/train.py --impl torch        # the same run with torch's DDP
     torchrun --nproc-per-node 2 examples/train.py --ckpt run.pt       # saves every epoch, resumes if run.pt exists
+    torchrun --nproc-per-node 2 examples/train.py --save final.pt     # the final weights and loss, to compare runs
+
+Across machines, torchrun's usual multi-node line on every host::
+
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \
+        --rdzv-id myjob examples/train.py
 
 The only fastddp-specific line is the import of ``DistributedDataParallel``;
 everything else is the usual torch DDP recipe: one process per device,
@@ -34,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impl", choices=("fastddp", "torch"), default="fastddp", help="which DDP wrapper to use")
     p.add_argument("--samples", type=int, default=1024, help="size of the synthetic dataset")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", default=None,
+                   help="rank 0 writes the final weights, buffers and last epoch's loss here (torch.save)")
     return p.parse_args(argv)
 
 
@@ -104,6 +112,7 @@ def main(argv=None) -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     loss_fn = torch.nn.CrossEntropyLoss()
 
+    mean_loss = float("nan")  # no epoch left to run (resumed a finished run)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
         model.train()
@@ -129,6 +138,9 @@ def main(argv=None) -> None:
 
     if rank == 0:
         print(f"done impl={args.impl} world={world} final_checksum {checksum(model.module)!r}", flush=True)
+        if args.save:
+            torch.save({"model": model.module.state_dict(), "loss": mean_loss, "impl": args.impl,
+                        "world": world}, args.save)
     dist.destroy_process_group()
 
 

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from . import groups
-from .health import resolve_mode
+from .autotune import resolve_cap
+from .health import configured, resolve_mode
 
 __all__ = ["DDPConfig", "params_for_reducer"]
 
@@ -77,6 +78,9 @@ class DDPConfig:
     batched_grad_copy: bool
     check_finite: str | None = None
     """fastddp extension: ``"raise"`` / ``"warn"`` on a non-finite gradient (:mod:`fastddp.health`)."""
+    auto_bucket_cap: bool = False
+    """``bucket_cap_mb="auto"`` (argument, ``fastddp.configure`` or ``FASTDDP_BUCKET_CAP_MB``): the
+    reducer tunes the caps in the first steps (:mod:`fastddp.autotune`); ``bucket_cap_mb`` is then None."""
 
     @classmethod
     def resolve(cls, module: torch.nn.Module, *, device_ids=None, output_device=None, dim=0,
@@ -94,6 +98,7 @@ class DDPConfig:
                 "fastddp.DistributedDataParallel: the default process group is not initialized. "
                 "Call torch.distributed.init_process_group(backend=...) first (torchrun sets the "
                 "environment it needs), then wrap the model.")
+        bucket_cap_mb, auto_cap = resolve_cap(bucket_cap_mb, bucket_cap_mb_list, configured("bucket_cap_mb"))
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
                              "need to be set at the same time.")
@@ -201,4 +206,5 @@ class DDPConfig:
             find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph, mixed_precision=mixed_precision,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            batched_grad_copy=batched_grad_copy, check_finite=resolve_mode(check_finite))
+            batched_grad_copy=batched_grad_copy, check_finite=resolve_mode(check_finite),
+            auto_bucket_cap=auto_cap)

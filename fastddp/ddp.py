@@ -19,7 +19,7 @@ from . import compile as _compile, groups, join, planner, profiling
 from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
 from .surface import TorchSurface
-from .verify import check_no_new_parameters
+from .verify import ModuleWatch
 from .reducer import Reducer, ReducerOptions
 
 __all__ = ["DistributedDataParallel"]
@@ -94,7 +94,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group=None,
-        bucket_cap_mb: float | None = None,
+        bucket_cap_mb: float | str | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -203,6 +203,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None,
             check_finite=self.config.check_finite,
+            auto_bucket_cap=self.config.auto_bucket_cap,
         )
         sparse = self._sparse_params if len(self._sparse_params) == len(parameters) else None
         if sparse and any(sparse) and self._mp is not None:
@@ -212,6 +213,13 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         if self._mp is not None:
             self.reducer.mixed_precision_hook = self._mp.restore_bucket
             self.reducer.after_finalize = self._mp.restore_all
+            if self._mp.param_dtype is not None:
+                self.reducer.refuse_extra_backward = lambda: (
+                    "with mixed_precision(param_dtype=...): the first backward's end put the "
+                    "full-precision parameters back and freed the low-precision copies its graph saved")
+        self._watch = self.reducer.module_watch = ModuleWatch(
+            self.module, parameters, names, self.parameters_to_ignore, groups.rank(self.process_group),
+            check_dtype=self._mp is None)
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (torch's private API, public in spirit)."""
@@ -289,12 +297,14 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.reducer.prepare_for_forward(grad_sync)
         if self.reducer.debug:
-            check_no_new_parameters(self.module, self.reducer.params, self.parameters_to_ignore)
+            self._watch.check()
+        elif self._watch.frozen:
+            self._watch.check_frozen()
         work = Join.notify_join_context(self)
         if work:
             self.reducer.set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
         if torch.is_grad_enabled() and self.reducer.rebuild_buckets():
-            check_no_new_parameters(self.module, self.reducer.params, self.parameters_to_ignore)
+            self._watch.check()
         if self.will_sync_module_buffers():
             self._sync_buffers()
         if self._join_config.enable:
@@ -315,8 +325,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             walk = self.find_unused_parameters and not self.static_graph  # the outputs' graph
-            self.reducer.prepare_for_backward(
-                [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)] if walk else [])
+            outs = [output] if isinstance(output, torch.Tensor) else [
+                t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            self.reducer.prepare_for_backward(outs if walk else [])
+            self.reducer.watch_outputs(outs)  # a second backward through them is reduced too
         else:
             self.require_forward_param_sync = False
         if (self.find_unused_parameters and not self.static_graph) or (
@@ -419,7 +431,11 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
 
     def join_hook(self, **kwargs):
         """The :class:`~torch.distributed.algorithms.join.JoinHook` for a
-        shared ``Join`` context (e.g. with ``ZeroRedundancyOptimizer``)."""
+        shared ``Join`` context (e.g. with ``ZeroRedundancyOptimizer``).
+        Ends ``bucket_cap_mb="auto"``'s tuning (every rank builds the context
+        at the same step; a joined rank's shadow collectives have no tuner's)."""
+        if self.reducer is not None:
+            self.reducer.freeze_tuning("join()")
         return join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     join_device = property(lambda self: self.device)

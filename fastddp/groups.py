@@ -107,3 +107,24 @@ def wait(work) -> None:
     """Wait for a Work (a C++ one, or a Python subclass whose ``wait`` takes
     a timeout without default)."""
     work.wait(_NO_TIMEOUT)
+
+
+def all_to_all_single(out: torch.Tensor, tensor: torch.Tensor, pg):
+    """Equal-split all-to-all (rank r's k-th slice of ``tensor`` lands in
+    rank k's r-th slice of ``out``), asynchronously: returns the Work."""
+    if is_registered(pg):
+        return dist.all_to_all_single(out, tensor, group=pg, async_op=True)
+    return pg.alltoall_base(out, tensor, [], [], _c10d.AllToAllOptions())
+
+
+def all_gather_into_tensor(out: torch.Tensor, tensor: torch.Tensor, pg):
+    """Every rank's ``tensor`` back to back in ``out`` (rank order),
+    asynchronously: returns the Work."""
+    if is_registered(pg):
+        # torch >= 2.13 names it all_gather_single (the old name warns)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(out, tensor, group=pg, async_op=True)
+    return pg._allgather_base(out, tensor, _c10d.AllgatherOptions())
+
+
+__all__ += ["all_to_all_single", "all_gather_into_tensor"]

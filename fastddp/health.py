@@ -25,18 +25,34 @@ import torch
 
 from . import groups, kernels
 
-__all__ = ["HealthCheck", "resolve_mode", "configure"]
+__all__ = ["HealthCheck", "resolve_mode", "configure", "configured"]
 
 _MODES = {False: None, None: None, True: "raise", "raise": "raise", "warn": "warn", "off": None}
-_defaults: dict = {"check_finite": None}
+_UNSET = object()
+# fastddp.configure's process-wide defaults (every option torch's constructor lacks or that code
+# keeping torch's signature cannot pass); config.py reads bucket_cap_mb's
+_defaults: dict = {"check_finite": None, "bucket_cap_mb": None}
 
 
-def configure(*, check_finite=None) -> None:
-    """Process-wide defaults for options torch's constructor does not have
-    (for code that keeps torch's signature): ``fastddp.configure(check_finite="raise")``."""
-    if check_finite not in _MODES:
-        raise ValueError(f"check_finite must be one of False, True, 'raise', 'warn'; got {check_finite!r}")
-    _defaults["check_finite"] = check_finite
+def configure(*, check_finite=_UNSET, bucket_cap_mb=_UNSET) -> None:
+    """Process-wide defaults for code that keeps torch's signature; only the
+    options passed change (``None`` restores the built-in default):
+    ``fastddp.configure(check_finite="raise")``,
+    ``fastddp.configure(bucket_cap_mb="auto")`` (used where the constructor
+    gets neither ``bucket_cap_mb`` nor ``bucket_cap_mb_list``)."""
+    if check_finite is not _UNSET:
+        if check_finite not in _MODES:
+            raise ValueError(f"check_finite must be one of False, True, 'raise', 'warn'; got {check_finite!r}")
+        _defaults["check_finite"] = check_finite
+    if bucket_cap_mb is not _UNSET:
+        from .autotune import parse_cap
+
+        _defaults["bucket_cap_mb"] = parse_cap(bucket_cap_mb, "fastddp.configure(bucket_cap_mb=...)")
+
+
+def configured(option: str):
+    """:func:`configure`'s value for ``option`` (None: not configured)."""
+    return _defaults[option]
 
 
 def resolve_mode(value) -> str | None:

@@ -98,6 +98,40 @@ class CompressionState:
         return f"CompressionState(error_feedback={self.error_feedback})"
 
 
+class FP8CompressionState(CompressionState):
+    """State of :func:`fp8_compress_hook`.
+
+    ``block_size``: elements per fp8 scale (a power of two, 16 to 4096; 256:
+    4 bytes of scale per 256 bytes of fp8, 1.6 %).  ``error_feedback``
+    (default True): this rank's quantization error is added to its next
+    step's gradient, inside the quantize launch.  ``exempt``: which
+    parameters travel in fp32 instead: None (default) exempts 1-D parameters
+    (norm weights, biases: few bytes, most sensitive), or a callable
+    ``param -> bool``, or a collection of parameters (empty: none)."""
+
+    def __init__(self, process_group=None, block_size: int = 256, error_feedback: bool = True,
+                 exempt=None):
+        super().__init__(process_group, error_feedback)
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 16 <= block_size <= 4096 \
+                or block_size & (block_size - 1):
+            raise ValueError(f"FP8CompressionState: block_size={block_size!r} must be a power of two "
+                             "from 16 to 4096 (e.g. 128 or 256)")
+        if exempt is not None and not callable(exempt):
+            try:
+                exempt = tuple(exempt)
+            except TypeError:
+                raise TypeError("FP8CompressionState: exempt must be None, a callable param -> bool, or "
+                                f"a collection of parameters, got {type(exempt).__name__}") from None
+            if not all(isinstance(p, torch.Tensor) for p in exempt):
+                raise TypeError("FP8CompressionState: exempt must hold parameters (tensors)")
+        self.block_size = block_size
+        self.exempt = exempt
+
+    def __repr__(self) -> str:
+        return (f"FP8CompressionState(block_size={self.block_size}, error_feedback={self.error_feedback}, "
+                f"exempt={'1-D params' if self.exempt is None else self.exempt!r})")
+
+
 def state_group(state):
     """The process group a hook's ``state`` names (None: the module's)."""
     if isinstance(state, CompressionState):
@@ -183,6 +217,58 @@ def bf16_compress_hook(process_group, bucket):
     return _compress(torch.bfloat16, process_group, bucket)
 
 
+def bf16_fp32acc_hook(state, bucket):
+    """bf16 on the wire, summed in fp32: each rank's bucket scaled by fp32(1/W)
+    and rounded to bf16, reduce-scattered as an all-to-all of W shards, each
+    shard summed in fp32 in rank order and rounded once, all-gathered (bf16).
+    Same bytes as a bf16 all-reduce; the sum is rounded once, not at every
+    hop of a ring.  ``state``: None, a process group, or a
+    :class:`CompressionState` (``error_feedback`` on fastddp's fused path).
+
+    Fused in fastddp (3 launches per bucket: pack, shard sum, unpack; the
+    all-to-all starts as soon as the bucket is ready).  As a plain hook (on
+    torch's DDP, or on another group) the same arithmetic runs with torch ops
+    and the all-to-all is waited for inside the hook: a Future callback must
+    not issue the all-gather (ranks could issue collectives in different
+    orders)."""
+    from . import groups, kernels
+
+    group = state_group(state)
+    group = group if group is not None else dist.group.WORLD
+    world = group.size()
+    buffer = bucket.buffer()
+    if buffer.layout != torch.strided or buffer.is_complex():
+        raise TypeError(f"bf16_fp32acc_hook reduces dense real gradients; bucket {bucket.index()} holds a "
+                        f"{'sparse' if buffer.layout != torch.strided else 'complex'} one. Use the default "
+                        "reduction (no hook) for sparse or complex parameters.")
+    n = buffer.numel()
+    shard = -(-n // world)
+    wire = torch.zeros(shard * world, dtype=torch.bfloat16, device=buffer.device)
+    wire[:n] = torch.mul(buffer.reshape(-1), 1.0 / world)  # fp32 scale, then one bf16 rounding
+    recv = torch.empty_like(wire)
+    groups.wait(groups.all_to_all_single(recv, wire, group))
+    kernels.reference.reduce_shards(recv, recv[:shard], world)
+    fut = groups.all_gather_into_tensor(wire, recv[:shard], group).get_future()
+
+    def decompress(fut):
+        buffer.copy_(wire[:n])
+        return buffer
+
+    return fut.then(decompress)
+
+
+def fp8_compress_hook(state, bucket):
+    """Block-scaled fp8 (e4m3) on the wire with fp32 accumulation and error
+    feedback, 1-D parameters exempted (in fp32): see
+    :class:`FP8CompressionState` and the README.  A fused path of
+    fastddp.DistributedDataParallel only (pack, quantize and shard-sum
+    launches around an all-to-all and an all-gather); called as a plain hook
+    (on torch's DDP) it raises."""
+    raise RuntimeError("fastddp.hooks.fp8_compress_hook runs only as the fused path of "
+                       "fastddp.DistributedDataParallel (register it there, with the module's process "
+                       "group); torch's DDP cannot run it")
+
+
 def noop_hook(_, bucket):
     """No communication: grads stay local (measures what comm costs)."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -251,7 +337,9 @@ _tag(allreduce_hook, "allreduce", None)
 _tag(fp16_compress_hook, "compress", torch.float16)
 _tag(bf16_compress_hook, "compress", torch.bfloat16)
 _tag(noop_hook, "noop", None)
+_tag(bf16_fp32acc_hook, "fp32acc", torch.bfloat16)
+_tag(fp8_compress_hook, "fp8", torch.float8_e4m3fn)
 
-__all__ += ["CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-            "noop_hook", "allgather_then_aggregate_hook", "fp16_compress_wrapper",
+__all__ += ["FP8CompressionState", "fp8_compress_hook", "CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+            "noop_hook", "bf16_fp32acc_hook", "allgather_then_aggregate_hook", "fp16_compress_wrapper",
             "bf16_compress_wrapper", "check_hook", "state_group"]

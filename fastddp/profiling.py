@@ -99,6 +99,7 @@ def reducer_stats(r) -> dict:
         "debug": r.debug,
         "check_finite": r.opts.check_finite,
         "buckets": [b.describe(r.names) for b in r.buckets],
+        **({"autotune": r.tuner.report()} if r.tuner is not None else {}),
     }
 
 

@@ -11,7 +11,6 @@ failed one so the next starts clean.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -36,6 +35,7 @@ class Readiness:
         self.marked = bytearray(n)
         self.marked_unused = False
         self.unused: list[int] = []
+        self.foreign: list[torch.Tensor] = []  # the last walk's leaves that are not DDP's params
         self.local_used = bytearray(n)
         self.global_used: list[int] | None = None
         self.used_work = None
@@ -44,10 +44,9 @@ class Readiness:
         self.per_iter_counts: list[int] = []
         self.ready_order: list[int] = []  # for the one bucket rebuild
         self.collect_order = False
+        self.armed = [0, 0]               # backwards armed: first of their forward, extra (debug: ranks agree)
         self.num_bwd_calls = 0            # torch's num_bwd_calls_: backwards that fired a hook
         self.first_hook_called = False
-        self.reduced_since_forward = False
-        self.warned_extra_backward = False
 
     # torch counts backward passes, not forwards: a forward re-run inside
     # backward (non-reentrant checkpoint around the whole module) must not end
@@ -73,20 +72,31 @@ class Readiness:
     # ------------------------------------------------------------ iteration
     def reset(self, outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> None:
         """A backward that DDP reduces is coming (after its forward)."""
+        self._arm(extra=False, unused=(lambda: self._search_unused(outputs, index_of)))
+
+    def rearm(self, unused: list[int]) -> None:
+        """Another backward through the outputs of an already reduced forward
+        (``retain_graph=True``): reduce it too, with that forward's unused
+        params.  The ready order was learnt from its first backward."""
+        self._arm(extra=True, unused=lambda: list(unused))
+
+    def _arm(self, extra: bool, unused: Callable[[], list[int]]) -> None:
         self.expect_hooks = True
         self.first_hook_called = False
         self.marked = bytearray(len(self.names))
         self.marked_unused = False
+        self.armed[extra] += 1
         if self.dynamic_find_unused:
             self.global_used = None
-            self.unused = self._search_unused(outputs, index_of)
+            self.unused = unused()
         if self.static:
             self.per_iter_counts = list(self.hook_counts)
-        self.collect_order = self.should_rebuild()
+        self.collect_order = not extra and self.should_rebuild()
 
     def _search_unused(self, outputs, index_of) -> list[int]:
         """Params whose AccumulateGrad node is not reachable from the outputs."""
         seen, reached = set(), set()
+        self.foreign = []
         stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while stack:
             fn = stack.pop()
@@ -98,6 +108,8 @@ class Readiness:
                 i = index_of.get(id(var))
                 if i is not None:
                     reached.add(i)
+                else:
+                    self.foreign.append(var)  # not DDP's: an input, another module's, or changed after wrapping
             stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None and nxt not in seen)
         return [i for i in range(len(self.names)) if i not in reached]
 
@@ -114,20 +126,11 @@ class Readiness:
             self.hook_counts[index] += 1
             return []
         if not self.expect_hooks:
-            if self.reduced_since_forward and not self.warned_extra_backward:
-                # Not an error: calling ``ddp.module`` directly for a local
-                # step is a known pattern; retain_graph twice is the usual bug.
-                self.warned_extra_backward = True
-                warnings.warn(
-                    f"fastddp: parameter {self.names[index]!r} got a gradient from a backward "
-                    "that no DDP forward prepared, after this iteration's gradients were "
-                    "already averaged (e.g. backward(retain_graph=True) twice over one "
-                    "forward, or a forward through ddp.module). Those gradients are LOCAL, "
-                    "not synchronised across ranks, and are added to the averaged ones. Run a "
-                    "new forward through the DDP module for every backward, or accumulate "
-                    "inside no_sync() and reduce with the last backward. (Warned once.)",
-                    RuntimeWarning, stacklevel=3)
-            return []  # no_sync(), eval, or a backward that DDP did not prepare
+            # no_sync(), eval, or a backward through ``ddp.module``'s own
+            # forward (a deliberate local step): local, as torch.  A second
+            # backward through a DDP forward's outputs was re-armed by
+            # :meth:`rearm` before any hook of it fired.
+            return []
         out = []
         if not self.marked_unused:
             self.marked_unused = True
@@ -196,7 +199,6 @@ class Readiness:
         """The iteration's buckets are reduced."""
         self.expect_hooks = False
         self.first_hook_called = False
-        self.reduced_since_forward = True
         if self.used_work is not None:
             self._wait_used_map()  # never let the next iteration's map race this one
         if self.dynamic_find_unused:
@@ -226,7 +228,8 @@ class Readiness:
             hint = ("You can enable unused parameter detection by passing the keyword argument "
                     "`find_unused_parameters=True` to `fastddp.DistributedDataParallel` (as with "
                     "torch's DDP), and by making sure all `forward` function outputs participate "
-                    "in calculating loss.")
+                    "in calculating loss. (A parameter replaced in the module after wrapping, or "
+                    "set to requires_grad=False, also stops getting gradients: wrap the model again.)")
         return RuntimeError(
             "Expected to have finished reduction in the prior iteration before starting a new one. "
             "This error indicates that your module has parameters that were not used in producing "
@@ -239,12 +242,23 @@ class Readiness:
         here instead of leaving its peers blocked in a collective."""
         if self.world == 1:
             return
-        marked = torch.tensor(list(self.marked), dtype=torch.uint8, device=self.device)
+        marked = torch.tensor([*self.armed, *self.marked], dtype=torch.int64, device=self.device)
         if groups.is_registered(self.pg) and groups.backend_name(self.pg) == "gloo":
             dist.monitored_barrier(group=self.pg, wait_all_ranks=True)
         every = [torch.empty_like(marked) for _ in range(self.world)]
         groups.all_gather(every, marked, self.pg)
         every = [e.cpu() for e in every]
+        counts = [tuple(e[:2].tolist()) for e in every]
+        if len(set(counts)) > 1:
+            self.abort()
+            raise RuntimeError(
+                f"fastddp (debug mode): the ranks disagree on how many backwards DDP reduces: "
+                f"{', '.join(f'rank {r}: {a} + {b} extra' for r, (a, b) in enumerate(counts))} so far. A backward "
+                "through the outputs of a DDP forward is averaged, a second one over the same forward "
+                "(retain_graph=True) too, so every rank must run the same forwards and backwards "
+                "(no rank-dependent extra backward, no_sync() on every rank or none); otherwise "
+                "buckets of different backwards are averaged together.")
+        every = [e[2:] for e in every]
         for r in range(self.world):
             diff = (every[r] != every[0]).nonzero().flatten().tolist()
             if diff:

@@ -28,6 +28,7 @@ as in torch; complex parameters are reduced through their real view.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import compile as _compile, groups, planner, profiling, reduction
+from . import autotune, compile as _compile, groups, planner, profiling, reduction
 from .buckets import Bucket
 from .comm import Comm
 from .health import HealthCheck
@@ -66,6 +67,8 @@ class ReducerOptions:
     """mixed_precision: the buckets' (wire) dtype; None: the params' dtype."""
     check_finite: str | None = None
     """``"raise"`` / ``"warn"``: gradient health flags set by the packs (:mod:`fastddp.health`)."""
+    auto_bucket_cap: bool = False
+    """``bucket_cap_mb="auto"``: :mod:`fastddp.autotune` changes ``bucket`` in the first steps."""
 
 
 class Reducer:
@@ -89,6 +92,8 @@ class Reducer:
         self._dense, self._sparse_mode = reduction.choose(None, None, options.batched_grad_copy, True)
         self.mixed_precision_hook: Callable | None = None  # set by the front (mixed_precision)
         self.after_finalize: Callable | None = None         # ditto: frozen params back to fp
+        self.refuse_extra_backward: Callable[[], str | None] | None = None  # ditto: why not (mixed_precision)
+        self.module_watch = None  # ditto: verify.ModuleWatch, for what the find_unused walk meets
         self.ready = Readiness(self.names, process_group, self.device, static=options.static_graph,
                                find_unused=options.find_unused_parameters,
                                should_rebuild=self._should_rebuild,
@@ -106,8 +111,14 @@ class Reducer:
         self._buckets: list[Bucket] = []
         self.health = HealthCheck(options.check_finite, self.device) if options.check_finite else None
         self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
+        self.rebuild_order: list[int] | None = None  # rank 0's ready order of the one rebuild
+        self.ready_probe: Callable[[int], None] | None = None  # autotune: sees each ready mark
+        self._forward_syncs = False
+        self.tuner = autotune.Tuner(self) if options.auto_bucket_cap else None
         # post-accumulate-grad hooks fire as the post hook torch's reducer puts
         # on AccumulateGrad (also for undefined grads), without tuples of grads
+        self._fwd_reduced_at, self._fwd_unused = 0, []   # see watch_outputs
+        self._output_hook = self._make_output_hook()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self.params)]
 
@@ -170,7 +181,39 @@ class Reducer:
         return self.opts.bucket.should_rebuild and not self._has_rebuilt
 
     def rebuild_buckets(self) -> bool:
-        """Before a forward: rebuild once, in rank 0's ready order (torch's rule)."""
+        """Before a forward: rebuild once, in rank 0's ready order (torch's
+        rule); with ``bucket_cap_mb="auto"``, the tuner's step boundary."""
+        rebuilt = self._rebuild_once()
+        syncs, self._forward_syncs = self._forward_syncs, False
+        if self.tuner is not None and self.tuner.active and syncs:
+            rebuilt = self.tuner.boundary(self) or rebuilt
+        return rebuilt
+
+    def plan_for(self, config: planner.BucketConfig) -> planner.BucketPlan:
+        """The plan torch's rebuild makes with ``config`` (the one ready order, else the initial plan)."""
+        if self.rebuild_order is None:
+            return planner.initial_plan(self.params, config, self.sparse)
+        return planner.rebuilt_plan(self.params, self.rebuild_order, config, self.sparse)
+
+    def set_bucket_config(self, config: planner.BucketConfig) -> bool:
+        """New caps between steps (``bucket_cap_mb="auto"``): the buckets
+        torch's rebuild makes with them; False when the buckets stay the same."""
+        self.ensure_prior_reduction_finished()
+        if self.ready.expect_hooks and any(b.work is not None for b in self._buckets):
+            raise RuntimeError("fastddp internal error: bucket caps changed while buckets are in flight")
+        plan = self.plan_for(config)
+        self.opts = dataclasses.replace(self.opts, bucket=config)
+        if [b.param_indices for b in plan.buckets] == [b.param_indices for b in self.plan.buckets]:
+            return False
+        self._install_plan(plan)
+        return True
+
+    def freeze_tuning(self, why: str) -> None:
+        """End ``bucket_cap_mb="auto"``'s tuning now (join): no collectives."""
+        if self.tuner is not None:
+            self.tuner.freeze(self, why)
+
+    def _rebuild_once(self) -> bool:
         self.ensure_prior_reduction_finished()
         order = self.ready.ready_order
         if not self._should_rebuild() or not order:
@@ -180,14 +223,15 @@ class Reducer:
             return False  # an unfinished iteration (its error was caught): learn it again
         t = torch.tensor(order, dtype=torch.int64, device=self.device)
         groups.broadcast(t, self.pg, src=0)
-        self._install_plan(planner.rebuilt_plan(self.params, t.tolist(), self.opts.bucket, self.sparse))
+        self.rebuild_order = t.tolist()
+        self._install_plan(planner.rebuilt_plan(self.params, self.rebuild_order, self.opts.bucket, self.sparse))
         self._has_rebuilt = True
         return True
 
     # ----------------------------------------------------------- iteration
     def prepare_for_forward(self, sync: bool = True) -> None:
         """Every forward of the module; ``sync``: its backward will be reduced."""
-        self.ready.reduced_since_forward = False
+        self._forward_syncs = sync
         if sync:
             self.num_iterations += 1
             self._fwd_work = None
@@ -214,7 +258,67 @@ class Reducer:
             b.pending, b.work = b.size, None
         self.ready.reset(outputs, self._index_of)
         r = self.ready
+        if r.foreign and self.module_watch is not None:
+            foreign, r.foreign = r.foreign, []
+            try:
+                self.module_watch.check_leaves(foreign)
+            except RuntimeError:
+                self.abort_iteration()
+                raise
         self._fast_hooks = not (r.track_used or r.static or r.unused or r.collect_order or self.debug)
+
+    def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
+        """After prepare_for_backward: every later backward through these
+        outputs is reduced too (``retain_graph=True``, two losses through one
+        forward), not just the first.  A backward that reaches no DDP output
+        (a forward through ``ddp.module``) stays local, as in torch."""
+        self._fwd_reduced_at, self._fwd_unused = self.steps_reduced, self.ready.unused
+        seen = set()
+        for t in outputs:
+            fn = t.grad_fn  # a pre-hook on the node: a fifth of Tensor.register_hook's cost
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                fn.register_prehook(self._output_hook)
+
+    def _make_output_hook(self):
+        reducer = self
+
+        def output_hook(_grad_outputs):
+            # An output's node runs before any parameter's AccumulateGrad of
+            # the same backward: re-arming here is in time for all of them.
+            if reducer.ready.expect_hooks or reducer.steps_reduced == reducer._fwd_reduced_at:
+                return  # the forward's first backward (or one that failed) is still the one armed
+            reducer._rearm(reducer._fwd_unused)
+        # one object for the reducer's life (compiled autograd would recompile
+        # for a new hook each step); called eagerly under compiled autograd
+        return _compile.eager(output_hook)
+
+    def _rearm(self, unused) -> None:
+        """Reduce another backward over an already reduced forward.  The
+        ``.grad`` hold avg(g) from the first reduction (the same on every rank)
+        plus this backward's local increment d: reducing the total gives
+        avg(avg(g) + d) = avg(g) + avg(d) = avg(g + d), the average of what both
+        backwards accumulated locally (exactly where the arithmetic is exact).
+        Every rank must run the same number of backwards, as it must run
+        the same forwards."""
+        why = None
+        if self._fwd_work is not None:
+            why = ("inside join(): the ranks that have joined shadow one backward per forward "
+                   "and would not match this one's collectives")
+        elif self.refuse_extra_backward is not None:
+            why = self.refuse_extra_backward()
+        if why is not None:
+            raise RuntimeError(
+                f"fastddp: a second backward through the outputs of one DDP forward "
+                f"(backward(retain_graph=True) twice, or two losses of one forward) on rank "
+                f"{self.rank} cannot be averaged {why}. Sum the losses and call backward once, or "
+                "run a new forward for each backward.")
+        with self._lock:
+            self._next_bucket = 0
+            for b in self._buckets:
+                b.pending, b.work = b.size, None
+            self.ready.rearm(list(unused))
+            self._fast_hooks = False
 
     # ------------------------------------------------------------ readiness
     def _make_hook(self, index: int):
@@ -231,6 +335,8 @@ class Reducer:
 
     def _mark_ready(self, index: int) -> None:
         self.ready.mark(index)
+        if self.ready_probe is not None:
+            self.ready_probe(index)
         bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -250,6 +356,8 @@ class Reducer:
     def _all_buckets_issued(self) -> None:
         self._t_all_issued = time.perf_counter()
         self.comm.mark_all_issued()
+        if self.tuner is not None and self.tuner.active:
+            self.tuner.on_all_issued()
         if self.ready.dynamic_find_unused:
             self.ready.all_reduce_used_map()
 
@@ -325,6 +433,8 @@ class Reducer:
                 self.after_finalize()
             # host view of the exposed comm: last bucket issued -> all reduced (CUDA: events too)
             self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
+            if self.tuner is not None and self.tuner.active:
+                self.tuner.on_finalized()
             self.steps_reduced += 1
             self.ready.finish()
 

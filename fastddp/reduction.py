@@ -20,13 +20,18 @@ AllReduce          torch's default path / ``batched_grad_copy`` /      MUL / DIV
 PythonHook         any other comm hook, called with a GradBucket       NONE (hook divides)
 FusedCompression   fp16/bf16 hooks: scale in fp32, cast, 16-bit wire,  MUL, before the cast
                    optional error feedback in the same pack launch
+Fp32Accumulate     ``bf16_fp32acc_hook``: bf16 all-to-all, fp32 shard  MUL, before the cast
+                   sum (one rounding), bf16 all-gather
+BlockFp8           ``fp8_compress_hook``: block-scaled e4m3 all-to-all, MUL, before quantizing
+                   fp32 shard sum, re-quantized all-gather
 NoOp               ``noop_hook``: nothing on the wire                  NONE
 SparseAllReduce    a sparse parameter's bucket without a hook          DIV (in place)
 =================  ==================================================  ===============
 
 ``r`` is the :class:`~fastddp.reducer.Reducer`; strategies use only its
 public surface (``comm``, ``view_mode``, ``divide_factor()``,
-``globally_unused()``, ``before_unpack()``, ``name()``, ``num_buckets``).
+``globally_unused()``, ``before_unpack()``, ``name()``, ``num_buckets``,
+``world``, ``num_iterations``).
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ import enum
 
 import torch
 
-from . import kernels
+from . import groups, kernels
 from .comm import Pending
 
-__all__ = ["Scaling", "Reduction", "AllReduce", "PythonHook", "FusedCompression", "NoOp",
+__all__ = ["Scaling", "Reduction", "AllReduce", "PythonHook", "FusedCompression", "Fp32Accumulate", "BlockFp8", "NoOp",
            "SparseAllReduce", "choose", "fill_flat", "unpack_grads"]
 
 
@@ -363,7 +368,12 @@ class FusedCompression(Reduction):
     and casts into a 16-bit wire buffer (allocated once per bucket) in ONE
     launch, optionally with error feedback (an fp32 residual per bucket, read
     and rewritten by the same launch); all-reduce on the wire; the unpack
-    casts back."""
+    casts back.
+
+    A residual written by a pack whose iteration never reached its unpack (a
+    caught error: check_finite, a failed hook, an exception in backward) is
+    discarded (zeroed) at the bucket's next pack: it would carry part of a
+    gradient the user never applied."""
 
     kind = "compress"
     scaling = Scaling.MUL
@@ -374,20 +384,29 @@ class FusedCompression(Reduction):
         self.fused = ("compress", dtype)
         self.wire: dict[int, torch.Tensor] = {}
         self.residual: dict[int, torch.Tensor] = {}
+        self.unfinished: set[int] = set()  # buckets packed whose unpack has not run yet
 
-    def _wire(self, bucket) -> torch.Tensor:
+    def wire_numel(self, r, bucket) -> int:
+        """Elements of the bucket's wire buffer (its first ``flat.numel()`` are the bucket's)."""
+        return bucket.flat.numel()
+
+    def _wire(self, r, bucket) -> torch.Tensor:
         w = self.wire.get(bucket.index)
-        if w is None or w.numel() != bucket.flat.numel():
-            w = self.wire[bucket.index] = torch.empty(bucket.flat.numel(), dtype=self.dtype,
-                                                      device=bucket.flat.device)
+        numel = self.wire_numel(r, bucket)
+        if w is None or w.numel() != numel:
+            # zeros: a padded wire's tail is never written by the pack
+            w = self.wire[bucket.index] = torch.zeros(numel, dtype=self.dtype, device=bucket.flat.device)
             if self.error_feedback and bucket.index not in self.residual:
                 self.residual[bucket.index] = torch.zeros(bucket.flat.numel(), dtype=torch.float32,
                                                           device=bucket.flat.device)
         return w
 
     def pack(self, r, bucket, grads) -> None:
-        wire = self._wire(bucket)
+        wire = self._wire(r, bucket)
         residual, health = self.residual.get(bucket.index), bucket.health
+        if residual is not None and bucket.index in self.unfinished:
+            residual.zero_()  # the last pack's iteration was abandoned: its residual is stale
+        self.unfinished.add(bucket.index)
         if kernels.backend(bucket.flat.device) == "reference":
             # CPU (no Triton): the bucket is the scratch, scaled in place
             # (x * fp32(1/W), as the kernel) and cast into the wire: no
@@ -410,17 +429,19 @@ class FusedCompression(Reduction):
         return r.comm.all_reduce(self.wire[bucket.index])
 
     def unpack(self, r, bucket, result, track_unused: bool) -> None:
+        self.unfinished.discard(bucket.index)
         unpack_grads(r, bucket, self.wire[bucket.index], track_unused)
 
     def shadow(self, r, bucket) -> Pending:
-        return r.comm.all_reduce(torch.zeros_like(self._wire(bucket)))
+        return r.comm.all_reduce(torch.zeros_like(self._wire(r, bucket)))
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """Error-feedback residuals belong to parameters: they follow them
-        into the rebuilt buckets; wire buffers are made anew."""
-        old_res = self.residual
-        self.wire, self.residual = {}, {}
-        if not old_res:
+        into the rebuilt buckets (a stale one, see the class, is dropped);
+        wire buffers are made anew."""
+        old_res = {i: t for i, t in self.residual.items() if i not in self.unfinished}
+        self.wire, self.residual, self.unfinished = {}, {}, set()
+        if not self.error_feedback:
             return
         for b in new_buckets:
             if b.sparse:
@@ -434,6 +455,275 @@ class FusedCompression(Reduction):
                     new_views[pos].copy_(ob.layout.views(old_res[ob.index])[opos])
 
 
+class _ShardStep:
+    """One bucket's two-phase reduction in flight, duck-typed as the Future
+    :meth:`~fastddp.comm.Comm.wait` completes: ``wait()`` finishes it on the
+    calling thread (the end-of-backward callback), never on a collective's
+    callback thread (the interpreter is not thread-safe, and collectives
+    issued from callbacks could reach the ranks in different orders)."""
+
+    __slots__ = ("owner", "r", "bucket", "a2a", "ag", "iteration", "health", "extra")
+
+    def __init__(self, owner, r, bucket, a2a, iteration, health, extra=()):
+        self.owner, self.r, self.bucket, self.a2a = owner, r, bucket, a2a
+        self.ag, self.iteration, self.health, self.extra = None, iteration, health, extra
+
+    def wait(self, timeout=None) -> bool:
+        self.owner.finish(self)
+        return True
+
+    def value(self):
+        return None
+
+
+class Fp32Accumulate(FusedCompression):
+    """bf16 on the wire, summed in fp32 (``bf16_fp32acc_hook``)::
+
+        pack      grads * fp32(1/W) -> bf16 wire of W*S elements (S = ceil(N/W);
+                  the tail past the bucket's N stays 0), error feedback as the
+                  fp16/bf16 path; ONE launch
+        issue     all-to-all of the W shards (async, as soon as the bucket is ready)
+        finish    at the end of backward, for every bucket in flight, in bucket
+                  order (the same collectives in the same order on every rank):
+                  wait its all-to-all; ONE launch sums the shard from every rank
+                  in fp32, in rank order, rounded once to bf16
+                  (kernels.reduce_shards); all-gather it into the wire (async)
+        unpack    wait the all-gather; the wire -> .grad (ONE launch)
+
+    Bytes on the wire equal a bf16 all-reduce's; the sum's error no longer
+    grows with the world size (one rounding instead of one per ring hop)."""
+
+    kind = "fp32acc"
+
+    def __init__(self, error_feedback: bool):
+        super().__init__(torch.bfloat16, error_feedback)
+        self.fused = ("fp32acc", torch.bfloat16)
+        self.recv: dict[int, torch.Tensor] = {}
+        self.open: list[_ShardStep] = []  # in issue order
+
+    def wire_numel(self, r, bucket) -> int:
+        w = r.world
+        return -(-bucket.flat.numel() // w) * w
+
+    def _recv(self, bucket, wire) -> torch.Tensor:
+        t = self.recv.get(bucket.index)
+        if t is None or t.numel() != wire.numel():
+            t = self.recv[bucket.index] = torch.empty_like(wire)
+        return t
+
+    def _start(self, r, bucket, wire, health) -> Pending:
+        # a step left open by an abandoned iteration is dropped: its
+        # all-to-all completed (every rank issued it) and nobody waits for it
+        self.open = [s for s in self.open if s.iteration == r.num_iterations and s.bucket.index < bucket.index]
+        work = groups.all_to_all_single(self._recv(bucket, wire), wire, r.comm.pg)
+        step = _ShardStep(self, r, bucket, work, r.num_iterations, health)
+        self.open.append(step)
+        return r.comm.hook(step, wire.numel() * wire.element_size())
+
+    def issue(self, r, bucket) -> Pending:
+        return self._start(r, bucket, self.wire[bucket.index], bucket.health)
+
+    def shadow(self, r, bucket) -> Pending:
+        wire = self._wire(r, bucket)
+        wire.zero_()
+        return self._start(r, bucket, wire, None)
+
+    def finish(self, step: _ShardStep) -> None:
+        """Sum and all-gather every open step not yet gathered (in issue
+        order), then wait for ``step``'s all-gather."""
+        for s in self.open:
+            if s.ag is None:
+                groups.wait(s.a2a)
+                wire, recv = self.wire[s.bucket.index], self.recv[s.bucket.index]
+                n = wire.numel() // s.r.world
+                kernels.reduce_shards(recv, recv[:n], s.r.world, health=s.health)
+                s.ag = groups.all_gather_into_tensor(wire, recv[:n], s.r.comm.pg)
+        groups.wait(step.ag)
+        self.open.remove(step)
+
+    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
+        super().carry_over(old_buckets, old_locate, new_buckets)
+        self.recv, self.open = {}, []
+
+
+
+class BlockFp8(Reduction):
+    """Block-scaled fp8 (e4m3) on the wire, summed in fp32 (``fp8_compress_hook``)::
+
+        pack      the bucket's non-exempt grads * fp32(1/W) into an fp32 stage
+                  laid out like the bucket, padded to W shards of whole blocks
+                  (ONE launch; exempt slots stay 0); the exempt grads (default:
+                  1-D params) * fp32(1/W) into a compact fp32 buffer (one
+                  launch); the stage -> fp8 bits + one power-of-two scale per
+                  block, error feedback read and rewritten there (ONE launch)
+        issue     all-to-all of the fp8 shards and of their scales; the exempt
+                  buffer's fp32 all-reduce (all async, when the bucket is ready)
+        finish    end of backward, every bucket in flight in bucket order: wait
+                  its all-to-alls; ONE launch dequantizes the W slices of this
+                  rank's shard, adds them in fp32 in rank order and quantizes
+                  the sum again; all-gather fp8 + scales (async)
+        unpack    dequantize into the stage (ONE launch), the exempt values
+                  into their slots (one launch), the stage -> .grad (ONE launch)
+
+    Bytes: 1 per element + 4 per block of scales, + 4 per exempt element.
+    The residual (error feedback) keeps this rank's quantization error; the
+    re-quantization of the sum is shared by all ranks and not fed back."""
+
+    kind = "fp8"
+    scaling = Scaling.MUL
+
+    def __init__(self, state):
+        self.block = state.block_size
+        self.error_feedback = state.error_feedback
+        self.exempt_rule = state.exempt
+        self.fused = ("fp8", torch.float8_e4m3fn)
+        self.bufs: dict[int, dict] = {}
+        self.residual: dict[int, torch.Tensor] = {}
+        self.unfinished: set[int] = set()
+        self.open: list[_ShardStep] = []
+        self.carry = None  # residuals of the buckets before a rebuild, until the new ones are sized
+
+    # ------------------------------------------------------------ buffers
+    def _exempt(self, p) -> bool:
+        rule = self.exempt_rule
+        if rule is None:
+            return p.dim() <= 1
+        if callable(rule):
+            return bool(rule(p))
+        return any(p is q for q in rule)
+
+    def _bufs(self, r, bucket) -> dict:
+        d = self.bufs.get(bucket.index)
+        if d is not None and d["world"] == r.world:
+            return d
+        if bucket.complex or bucket.flat.dtype != torch.float32:
+            raise TypeError(f"fp8_compress_hook: bucket {bucket.index} holds {bucket.flat.dtype}"
+                            f"{' complex' if bucket.complex else ''} gradients; the fp8 path reduces "
+                            "float32 gradients (use bf16_fp32acc_hook, or no hook, for other dtypes)")
+        W, B, N, dev = r.world, self.block, bucket.flat.numel(), bucket.flat.device
+        shard = -(-N // (W * B)) * B
+        ex = [k for k, p in enumerate(bucket.params) if self._exempt(p)]
+        q8 = [k for k in range(len(bucket.params)) if k not in ex]
+        lay = bucket.layout
+
+        def sub(ks, offsets):
+            return kernels.Layout([lay.shapes[k] for k in ks], offsets, [lay.strides[k] for k in ks])
+
+        ex_numels = [lay.numels[k] for k in ex]
+        d = {"world": W, "shard": shard, "ex": ex, "q8": q8,
+             "lay8": sub(q8, [lay.offsets[k] for k in q8]),
+             "lay_ex": sub(ex, kernels.reference.default_offsets(ex_numels)),
+             "stage": torch.zeros(W * shard, dtype=torch.float32, device=dev),
+             "q": torch.zeros(W * shard, dtype=torch.uint8, device=dev),
+             "s": torch.ones(W * shard // B, dtype=torch.float32, device=dev),
+             "rq": torch.empty(W * shard, dtype=torch.uint8, device=dev),
+             "rs": torch.empty(W * shard // B, dtype=torch.float32, device=dev),
+             "exbuf": torch.zeros(sum(ex_numels), dtype=torch.float32, device=dev)}
+        self.bufs[bucket.index] = d
+        if self.error_feedback and (bucket.index not in self.residual
+                                    or self.residual[bucket.index].numel() != W * shard):
+            self.residual[bucket.index] = self._new_residual(bucket, W * shard)
+        return d
+
+    # ---------------------------------------------------------------- pack
+    def pack(self, r, bucket, grads) -> None:
+        d = self._bufs(r, bucket)
+        res, health = self.residual.get(bucket.index), bucket.health
+        if res is not None and bucket.index in self.unfinished:
+            res.zero_()  # the last pack's iteration was abandoned: its residual is stale
+        self.unfinished.add(bucket.index)
+        scale = 1.0 / r.divide_factor()
+        plain = _plain(r, bucket, grads)
+        if plain:
+            src = grads
+        else:  # missing grads (zeros), or grads already bucket views: through the flat bucket
+            fill_flat(r, bucket, grads, Scaling.NONE, health)
+            src, health = bucket.views, None  # flagged by fill_flat
+        if d["q8"]:
+            kernels.pack([src[k] for k in d["q8"]], d["stage"], layout=d["lay8"], scale=scale, health=health)
+        if d["ex"]:
+            kernels.pack([src[k] for k in d["ex"]], d["exbuf"], layout=d["lay_ex"], scale=scale, health=health)
+        kernels.quantize_fp8(d["stage"], d["q"], d["s"], self.block, residual=res, health=bucket.health)
+        if plain:
+            _alias_views(r, bucket, grads)
+
+    # --------------------------------------------------------- collectives
+    def _start(self, r, bucket, d, health) -> Pending:
+        self.open = [s for s in self.open if s.iteration == r.num_iterations and s.bucket.index < bucket.index]
+        pg = r.comm.pg
+        works = [groups.all_to_all_single(d["rq"], d["q"], pg), groups.all_to_all_single(d["rs"], d["s"], pg)]
+        extra = [groups.all_reduce(d["exbuf"], pg, async_op=True)] if d["ex"] else []
+        step = _ShardStep(self, r, bucket, works, r.num_iterations, health, extra)
+        self.open.append(step)
+        nbytes = d["q"].numel() + 4 * d["s"].numel() + 4 * d["exbuf"].numel()
+        return r.comm.hook(step, nbytes)
+
+    def issue(self, r, bucket) -> Pending:
+        return self._start(r, bucket, self.bufs[bucket.index], bucket.health)
+
+    def shadow(self, r, bucket) -> Pending:
+        d = self._bufs(r, bucket)
+        d["q"].zero_()
+        d["s"].fill_(1.0)
+        d["exbuf"].zero_()
+        return self._start(r, bucket, d, None)
+
+    def finish(self, step: _ShardStep) -> None:
+        """Sum and all-gather every open step not yet gathered (in issue
+        order), then wait for ``step``'s all-gathers and exempt all-reduce."""
+        for s in self.open:
+            if s.ag is None:
+                for w in s.a2a:
+                    groups.wait(w)
+                d, n = self.bufs[s.bucket.index], self.bufs[s.bucket.index]["shard"]
+                nb = n // self.block
+                kernels.reduce_fp8_shards(d["rq"], d["rs"], d["rq"][:n], d["rs"][:nb], s.r.world, self.block,
+                                          health=s.health)
+                pg = s.r.comm.pg
+                s.ag = [groups.all_gather_into_tensor(d["q"], d["rq"][:n], pg),
+                        groups.all_gather_into_tensor(d["s"], d["rs"][:nb], pg)]
+        for w in list(step.ag) + list(step.extra):
+            groups.wait(w)
+        self.open.remove(step)
+
+    # -------------------------------------------------------------- unpack
+    def unpack(self, r, bucket, result, track_unused: bool) -> None:
+        self.unfinished.discard(bucket.index)
+        d = self.bufs[bucket.index]
+        stage = d["stage"]
+        kernels.dequantize_fp8(d["q"], d["s"], stage, self.block)
+        if d["ex"]:
+            views = bucket.layout.views(stage)
+            kernels.unpack(d["exbuf"], [views[k] for k in d["ex"]], layout=d["lay_ex"])
+        unpack_grads(r, bucket, stage, track_unused)
+        if d["ex"]:  # the stage is the next pack's destination: exempt slots must read 0 again
+            views = bucket.layout.views(stage)
+            for k in d["ex"]:
+                views[k].zero_()
+
+    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
+        """Residuals follow their parameters into the rebuilt buckets (a stale
+        one is dropped); they are sized at each new bucket's first pack."""
+        old_res = {i: t for i, t in self.residual.items() if i not in self.unfinished}
+        self.bufs, self.residual, self.unfinished, self.open = {}, {}, set(), []
+        self.carry = (old_res, old_locate, {b.index for b in new_buckets if not b.sparse}) \
+            if self.error_feedback and old_res else None
+
+    def _new_residual(self, bucket, numel: int) -> torch.Tensor:
+        res = torch.zeros(numel, dtype=torch.float32, device=bucket.flat.device)
+        if self.carry is not None:
+            old_res, old_locate, todo = self.carry
+            views = bucket.layout.views(res)
+            for pos, i in enumerate(bucket.indices):
+                ob, opos = old_locate[i]
+                if ob.index in old_res:
+                    views[pos].copy_(ob.layout.views(old_res[ob.index])[opos])
+            todo.discard(bucket.index)
+            if not todo:
+                self.carry = None
+        return res
+
+
 def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduction, Reduction]:
     """The bucket modes for a DDP module: ``(dense, sparse)``.
 
@@ -442,9 +732,12 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduct
     state's group is the module's), else as an ordinary callback."""
     if hook is None:
         return AllReduce(Scaling.DIV if batched_grad_copy else Scaling.MUL), SparseAllReduce()
-    from .hooks import CompressionState
+    from .hooks import CompressionState, FP8CompressionState
 
     tag = getattr(hook, "_fastddp_fused", None)
+    if isinstance(state, FP8CompressionState) and (tag is None or tag[0] != "fp8"):
+        raise TypeError(f"FP8CompressionState is the state of fastddp.hooks.fp8_compress_hook; "
+                        f"{getattr(hook, '__name__', hook)!r} is not it")
     error_feedback = isinstance(state, CompressionState) and state.error_feedback
     if tag is None:
         if isinstance(state, CompressionState):
@@ -452,9 +745,17 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduct
                             f"{getattr(hook, '__name__', hook)!r} is not one of them")
         return PythonHook(hook, state), PythonHook(hook, state)
     kind, dtype = tag
-    if error_feedback and kind != "compress":
+    if kind == "fp8":
+        if not group_ok:
+            raise ValueError("fp8_compress_hook runs only as fastddp's fused path: its state's "
+                             "process_group must be None or the DDP module's process group")
+        fp8_state = state if isinstance(state, FP8CompressionState) else FP8CompressionState()
+        if state is not None and not isinstance(state, FP8CompressionState):
+            raise TypeError(f"fp8_compress_hook takes an FP8CompressionState (or None), got {type(state).__name__}")
+        return BlockFp8(fp8_state), PythonHook(hook, state)
+    if error_feedback and kind not in ("compress", "fp32acc"):
         raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
-                         "compression hooks only")
+                         "compression hooks and bf16_fp32acc_hook only")
     if not group_ok:
         if error_feedback:
             raise ValueError("fastddp: CompressionState.process_group must be None or the DDP "
@@ -465,4 +766,6 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool) -> tuple[Reduct
         return AllReduce(Scaling.DIV, fused=True), sparse
     if kind == "noop":
         return NoOp(), sparse
+    if kind == "fp32acc":
+        return Fp32Accumulate(error_feedback), sparse
     return FusedCompression(dtype, error_feedback), sparse

@@ -22,7 +22,7 @@ import torch
 
 from . import groups
 
-__all__ = ["verify_across_ranks", "check_no_new_parameters"]
+__all__ = ["verify_across_ranks", "check_no_new_parameters", "ModuleWatch"]
 
 
 def check_no_new_parameters(module: torch.nn.Module, known: Sequence[torch.Tensor], ignore) -> None:
@@ -34,10 +34,72 @@ def check_no_new_parameters(module: torch.nn.Module, known: Sequence[torch.Tenso
            if p.requires_grad and n not in ignore and id(p) not in ids]
     if new:
         raise RuntimeError(
-            f"fastddp: parameter(s) {new[:10]} were added to the module (or set to "
+            f"fastddp: parameter(s) {new[:10]} were added to the module (or replaced, or set to "
             "requires_grad=True) after it was wrapped in DistributedDataParallel; their gradients "
             "would never be averaged across ranks. Create every parameter before wrapping the "
             "model (or wrap it again).")
+
+
+class ModuleWatch:
+    """What the wrapped module looked like: the checks that keep a later
+    change of it (a frozen parameter unfrozen, a parameter added or replaced,
+    a parameter's shape, dtype or device changed) from giving local, silently
+    unaveraged or misplaced gradients.  torch's DDP is silent on all of them."""
+
+    def __init__(self, module: torch.nn.Module, known: Sequence[torch.Tensor], names: Sequence[str],
+                 ignore, rank: int, check_dtype: bool = True):
+        self.module, self.known, self.names, self.ignore, self.rank = module, list(known), list(names), ignore, rank
+        self.check_dtype = check_dtype  # mixed_precision swaps the dtype during forward/backward
+        self.meta = [(p.shape, p.dtype, p.device) for p in self.known]
+        ids = {id(p) for p in self.known}
+        # trainable-later candidates: cheap enough to look at every forward
+        self.frozen = [(n, p) for n, p in module.named_parameters()
+                       if not p.requires_grad and n not in ignore and id(p) not in ids]
+        self.outside: set[int] = set()  # leaves seen in the graph that are not the module's
+
+    def check_frozen(self) -> None:
+        """Every forward: a parameter frozen when the model was wrapped and
+        trainable now would get local gradients (fine-tuning's unfreeze)."""
+        for n, p in self.frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"fastddp: parameter {n!r} had requires_grad=False when the model was wrapped in "
+                    f"DistributedDataParallel and requires grad now (rank {self.rank}); DDP does not "
+                    "average its gradients, so the ranks would train it apart. Wrap the model again "
+                    "after unfreezing (or wrap it with every parameter that will train set to "
+                    "requires_grad=True, freezing it with a zero learning rate instead).")
+
+    def check(self) -> None:
+        """The full comparison (bucket rebuild, every forward in debug mode)."""
+        check_no_new_parameters(self.module, self.known, self.ignore)
+        self.check_frozen()
+        for n, p, (shape, dtype, device) in zip(self.names, self.known, self.meta):
+            now = (p.shape, p.dtype if self.check_dtype else dtype, p.device)
+            if now != (shape, dtype, device):
+                raise RuntimeError(
+                    f"fastddp: parameter {n!r} is now {tuple(p.shape)} {p.dtype} on {p.device} "
+                    f"(rank {self.rank}) but was {tuple(shape)} {dtype} on {device} when the model was "
+                    "wrapped in DistributedDataParallel; its gradient bucket was laid out for that. "
+                    "Change the module (.to(), .half(), .data = ...) before wrapping it, or wrap it again.")
+
+    def check_leaves(self, leaves: Sequence[torch.Tensor]) -> None:
+        """find_unused_parameters: the graph walk met leaves that require grad
+        and are not DDP's parameters; one of the module's (added, replaced or
+        unfrozen after wrapping) would get local gradients."""
+        fresh = [t for t in leaves if id(t) not in self.outside]
+        if not fresh:
+            return
+        mine = {id(p): n for n, p in self.module.named_parameters() if n not in self.ignore}
+        bad = [mine[id(t)] for t in fresh if id(t) in mine]
+        if bad:
+            raise RuntimeError(
+                f"fastddp: parameter(s) {bad[:10]} of the wrapped module produced this forward's "
+                f"outputs on rank {self.rank} but are not among the parameters DDP averages: they were "
+                "added, replaced (module.x = nn.Parameter(...)) or set to requires_grad=True after the "
+                "model was wrapped in DistributedDataParallel. Their gradients would stay local to "
+                "each rank. Change the module before wrapping it, or wrap it again.")
+        self.outside.update(id(t) for t in fresh)
+
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
            torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,

@@ -7,6 +7,11 @@ flag in the same launch: one launch per source dtype.  ``unpack(src, dsts,
 offsets=None, scale=1.0, divide=None, accumulate=False, *, layout=None)``
 does the reverse in one launch per destination dtype.
 
+For the low-precision reductions: ``reduce_shards(src, out, world)`` (bf16
+slices summed in fp32 in rank order, rounded once) and block-scaled fp8
+``quantize_fp8`` / ``dequantize_fp8`` / ``reduce_fp8_shards`` (the rule is
+written once, in :mod:`fastddp.kernels.reference`); one launch each.
+
 Backends (chosen in the op layer, :mod:`fastddp.kernels._ops`, from a
 capability probe made once and cached):
 
@@ -22,8 +27,8 @@ Inside a kernel call, a tensor whose memory order is not its layout slot's
 (a transposed gradient, say) is copied with torch, alone; the rest of the
 call stays in its one launch per dtype.
 
-Modules: ``_ops`` (op layer), ``pack_kernel`` / ``unpack_kernel`` (kernel +
-launcher), ``_triton_common`` (tables shared by the launchers),
+Modules: ``_ops`` (op layer), ``pack_kernel`` / ``unpack_kernel`` /
+``shard_kernel`` / ``fp8_kernel`` (kernel + launcher), ``_triton_common`` (tables shared by the launchers),
 ``torch_path`` (fast plain torch), ``reference`` (the arithmetic contract).
 """
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 from ._ops import (Layout, backend, launch_count, pack, reset_backend, reset_launch_count, stats, unpack,
                    triton_available as _triton_available)
+from ._ops import dequantize_fp8, quantize_fp8, reduce_fp8_shards, reduce_shards
 from . import reference
 from .reference import Health, first_nonfinite
 
@@ -38,6 +44,8 @@ if _triton_available():
     # Import the kernels now: TRITON_INTERPRET is read when @triton.jit runs.
     try:
         from . import pack_kernel as _pack_kernel, unpack_kernel as _unpack_kernel  # noqa: F401
+        from . import shard_kernel as _shard_kernel  # noqa: F401
+        from . import fp8_kernel as _fp8_kernel  # noqa: F401
     except Exception as _exc:  # a broken Triton must not take the reference path down
         import warnings
 
@@ -51,6 +59,10 @@ __all__ = [
     "first_nonfinite",
     "launch_count",
     "pack",
+    "dequantize_fp8",
+    "quantize_fp8",
+    "reduce_fp8_shards",
+    "reduce_shards",
     "reference",
     "reset_backend",
     "reset_launch_count",

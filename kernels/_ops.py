@@ -295,3 +295,134 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[in
         torch_path.unpack_views([views[i] for i in fallback], [dsts[i] for i in fallback], scale, divide,
                                 accumulate)
     return dsts
+
+
+# ============================================================ shard sum
+_SHARD_DTYPES = (torch.bfloat16,)
+
+
+def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int, *,
+                  health: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum this rank's shard as received from every rank: ``src`` holds
+    ``world`` slices of ``out.numel()`` elements back to back (rank order,
+    what an equal-split all-to-all delivers); ``out`` gets their fp32 sum,
+    taken in rank order and rounded once (the contract:
+    :func:`fastddp.kernels.reference.reduce_shards`).  ``out`` may be
+    ``src``'s first slice.  ``health``: the bucket's flag; ``OVERFLOW`` is
+    ORed in where finite inputs sum to NaN/inf.  One launch (Triton
+    backends).  Returns ``out``."""
+    world = int(world)
+    if world < 1:
+        raise ValueError(f"reduce_shards: world must be >= 1, got {world}")
+    for what, t in (("src", src), ("out", out)):
+        if t.dtype not in _SHARD_DTYPES:
+            raise TypeError(f"reduce_shards: {what} has dtype {t.dtype}; the shard sum takes bfloat16")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"reduce_shards: {what} must be a contiguous 1-D tensor")
+    if out.device != src.device:
+        raise ValueError(f"reduce_shards: out is on {out.device} but src is on {src.device}")
+    if src.numel() != world * out.numel():
+        raise ValueError(f"reduce_shards: src holds {src.numel()} elements; {world} slices of out's "
+                         f"{out.numel()} need {world * out.numel()}")
+    if health is not None:
+        _check_health(health, out)
+    name = backend(out.device)
+    if name == "reference":
+        _bump("reference_calls")
+        return torch_path.reduce_shards(src, out, world, health)
+    from .shard_kernel import launch_reduce_shards
+
+    _launch(name, out.device, launch_reduce_shards, src, out, world, health)
+    return out
+
+
+# ============================================================ block-scaled fp8
+def _check_fp8(op: str, block: int, n: int, q: torch.Tensor, scales: torch.Tensor, device) -> None:
+    if not isinstance(block, int) or block < 16 or block & (block - 1):
+        raise ValueError(f"{op}: block={block!r} must be a power of two >= 16 (e.g. 128 or 256)")
+    if n % block:
+        raise ValueError(f"{op}: {n} elements are not a whole number of blocks of {block}; pad the "
+                         "buffer to a multiple of the block size")
+    if q.dtype != torch.uint8:
+        raise TypeError(f"{op}: the fp8 tensor must be uint8 (the e4m3 bits: gloo refuses float8 "
+                        f"dtypes), got {q.dtype}")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"{op}: scales must be float32, got {scales.dtype}")
+    for what, t in (("fp8 tensor", q), ("scales", scales)):
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{op}: the {what} must be a contiguous 1-D tensor")
+        if t.device != device:
+            raise ValueError(f"{op}: the {what} is on {t.device}, not {device}")
+    if q.numel() != n or scales.numel() != n // block:
+        raise ValueError(f"{op}: {n} values need an fp8 tensor of {n} and {n // block} scales, got "
+                         f"{q.numel()} and {scales.numel()}")
+
+
+def _check_f32(op: str, what: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous():
+        raise TypeError(f"{op}: {what} must be a contiguous 1-D float32 tensor, got {t.dtype} "
+                        f"of shape {tuple(t.shape)}")
+
+
+def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int = 256, *,
+                 residual: torch.Tensor | None = None, health: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-scaled e4m3 by the rule of :mod:`fastddp.kernels.reference`
+    (power-of-two scale per ``block`` elements, nearest even, NaN for
+    non-finite values): ``x`` fp32 -> ``q`` (uint8 bits) + ``scales``; with
+    ``residual`` (fp32, like ``x``) error feedback in the same launch; with
+    ``health`` the SOURCE/RESIDUAL_NONFINITE bits.  Returns ``q``."""
+    _check_f32("quantize_fp8", "x", x)
+    _check_fp8("quantize_fp8", block, x.numel(), q, scales, x.device)
+    if residual is not None:
+        _check_f32("quantize_fp8", "residual", residual)
+        if residual.numel() != x.numel() or residual.device != x.device:
+            raise ValueError("quantize_fp8: residual must match x in size and device")
+    if health is not None:
+        _check_health(health, x)
+    name = backend(x.device)
+    if name == "reference":
+        _bump("reference_calls")
+        torch_path.quantize_fp8(x, q, scales, block, residual, health)
+        return q
+    from .fp8_kernel import launch_quantize_fp8
+
+    _launch(name, x.device, launch_quantize_fp8, x, q, scales, block, residual, health)
+    return q
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """``out`` (fp32) = each e4m3 value of ``q`` times its block's scale, exactly."""
+    _check_f32("dequantize_fp8", "out", out)
+    _check_fp8("dequantize_fp8", block, out.numel(), q, scales, out.device)
+    name = backend(out.device)
+    if name == "reference":
+        _bump("reference_calls")
+        return torch_path.dequantize_fp8(q, scales, out, block)
+    from .fp8_kernel import launch_dequantize_fp8
+
+    _launch(name, out.device, launch_dequantize_fp8, q, scales, out, block)
+    return out
+
+
+def reduce_fp8_shards(src_q: torch.Tensor, src_s: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor,
+                      world: int, block: int = 256, *, health: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp8 shard sum: ``world`` slices of fp8 values + scales (rank
+    order) dequantized, added in fp32 in rank order, quantized again into
+    ``out_q`` / ``out_s`` (which may be the first slices).  One launch."""
+    world = int(world)
+    if world < 1:
+        raise ValueError(f"reduce_fp8_shards: world must be >= 1, got {world}")
+    n = out_q.numel()
+    _check_fp8("reduce_fp8_shards", block, n, out_q, out_s, out_q.device)
+    _check_fp8("reduce_fp8_shards", block, world * n, src_q, src_s, out_q.device)
+    if health is not None:
+        _check_health(health, out_q)
+    name = backend(out_q.device)
+    if name == "reference":
+        _bump("reference_calls")
+        torch_path.reduce_fp8_shards(src_q, src_s, out_q, out_s, world, block, health)
+        return out_q
+    from .fp8_kernel import launch_reduce_fp8_shards
+
+    _launch(name, out_q.device, launch_reduce_fp8_shards, src_q, src_s, out_q, out_s, world, block, health)
+    return out_q

@@ -202,3 +202,129 @@ def _check_layout(numels: Sequence[int], offsets: Sequence[int], total: int, op:
                 f"{op}: tensor {i} (numel {n}) at offset {o} does not fit in the flat "
                 f"buffer of {total} elements"
             )
+
+
+# ------------------------------------------------------------------ shard sum
+# The reduce half of a reduce-scatter done as all-to-all + local sum: after
+# the all-to-all, ``src`` holds this rank's shard as sent by every rank, back
+# to back in rank order (``world`` slices of ``out.numel()`` elements).
+#
+# Contract: ``out = cast_out( ((src_0.f32 + src_1.f32) + src_2.f32) + ... )``:
+# the slices widened to fp32 (exact from bf16/fp16), summed in fp32 strictly
+# in rank order, then ONE rounding to ``out``'s dtype (nearest even).  Every
+# rank computes its shard with the same rule, so the all-gathered result is
+# the same on every rank, and the error of the sum does not grow with the
+# world size the way a 16-bit ring's per-hop rounding does.  ``out`` may be
+# ``src``'s first slice (in place).  ``health``: ``OVERFLOW`` if an element
+# whose ``world`` inputs are finite comes out NaN/inf.
+
+def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int,
+                  health: torch.Tensor | None = None) -> torch.Tensor:
+    """The shard sum above, one plain torch op per rank's slice."""
+    n = out.numel()
+    parts = [src[k * n:(k + 1) * n].to(torch.float32) for k in range(world)]  # copies: out may alias
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc = acc + p
+    out.copy_(acc)
+    if health is not None:
+        ok = torch.stack([torch.isfinite(p) for p in parts]).all(0)
+        bad = (ok & ~torch.isfinite(out)).any().to(torch.int32) * int(Health.OVERFLOW)
+        health.bitwise_or_(bad.reshape(health.shape).to(health.device))
+    return out
+
+
+# --------------------------------------------------- block-scaled fp8 (e4m3)
+# The one written rule of fastddp's fp8 wire (torch.float8_e4m3fn, sent as
+# uint8: gloo refuses float8 dtypes):
+#
+# * blocks of ``block`` consecutive elements of a flat buffer, one fp32 scale
+#   each;
+# * ``amax`` = the largest |x| of the block's FINITE values;
+# * scale ``s`` = the smallest power of two with ``amax / s <= 448`` (e4m3's
+#   largest), but at least 2^-126 (a normal fp32); ``s = 1`` when ``amax`` is 0.
+#   A power of two makes ``x / s`` and ``q * s`` exact (no second rounding),
+#   so the only rounding is the fp8 one, and it is the same on every device;
+# * ``q = fp8(x / s)``: round to nearest even, saturated to +-448 (never
+#   reached: |x / s| <= 448 by the choice of s); a NaN or inf ``x`` becomes
+#   NaN (0x7F, signed) -- torch's own cast would saturate inf to 448;
+# * dequantize: ``q.float() * s`` (exact).
+#
+# With error feedback (``residual``, fp32, indexed like ``x``): the block is
+# quantized from ``x + r`` and ``r`` becomes ``(x + r) - dequantize(q)``, 0
+# where that is not finite.
+
+FP8_MAX = 448.0
+
+
+def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The scale rule above, for a tensor of fp32 block maxima."""
+    m, e = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1)
+    k = torch.where(m <= 0.875, e - 9, e - 8).clamp(min=-126)  # 448 = 0.875 * 2^9
+    k = torch.where(amax == 0, 0, k)
+    return torch.ldexp(torch.ones_like(amax), k)
+
+
+def _fp8_encode(y: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    q = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    nan = torch.where(torch.signbit(y), 0xFF, 0x7F).to(torch.uint8)
+    return torch.where(finite, q, nan)
+
+
+def _fp8_decode(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                 residual: torch.Tensor | None = None, health: torch.Tensor | None = None) -> None:
+    """``x`` (fp32, ``n`` elements, ``n % block == 0``) -> ``q`` (uint8 bits of
+    e4m3) and ``scales`` (fp32, ``n / block``), by the rule above.
+    ``health``: SOURCE_NONFINITE (an ``x`` value), RESIDUAL_NONFINITE (a
+    residual value read)."""
+    xb = x.reshape(-1, block).to(torch.float32)
+    src_ok = torch.isfinite(xb)
+    if residual is not None:
+        rb = residual.view(-1, block)
+        res_ok = torch.isfinite(rb)
+        xb = xb + rb
+    finite = torch.isfinite(xb)
+    amax = torch.where(finite, xb.abs(), 0.0).amax(dim=1)
+    s = fp8_scales(amax)
+    qb = _fp8_encode(xb * (1.0 / s)[:, None], finite)  # 1/s: a power of two, exact
+    q.view(-1, block).copy_(qb)
+    scales.copy_(s)
+    if residual is not None:
+        r_new = xb - _fp8_decode(qb) * s[:, None]
+        rb.copy_(torch.where(torch.isfinite(r_new), r_new, 0.0))
+    if health is not None:
+        bits = (~src_ok).any().to(torch.int32) * int(Health.SOURCE_NONFINITE)
+        if residual is not None:
+            bits = bits | (~res_ok).any().to(torch.int32) * int(Health.RESIDUAL_NONFINITE)
+        health.bitwise_or_(bits.reshape(health.shape))
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> torch.Tensor:
+    """``out = fp8(q) * scale`` of each element's block, exactly, in fp32."""
+    out.view(-1, block).copy_(_fp8_decode(q.view(-1, block)) * scales[:, None])
+    return out
+
+
+def reduce_fp8_shards(src_q: torch.Tensor, src_s: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor,
+                      world: int, block: int, health: torch.Tensor | None = None) -> None:
+    """The fp8 shard sum: ``world`` slices (rank order) of ``out_q.numel()``
+    fp8 values and their scales, dequantized, added in fp32 in rank order,
+    quantized again (the rule above, no residual).  ``health``: OVERFLOW where
+    finite inputs sum to a non-finite value.  ``out_q``/``out_s`` may be the
+    first slices of ``src_q``/``src_s``."""
+    n, nb = out_q.numel(), out_s.numel()
+    parts = [torch.empty(n, dtype=torch.float32) for _ in range(world)]
+    for k in range(world):
+        dequantize_fp8(src_q[k * n:(k + 1) * n], src_s[k * nb:(k + 1) * nb], parts[k], block)
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc = acc + p
+    quantize_fp8(acc, out_q, out_s, block)
+    if health is not None:
+        ok = torch.stack([torch.isfinite(p) for p in parts]).all(0)
+        bad = (ok & ~torch.isfinite(acc)).any().to(torch.int32) * int(Health.OVERFLOW)
+        health.bitwise_or_(bad.reshape(health.shape))

@@ -164,3 +164,112 @@ def unpack_views(views: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
         if accumulate:
             val = d.to(c) + val
         d.copy_(val)
+
+
+#: elements per step of :func:`reduce_shards`: an fp32 accumulator of 256 KiB
+#: stays in cache while the ``world`` slices stream through it.
+SHARD_CHUNK = 1 << 16
+
+
+def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int,
+                  health: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fastddp.kernels.reference.reduce_shards`, fast: chunk by chunk,
+    ``acc = slice_0; acc += slice_k`` in rank order (``add_`` of a 16-bit
+    tensor into an fp32 one widens exactly and adds in fp32), one rounding
+    into ``out``.  Each chunk is read before its part of ``out`` is written,
+    so ``out`` may be ``src``'s first slice."""
+    n = out.numel()
+    if n == 0:
+        return out
+    parts = src.view(world, n)
+    acc = torch.empty(min(n, SHARD_CHUNK), dtype=torch.float32, device=out.device)
+    bad = None
+    for c in range(0, n, SHARD_CHUNK):
+        m = min(SHARD_CHUNK, n - c)
+        a = acc[:m]
+        a.copy_(parts[0, c:c + m])
+        for k in range(1, world):
+            a.add_(parts[k, c:c + m])
+        if health is not None:
+            ok = torch.isfinite(parts[:, c:c + m]).all(0)  # before out (maybe slice 0) is written
+        out[c:c + m].copy_(a)
+        if health is not None:
+            b = (ok & ~torch.isfinite(out[c:c + m])).any()
+            bad = b if bad is None else bad | b
+    if bad is not None:
+        health.bitwise_or_((bad.to(torch.int32) * int(reference.Health.OVERFLOW)).reshape(health.shape))
+    return out
+
+
+#: elements per step of the fp8 passes (whole blocks): the chunk's fp32
+#: temporaries stay in cache while it is quantized.
+FP8_CHUNK = 1 << 16
+
+
+def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                 residual: torch.Tensor | None = None, health: torch.Tensor | None = None) -> None:
+    """:func:`fastddp.kernels.reference.quantize_fp8`, fast: chunk by chunk;
+    where every value of a chunk is finite (the steady state) a chunk costs
+    an add (residual), an amax, a multiply, the fp8 cast and, with a
+    residual, the decode and a subtract -- no masks: |x / s| <= 448, so
+    torch's cast (nearest even) needs no clamp.  A chunk holding a NaN/inf
+    goes through the contract's own code (masks, NaN codes, health bits)."""
+    n = x.numel()
+    step = max(block, FP8_CHUNK // block * block)
+    q8 = q.view(torch.float8_e4m3fn)
+    for c in range(0, n, step):
+        m = min(step, n - c)
+        xc = x[c:c + m] if residual is None else x[c:c + m] + residual[c:c + m]
+        xb = xc.view(-1, block)
+        amax = xb.abs().amax(dim=1)
+        if not bool(torch.isfinite(amax).all()):
+            reference.quantize_fp8(x[c:c + m], q[c:c + m], scales[c // block:(c + m) // block], block,
+                                   None if residual is None else residual[c:c + m], health)
+            continue
+        s = reference.fp8_scales(amax)
+        qc = q8[c:c + m].view(-1, block)
+        qc.copy_(xb * (1.0 / s)[:, None])
+        scales[c // block:(c + m) // block].copy_(s)
+        if residual is not None:
+            residual[c:c + m].view(-1, block).copy_(xb - qc.to(torch.float32) * s[:, None])
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> torch.Tensor:
+    """:func:`fastddp.kernels.reference.dequantize_fp8`, chunk by chunk (decode, then scale in cache)."""
+    n = out.numel()
+    step = max(block, FP8_CHUNK // block * block)
+    q8 = q.view(torch.float8_e4m3fn)
+    for c in range(0, n, step):
+        m = min(step, n - c)
+        o = out[c:c + m]
+        o.copy_(q8[c:c + m])
+        o.view(-1, block).mul_(scales[c // block:(c + m) // block][:, None])
+    return out
+
+
+def reduce_fp8_shards(src_q: torch.Tensor, src_s: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor,
+                      world: int, block: int, health: torch.Tensor | None = None) -> None:
+    """:func:`fastddp.kernels.reference.reduce_fp8_shards`, chunk by chunk:
+    every slice of a chunk is read (dequantized and added in rank order)
+    before the chunk of ``out`` (maybe slice 0) is written."""
+    n, nb = out_q.numel(), out_s.numel()
+    step = max(block, FP8_CHUNK // block * block)
+    tmp = torch.empty(min(step, n), dtype=torch.float32, device=out_q.device)
+    for c in range(0, n, step):
+        m = min(step, n - c)
+        b0, b1 = c // block, (c + m) // block
+        acc = torch.empty(m, dtype=torch.float32, device=out_q.device)
+        dequantize_fp8(src_q[c:c + m], src_s[b0:b1], acc, block)
+        for k in range(1, world):
+            t = tmp[:m]
+            dequantize_fp8(src_q[k * n + c:k * n + c + m], src_s[k * nb + b0:k * nb + b1], t, block)
+            acc.add_(t)
+        if health is not None and not bool(torch.isfinite(acc).all()):
+            ok = torch.ones(m, dtype=torch.bool, device=acc.device)
+            for k in range(world):
+                d = torch.empty(m, dtype=torch.float32, device=acc.device)
+                dequantize_fp8(src_q[k * n + c:k * n + c + m], src_s[k * nb + b0:k * nb + b1], d, block)
+                ok &= torch.isfinite(d)
+            bad = (ok & ~torch.isfinite(acc)).any().to(torch.int32) * int(reference.Health.OVERFLOW)
+            health.bitwise_or_(bad.reshape(health.shape))
+        quantize_fp8(acc, out_q[c:c + m], out_s[b0:b1], block)

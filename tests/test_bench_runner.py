@@ -45,144 +45,49 @@ def _row(model, wrapper, steps, family=None, baselines=(), status="ok", **kw):
 
 
 def _section(bw=None):
+    """Ten rounds of flat step times (plus a little per-round wobble)."""
+    wobble = [0.0, 0.1, -0.1, 0.05, -0.05, 0.02, -0.02, 0.0, 0.1, -0.1]
+    flat = lambda ms: [ms + w for w in wobble]  # noqa: E731
     rows = [
-        _row("m", "local", [10, 10, 10]),
-        _row("m", "torch", [20, 20, 20]),
-        _row("m", "torch-batched", [9, 9, 9]),                       # overhead < 0
-        _row("m", "torch-fp16", [30, 30, 30]),
-        _row("m", "fastddp", [15, 15, 15], baselines=("torch",)),
-        _row("m", "fastddp-batched", [12, 12, 12], baselines=("torch-batched",)),
-        _row("m", "fastddp-bf16", [20, 20, 20], baselines=("torch-bf16", "torch-fp16")),
+        _row("m", "local", flat(10)),
+        _row("m", "torch", flat(20)),
+        _row("m", "torch-batched", flat(9)),                        # faster than local: overhead < 0
+        _row("m", "torch-fp16", flat(30)),
+        _row("m", "fastddp", flat(15), baselines=("torch",)),
+        _row("m", "fastddp-batched", flat(12), baselines=("torch-batched",)),
+        _row("m", "fastddp-bf16", flat(20), baselines=("torch-bf16", "torch-fp16")),
         _row("m", "fastddp-view", [], baselines=("torch-view",), status="unavailable: not built"),
-        _row("small", "local", [100, 110, 120]),
-        _row("small", "torch", [150, 150, 150]),
-        _row("small", "fastddp", [145, 145, 145], baselines=("torch",)),
+        _row("small", "local", flat(100)),
+        _row("small", "torch", flat(150)),
+        _row("small", "fastddp", flat(145), baselines=("torch",)),
     ]
-    return R.derive(R.Section(bw, rows))
+    return R.derive(R.Section(bw, rows, runs={"m": {"rounds": 10, "stopped": "fixed", "elapsed_s": 1.0,
+                                                     "budget_s": None}}))
 
 
-def test_derive_overhead_and_ratios():
+def test_derive_on_the_runner_rows():
     s = _section()
     r = {(x.model, x.wrapper): x for x in s.rows}
     assert r["m", "local"].overhead_ms == 0
     assert r["m", "torch"].overhead_ms == pytest.approx(10)
-    assert r["m", "fastddp"].ratio == pytest.approx(0.5) and r["m", "fastddp"].ratio_baseline == "torch"
-    # a baseline whose overhead is <= 0 gives no ratio, but is still named
-    assert r["m", "fastddp-batched"].ratio is None
-    assert r["m", "fastddp-batched"].ratio_baseline == "torch-batched"
-    # the first baseline present wins (no torch-bf16 here -> torch-fp16)
-    assert r["m", "fastddp-bf16"].ratio_baseline == "torch-fp16"
-    assert r["m", "fastddp-bf16"].ratio == pytest.approx(0.5)
+    assert r["m", "fastddp"].ratio == pytest.approx(0.75, abs=1e-3) and r["m", "fastddp"].ratio_baseline == "torch"
+    # the step-time ratio exists whatever the peer's overhead; the overhead ratio does not
+    batched = next(c for c in s.comparisons if c.wrapper == "fastddp-batched")
+    assert batched.ratio == pytest.approx(12 / 9, abs=1e-2) and batched.verdict == "slower"
+    assert batched.overhead_ratio is None
+    fast = next(c for c in s.comparisons if (c.model, c.wrapper) == ("m", "fastddp"))
+    assert fast.verdict == "faster" and fast.overhead_ratio == pytest.approx(0.5, abs=0.02)
+    # every listed peer present is compared: no torch-bf16 on CPU -> torch-fp16 only
+    assert [c.peer for c in s.comparisons if c.wrapper == "fastddp-bf16"] == ["torch-fp16"]
     assert r["m", "fastddp-view"].step is None and r["m", "fastddp-view"].overhead_ms is None
-    assert r["small", "fastddp"].ratio == pytest.approx(35 / 40)
+    assert not any(c.wrapper == "fastddp-view" for c in s.comparisons)
+    assert next(c for c in s.comparisons if c.model == "small").verdict == "faster"  # 145 / 150: 3.3% faster
 
 
-def test_targets():
-    checks = {(c["model"], c["wrapper"]): c for c in R.targets(_section())}
-    assert checks["m", "fastddp"]["target"] == R.DEFAULT_TARGET and checks["m", "fastddp"]["met"]
-    assert checks["small", "fastddp"]["target"] == 0.8 and not checks["small", "fastddp"]["met"]
-    # undefined ratio (torch overhead <= 0): listed, neither met nor missed
-    assert checks["m", "fastddp-batched"]["ratio"] is None and checks["m", "fastddp-batched"]["met"] is None
-    assert ("m", "fastddp-view") not in checks  # unavailable
-
-
-def _noisy(n, base, extra, sd, seed, shared):
-    """Per-round samples: ``base + extra`` plus the round's shared slowdown
-    (a slow round slows every wrapper) plus the wrapper's own noise."""
-    rng = np.random.default_rng(seed)
-    return [base + extra + shared[i] + float(rng.normal(0, sd)) for i in range(n)]
-
-
-def test_bootstrap_ratio_interval():
-    n = 80
-    shared = list(np.random.default_rng(99).normal(0, 5.0, n))  # big per-round noise
-    local = _noisy(n, 30, 0, 0.3, 1, shared)
-    torch_ = _noisy(n, 30, 10, 0.3, 2, shared)
-    fast = _noisy(n, 30, 6, 0.3, 3, shared)
-    lo, hi = R.bootstrap_ratio(fast, torch_, local)
-    point = R._overhead_ratio(fast, torch_, local)
-    assert lo <= point <= hi
-    # the truth (0.6) is inside, and the interval is tight: pairing removed
-    # the shared round noise that dwarfs the 4 ms difference
-    assert lo < 0.6 < hi and hi - lo < 0.15, (lo, hi)
-    # without pairing (rounds shuffled for one wrapper) it is much wider
-    shuffled = list(np.random.default_rng(5).permutation(fast))
-    lo2, hi2 = R.bootstrap_ratio(shuffled, torch_, local)
-    assert hi2 - lo2 > 2 * (hi - lo), ((lo, hi), (lo2, hi2))
-    # deterministic (seeded) and refuses too few rounds
-    assert R.bootstrap_ratio(fast, torch_, local) == (lo, hi)
-    assert R.bootstrap_ratio(fast[:4], torch_[:4], local[:4]) is None
-
-
-def test_targets_verdict_from_the_interval():
-    n = 60
-    shared = list(np.random.default_rng(7).normal(0, 1.0, n))
-    local = _noisy(n, 30, 0, 0.2, 1, shared)
-    torch_ = _noisy(n, 30, 10, 0.2, 2, shared)
-    rows = [_row("small", "local", local), _row("small", "torch", torch_),
-            _row("small", "fastddp", _noisy(n, 30, 5, 0.2, 3, shared), baselines=("torch",)),
-            _row("small", "fastddp-batched", _noisy(n, 30, 8, 0.2, 4, shared), baselines=("torch",)),
-            _row("small", "fastddp-view", _noisy(n, 30, 12, 0.2, 6, shared), baselines=("torch",))]
-    checks = {c["wrapper"]: c for c in R.targets(R.derive(R.Section(None, rows)))}
-    assert checks["fastddp"]["verdict"] == "met"           # ~0.5, all of the interval <= 0.8
-    assert checks["fastddp-batched"]["verdict"] == "inconclusive"  # ~0.8: on the target
-    assert checks["fastddp-view"]["verdict"] == "missed"   # ~1.2
-    # a straddling interval is inconclusive
-    wide_shared = [0.0] * n
-    fast_wide = _noisy(n, 30, 8, 3.0, 8, wide_shared)
-    rows2 = [_row("small", "local", _noisy(n, 30, 0, 3.0, 9, wide_shared)),
-             _row("small", "torch", _noisy(n, 30, 10, 3.0, 10, wide_shared)),
-             _row("small", "fastddp", fast_wide, baselines=("torch",))]
-    c = R.targets(R.derive(R.Section(None, rows2)))[0]
-    lo, hi = c["ci"]
-    assert lo < 0.8 < hi and c["verdict"] == "inconclusive", c
-
-
-def test_cpu_overhead_and_ratio():
-    rows = [_row("m", "local", [10, 10, 10], cpu_ms=[8.0, 8.0, 9.0]),
-            _row("m", "torch", [20, 20, 20], cpu_ms=[12.0, 12.0, 13.0]),
-            _row("m", "fastddp", [15, 15, 15], baselines=("torch",), cpu_ms=[10.0, 11.0, 10.0])]
-    r = {x.wrapper: x for x in R.derive(R.Section(None, rows)).rows}
-    assert r["torch"].cpu_overhead_ms == pytest.approx(4.0)
-    assert r["fastddp"].cpu_overhead_ms == pytest.approx(2.0)
-    assert r["fastddp"].cpu_ratio == pytest.approx(0.5)
-    # no CPU samples (an old report): no CPU figures, the rest unchanged
-    r2 = {x.wrapper: x for x in _section().rows if x.model == "m"}
-    assert r2["fastddp"].cpu_overhead_ms is None and r2["fastddp"].ratio == pytest.approx(0.5)
-
-
-def test_format_table_rows_and_status():
-    text = R.format_table(_section())
-    lines = text.splitlines()
-    assert lines[0].split()[:3] == ["model", "wrapper", "median"]
-    body = lines[2:]
-    assert len(body) == 11
-    view = next(line for line in body if " fastddp-view " in line)
-    assert "unavailable: not built" in view
-    fast = next(line for line in body if line.startswith("m ") and " fastddp " in line)
-    assert "0.50" in fast  # the ratio column
-
-
-def test_verdict_lines_and_ratio_whiskers():
-    rows = [_row("small", "local", [10, 11, 10, 12, 10, 11]),
-            _row("small", "torch", [20, 21, 20, 22, 20, 21]),
-            _row("small", "fastddp", [15, 16, 15, 17, 15, 16], baselines=("torch",)),
-            _row("big", "local", [10, 10, 10]),
-            _row("big", "torch", [20, 20, 20]),
-            _row("big", "fastddp", [30, 30, 30], baselines=("torch",))]
-    s = R.derive(R.Section(None, rows))
-    lines = R.verdict_lines(s)
-    assert len(lines) == 2
-    assert lines[0].startswith("small fastddp vs torch: x0.50 [") and lines[0].endswith("target <= 0.8: met")
-    assert lines[1] == "big fastddp vs torch: x2.00, target <= 1.0: median missed, too few rounds for an interval"
-    assert "targets (90% interval):" in R.summary_text(R.Report({}, [s]))
-    fast = {(r.model, r.wrapper): r for r in s.rows}[("small", "fastddp")]
-    by = {(r.model, r.wrapper): r for r in s.rows}
-    (lo, hi), none = R._ratio_whiskers(s, [fast, by[("big", "fastddp")]])
-    base = by[("small", "torch")].overhead_ms
-    assert lo == pytest.approx(fast.overhead_ms - fast.ratio_ci[0] * base)
-    assert hi == pytest.approx(fast.ratio_ci[1] * base - fast.overhead_ms)
-    assert none is None  # 3 rounds: no interval, no whisker
+def test_slugify():
+    assert R.slugify("Intel(R) Xeon(R) Processor @ 2.80GHz") == "intel-xeon-processor-2-80ghz"
+    assert R.slugify("NVIDIA H200") == "nvidia-h200"
+    assert R.slugify("") == "unknown-device"
 
 
 def test_json_roundtrip_and_markdown():
@@ -192,17 +97,12 @@ def test_json_roundtrip_and_markdown():
     assert back.meta == rep.meta
     assert [(x.model, x.wrapper, x.status, x.step_ms) for x in back.sections[1].rows] == \
            [(x.model, x.wrapper, x.status, x.step_ms) for x in rep.sections[1].rows]
-    assert back.sections[0].rows[4].ratio == pytest.approx(0.5)
+    assert back.sections[0].rows[4].ratio == pytest.approx(0.75, abs=1e-3)
     md = R.to_markdown(rep, {"": ["x-step.png"]})
     assert "## Results" in md and "## Simulated interconnect: 1 GB/s" in md
     assert "![x-step.png](x-step.png)" in md and "unavailable: not built" in md
+    assert "| m | 10 | 1 | - | fixed number of rounds (--steps) |" in md
     assert "## Notes" not in md  # prose lives in reports/README.md
-
-
-def test_slugify():
-    assert R.slugify("Intel(R) Xeon(R) Processor @ 2.80GHz") == "intel-xeon-processor-2-80ghz"
-    assert R.slugify("NVIDIA H200") == "nvidia-h200"
-    assert R.slugify("") == "unknown-device"
 
 
 def test_write_report_files(tmp_path):
@@ -213,11 +113,17 @@ def test_write_report_files(tmp_path):
     assert paths["md"] == folder / "2026-01-02-unit-test.md" and paths["md"].exists()
     assert json.loads(paths["json"].read_text())["meta"]["label"] == "unit test"
     names = sorted(p.name for p in paths["charts"])
-    assert names == sorted(["2026-01-02-unit-test-bw1-step.png", "2026-01-02-unit-test-bw1-overhead.png",
-                            "2026-01-02-unit-test-bw10-step.png", "2026-01-02-unit-test-bw10-overhead.png",
+    assert names == sorted(["2026-01-02-unit-test-bw1-step.png", "2026-01-02-unit-test-bw1-ratio.png",
+                            "2026-01-02-unit-test-bw10-step.png", "2026-01-02-unit-test-bw10-ratio.png",
                             "2026-01-02-unit-test-bandwidth.png"])
     for p in paths["charts"]:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chart_colours_one_per_wrapper():
+    rows = [_row("m", f"w{i}", [1.0]) for i in range(14)]
+    colors = R._colors(rows)
+    assert len(set(colors.values())) == 14  # the legend tells every wrapper apart
 
 
 # -- wrappers ----------------------------------------------------------------------
@@ -227,7 +133,9 @@ def test_registry_covers_defaults():
     assert set(DEFAULT_WRAPPERS) <= set(reg)
     for name, spec in reg.items():
         if spec.family == "fastddp":
-            assert spec.baselines and all(reg[b].family == "torch" for b in spec.baselines)
+            # peers: torch's DDP and torch's FSDP2 replicate (the best of them sets the ratio)
+            assert spec.baselines and all(reg[b].family in ("torch", "replicate") for b in spec.baselines)
+            assert spec.baselines[0].startswith("torch")
 
 
 def test_comm_floor_one_all_reduce_per_backward_and_dtype(tmp_path, monkeypatch):
@@ -455,7 +363,7 @@ def test_check_summary_lines(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(R.to_json(rep))
     text = "\n".join(C.bench_lines(path))
-    assert "0.50" in text          # m / fastddp against torch
+    assert "0.750 <" in text       # m / fastddp against torch: 15 / 20 ms, faster
     assert "UNAVAILABLE" in text   # m / fastddp-view
     assert "not ok: m fastddp-view: unavailable: not built" in text
     assert C.main(["kernels", str(tmp_path / "nope.json")]) == 0
@@ -487,7 +395,7 @@ def test_tiny_run_writes_report(tiny_run):
     js = list(folder.glob("*-ci.json"))
     assert len(md) == 1 and len(js) == 1
     pngs = {p.name.split("-ci", 1)[1] for p in folder.glob("*.png")}
-    assert {"-step.png", "-overhead.png", f"-bw{SIM_GBPS:g}-step.png", f"-bw{SIM_GBPS:g}-overhead.png"} <= pngs
+    assert {"-step.png", "-ratio.png", f"-bw{SIM_GBPS:g}-step.png", f"-bw{SIM_GBPS:g}-ratio.png"} <= pngs
     text = md[0].read_text()
     assert "## Results" in text and f"## Simulated interconnect: {SIM_GBPS:g} GB/s" in text
     for w in DEFAULT_WRAPPERS:
@@ -500,7 +408,10 @@ def test_tiny_run_rows(tiny_run):
     assert rep.meta["world_size"] == 2 and rep.meta["backend"] == "gloo"
     assert rep.meta["torch"] == torch.__version__
     assert [s.bandwidth_gbps for s in rep.sections] == [None, SIM_GBPS]
+    assert rep.meta["mode"] == "fixed" and rep.meta["rounds"] == {"tiny": 2, f"tiny-bw{SIM_GBPS:g}": 2}
     for s in rep.sections:
+        assert s.runs["tiny"]["stopped"] == "fixed" and s.runs["tiny"]["rounds"] == 2
+        assert s.verdicts and {c.verdict for c in s.comparisons} == {"undecided"}  # 2 rounds: no interval
         assert [(r.model, r.wrapper) for r in s.rows] == [("tiny", w) for w in DEFAULT_WRAPPERS]
         rows = {r.wrapper: r for r in s.rows}
         measured = ["local", "comm-floor", "torch", "torch-batched", "torch-view", "torch-fp16"]
@@ -517,7 +428,7 @@ def test_tiny_run_rows(tiny_run):
         assert rows["local"].overhead_ms == 0 and rows["local"].wire_bytes == 0
         nparams = 4 * (16 * 16 + 16 + 16 + 16)
         assert rows["torch"].wire_bytes == 4 * nparams
-        assert rows["comm-floor"].wire_bytes == 4 * nparams and rows["comm-floor"].ratio_baseline == "torch"
+        assert rows["comm-floor"].wire_bytes == 4 * nparams
         assert rows["torch-fp16"].wire_bytes == 2 * nparams
         for w in DEFAULT_WRAPPERS:
             assert rows[w].ok or rows[w].status.startswith(("unavailable: ", "failed: ")), rows[w].status
@@ -552,3 +463,78 @@ def test_tiny_run_fastddp_trace_has_the_reducer_ranges(tiny_run):
         for rng in ("fastddp/forward", "fastddp/pack[0]", "fastddp/allreduce[0]", "fastddp/wait[0]",
                     "fastddp/unpack[0]", "fastddp/finalize"):
             assert rng in names, (wrapper, rng, sorted(n for n in names if n and n.startswith("fastddp")))
+
+
+# -- the adaptive main job, end to end -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def adaptive_run(tmp_path_factory):
+    """The default (adaptive) mode on the tiny model: a wide precision goal
+    that 20 rounds reach, a budget it never needs."""
+    from fastddp.bench.__main__ import main
+
+    out = tmp_path_factory.mktemp("adaptive")
+    rc = main(["--models", "tiny", "--wrappers", "local", "torch", "fastddp", "--half-width", "50",
+               "--budget", "120", "--out", str(out), "--label", "ad", "--no-progress", "--no-charts"])
+    return rc, R.from_json(next(out.glob("*/*-ad.json")).read_text())
+
+
+def test_adaptive_run_stops_at_the_precision_goal(adaptive_run):
+    rc, rep = adaptive_run
+    assert rc == 0
+    (s,) = rep.sections
+    info = s.runs["tiny"]
+    assert info["stopped"] == "precision" and info["rounds"] >= R.MIN_ROUNDS and info["budget_s"] == 120
+    assert info["round_s"] > 0 and info["profile_s"] >= 0 and info["elapsed_s"] < 120
+    assert rep.meta["mode"] == "adaptive" and rep.meta["half_width"] == "50%"
+    rows = {r.wrapper: r for r in s.rows}
+    assert {len(r.step_ms) for r in rows.values()} == {info["rounds"]}  # one merged sample per round
+    assert len(rows["fastddp"].cpu_ms) == info["rounds"]
+    (c,) = s.comparisons
+    assert (c.wrapper, c.peer, c.rounds) == ("fastddp", "torch", info["rounds"])
+    assert c.half_width <= 0.5 and c.verdict in ("faster", "slower", "equal", "undecided")
+
+
+def test_half_width_and_budget_options(capsys):
+    from fastddp.bench.__main__ import build_parser, main
+    from fastddp.bench.runner import BenchConfig
+
+    args = build_parser().parse_args(["--half-width", "2", "--budget", "30"])
+    assert (args.half_width, args.budget) == (2.0, 30.0)
+    cfg = BenchConfig(half_width=0.02, budget_s=30.0)
+    assert cfg.mode == "adaptive" and cfg.stop_rule() == R.StopRule(0.02, 30.0)
+    assert BenchConfig(steps=5).mode == "fixed" and BenchConfig(quick=True, steps=5).mode == "quick"
+    assert BenchConfig().stop_rule().budget_s == R.DEFAULT_BUDGET_S
+    for argv, word in ((["--half-width", "0"], "--half-width"), (["--half-width", "120"], "--half-width"),
+                       (["--budget", "-1"], "--budget")):
+        with pytest.raises(SystemExit) as e:
+            main(argv + ["--models", "tiny"])
+        assert e.value.code == 2 and word in capsys.readouterr().err
+
+
+def test_eta_is_the_budget_left_across_models():
+    from fastddp.bench.runner import _clock, eta_s
+
+    assert eta_s(250.0, 0.0, 0.0) == 250.0
+    assert eta_s(250.0, 0.0, 30.0) == 220.0
+    assert eta_s(250.0, 60.0, 120.0) == 70.0   # a model that stopped early left its time to the next
+    assert eta_s(250.0, 200.0, 60.0) == 0.0
+    assert (_clock(65), _clock(3725)) == ("1:05", "1:02:05")
+
+
+def test_progress_bar_counts_the_budget(capsys):
+    pytest.importorskip("tqdm")
+    from fastddp.bench.runner import BenchConfig, _Progress
+
+    cfg = BenchConfig(models=("small", "tiny"), budget_s=60.0)
+    bar = _Progress(True, cfg)
+    assert bar.bar.total == 120
+    bar.start("small")
+    bar.tick(30.0, 25, 0.041)
+    assert bar.bar.n == 30 and "at most 1:30 left" in bar.text and "±4.1% (goal ±3%)" in bar.text
+    assert str(bar.bar).endswith("| round 25, widest pair ±4.1% (goal ±3%), at most 1:30 left")
+    bar.end(40.0)                  # stopped early at 40 s: tiny may take 80 s
+    bar.start("tiny")
+    bar.tick(10.0, 0, None)
+    assert bar.bar.n == 50 and "at most 1:10 left" in bar.text and "warming up" in bar.text
+    bar.close()

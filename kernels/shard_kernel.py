@@ -1,0 +1,76 @@
+"""Fused shard sum: the reduce step of bf16 transport with fp32 accumulation.
+
+Two of the three layers (kernel -> launcher -> op): the private
+``@triton.jit`` :func:`_reduce_shards_kernel` and its launcher
+:func:`launch_reduce_shards`.  The op, :func:`fastddp.kernels.reduce_shards`,
+validates, chooses the backend and calls the launcher.  The arithmetic is
+:func:`fastddp.kernels.reference.reduce_shards`'s, bit for bit: the ``WORLD``
+slices widened to fp32, added in rank order, rounded once to bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _triton_common as C
+from ._counters import bump as _bump
+
+__all__ = ["launch_reduce_shards"]
+
+
+@triton.jit
+def _reduce_shards_kernel(
+    src_ptr,  # *Pointer* to int16 [WORLD * n]: the bf16 bits of every rank's slice, rank order
+    out_ptr,  # *Pointer* to int16 [n]: the bf16 bits of the sum (may be src's first slice)
+    flag_ptr,  # *Pointer* to the int32 health flag (unused without HAS_HEALTH)
+    n,  # elements per slice
+    WORLD: tl.constexpr,  # slices to add (the world size)
+    BLOCK: tl.constexpr,  # elements per program
+    HAS_HEALTH: tl.constexpr,  # OR Health.OVERFLOW into the flag where finite inputs sum to NaN/inf
+):
+    i_p = tl.program_id(0)
+    o = i_p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m = o < n  # [BLOCK]
+    m_in = m  # [BLOCK] every input finite
+    for k in tl.static_range(WORLD):
+        b_u = tl.load(src_ptr + k * n + o, mask=m, other=0).to(tl.uint16, bitcast=True)  # [BLOCK]
+        if HAS_HEALTH:
+            m_in = m_in & ((b_u & 0x7F80) != 0x7F80)
+        b_x = (b_u.to(tl.uint32) << 16).to(tl.float32, bitcast=True)  # widening bf16 -> fp32 is exact
+        if k == 0:
+            b_acc = b_x  # not 0 + x: the sum of one -0.0 is -0.0, as the reference's
+        else:
+            b_acc = b_acc + b_x
+    # one rounding to bf16, nearest even, on the integer bits (the
+    # interpreter's .to(tl.bfloat16) truncates)
+    b_w = b_acc.to(tl.uint32, bitcast=True)  # [BLOCK]
+    b_r = (b_w + ((b_w >> 16) & 1) + 0x7FFF) >> 16
+    m_nan = (b_w & 0x7FFFFFFF) > 0x7F800000
+    b_y = tl.where(m_nan, (b_w >> 16) | 0x40, b_r).to(tl.uint16)  # [BLOCK]
+    tl.store(out_ptr + o, b_y.to(tl.int16, bitcast=True), mask=m)
+    if HAS_HEALTH:
+        b_h = tl.where(m_in & ((b_y & 0x7F80) == 0x7F80), 2, 0)  # [BLOCK] Health.OVERFLOW
+        if tl.max(b_h, axis=0) != 0:
+            tl.atomic_or(flag_ptr, tl.max(b_h, axis=0))
+
+
+_INTERPRETED = C.is_interpreted(_reduce_shards_kernel)
+
+
+def launch_reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int,
+                         health: torch.Tensor | None) -> list[int]:
+    """One grid over ``out``.  Inputs were validated by the op layer, which
+    also holds the interpreter lock or the device guard."""
+    n = out.numel()
+    if n == 0:
+        return []
+    block = C.block_for(_INTERPRETED)
+    _reduce_shards_kernel[(triton.cdiv(n, block),)](
+        src.view(torch.int16), out.view(torch.int16), health if health is not None else out,
+        n, WORLD=world, BLOCK=block, HAS_HEALTH=health is not None,
+        num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
+    )
+    _bump("launches")
+    return []

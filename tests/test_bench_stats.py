@@ -1,0 +1,380 @@
+"""The main job's statistics on synthetic step times with known answers.
+
+Pure functions of bench/report.py, no processes: paired comparison by round,
+its bootstrap intervals, the verdicts, the stop rule, the slowest-rank merge,
+and the text built from them.  Each scenario is built so that a wrong
+statistic gives a wrong verdict and fails here."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+from fastddp.bench import report as R
+
+
+# -- synthetic rounds ------------------------------------------------------------
+
+def rounds(n, bases, *, seed=0, shared_sd=0.15, own_sd=0.01, spikes=0.0, spike_alpha=1.2):
+    """Step times of several wrappers over ``n`` rounds: ``bases[w]`` ms times
+    the round's shared slowdown (the machine: lognormal, ``shared_sd``, the
+    same for every wrapper in the round) times the step's own noise
+    (lognormal ``own_sd``); with ``spikes`` > 0 that fraction of steps is
+    also hit by a heavy-tailed disturbance (x (1 + Pareto(alpha)), mean
+    infinite for alpha <= 1, huge variance for alpha < 2)."""
+    rng = np.random.default_rng(seed)
+    shared = np.exp(rng.normal(0, shared_sd, n))
+    out = {}
+    for w, base in bases.items():
+        own = np.exp(rng.normal(0, own_sd, n))
+        hit = rng.random(n) < spikes
+        spike = np.where(hit, 1.0 + rng.pareto(spike_alpha, n), 1.0)
+        out[w] = list(base * shared * own * spike)
+    return out
+
+
+def row(model, wrapper, steps, family=None, baselines=(), status="ok", **kw):
+    family = family or ("local" if wrapper == "local" else wrapper.split("-")[0])
+    return R.Row(model, wrapper, status=status, family=family, baselines=list(baselines),
+                 step_ms=list(steps), exposed_ms=[0.5] * len(steps), **kw)
+
+
+# -- building blocks ---------------------------------------------------------------
+
+def test_trimmed_mean():
+    assert R.trimmed_mean([1, 2, 3, 4, 5, 6, 7, 8, 9, 1000]) == pytest.approx(5.5)  # 2 cut each side
+    assert R.trimmed_mean([3.0]) == 3.0 and R.trimmed_mean([1.0, 5.0]) == 3.0
+    with pytest.raises(ValueError):
+        R.trimmed_mean([])
+
+
+@pytest.mark.parametrize("n", [5, 7, 20, 63, 300])
+def test_resampler_trimmed_means_equal_the_direct_computation(n):
+    """The count-weighted trick gives, per resample, exactly the trimmed mean
+    of the resampled rounds (drawn from the same generator)."""
+    import torch
+
+    x = list(np.random.default_rng(n).standard_cauchy(n))
+    rs = R.Resampler(n, resamples=200, seed=3)
+    fast = rs.trimmed_means(x)
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, n, (200, n), generator=gen)
+    direct = [R.trimmed_mean([x[i] for i in row_]) for row_ in idx.tolist()]
+    assert fast.tolist() == pytest.approx(direct, rel=1e-9, abs=1e-9)
+    with pytest.raises(ValueError, match="over 5 rounds got 4"):
+        R.Resampler(5).trimmed_means([1.0] * 4)
+
+
+@pytest.mark.parametrize("ci, verdict", [
+    ((0.98, 1.02), "equal"), ((0.975, 0.995), "equal"),          # inside ±3%: equal even if below 1
+    ((0.90, 0.96), "faster"), ((0.96, 0.99), "faster"),           # not inside the band, all below 1
+    ((1.01, 1.05), "slower"), ((0.96, 1.02), "undecided"), ((0.5, 2.0), "undecided"),
+    (None, "undecided"),
+])
+def test_decide(ci, verdict):
+    assert R.decide(ci, 0.03) == verdict
+
+
+def test_merge_ranks_takes_the_slowest_rank_and_the_mean_cpu():
+    merged = R.merge_ranks([[(10.0, 1.0, 4.0), (20.0, -1.0, 8.0)],
+                            [(12.0, 0.5, 6.0), (19.0, -1.0, 6.0)]])
+    assert merged == [(12.0, 1.0, 5.0), (20.0, -1.0, 7.0)]
+    with pytest.raises(ValueError, match="different numbers of wrappers"):
+        R.merge_ranks([[(1.0, 0.0, 0.0)], []])
+
+
+# -- verdicts with known answers ----------------------------------------------------
+
+N = 200
+
+
+def _cmp(data, a="fastddp", b="torch", **kw):
+    return R.compare(data[a], data[b], data.get("local"), **kw)
+
+
+def test_equal_wrappers_are_equal():
+    data = rounds(N, {"local": 60.0, "fastddp": 100.0, "torch": 100.0}, seed=1)
+    c = _cmp(data)
+    assert c.verdict == "equal", c
+    lo, hi = c.ratio_ci
+    assert lo < 1.0 < hi and c.half_width < 0.03
+    assert c.diff_ci[0] < 0 < c.diff_ci[1]
+    # the overhead ratio: both 40 ms over local
+    assert c.overhead_ratio == pytest.approx(1.0, abs=0.03)
+
+
+def test_five_percent_faster_is_faster_with_the_truth_inside():
+    data = rounds(N, {"local": 60.0, "fastddp": 95.0, "torch": 100.0}, seed=2)
+    c = _cmp(data)
+    assert c.verdict == "faster", c
+    assert c.ratio_ci[0] < 0.95 < c.ratio_ci[1] and c.ratio == pytest.approx(0.95, abs=0.01)
+    assert c.diff_ci[1] < 0 and -6.0 < c.diff_ms < -4.0
+    assert c.overhead_ratio == pytest.approx(35 / 40, abs=0.05)
+    # and the other way round
+    back = R.compare(data["torch"], data["fastddp"])
+    assert back.verdict == "slower" and back.ratio == pytest.approx(1 / 0.95, abs=0.012)
+
+
+def test_pairing_removes_the_shared_round_noise():
+    """The machine's noise (±30% per round) dwarfs a 5% difference; paired
+    by round it cancels.  The same samples with the rounds of one wrapper
+    shuffled (pairing broken) decide nothing."""
+    data = rounds(120, {"fastddp": 95.0, "torch": 100.0}, seed=4, shared_sd=0.3)
+    assert _cmp(data).verdict == "faster"
+    shuffled = list(np.random.default_rng(0).permutation(data["fastddp"]))
+    broken = R.compare(shuffled, data["torch"])
+    assert broken.verdict == "undecided" and broken.half_width > 0.05, broken
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_heavy_tailed_noise_does_not_fool_the_verdict(seed):
+    """10% of steps hit by Pareto(1.2) disturbances (a step 2x, 10x, 100x
+    slower now and then, independently per wrapper): the trimmed statistic
+    still finds 5% faster and still finds equal; the plain mean ratio is off."""
+    fast = rounds(N, {"fastddp": 95.0, "torch": 100.0}, seed=seed, spikes=0.10)
+    c = _cmp(fast)
+    assert c.verdict == "faster" and c.ratio_ci[0] < 0.95 < c.ratio_ci[1], c
+    same = rounds(N, {"fastddp": 100.0, "torch": 100.0}, seed=seed + 100, spikes=0.10)
+    e = _cmp(same)
+    assert e.verdict in ("equal", "undecided") and e.ratio_ci[0] < 1.0 < e.ratio_ci[1], e
+    naive = [float(np.mean(d["fastddp"]) / np.mean(d["torch"])) for d in (fast, same)]
+    assert abs(naive[0] - 0.95) > 0.03 or abs(naive[1] - 1.0) > 0.03, naive  # the scenario is hard
+
+
+def test_a_slow_rank_decides_the_round():
+    """Rank 0 sees fastddp 5% faster; rank 1 is 10% slower than torch in
+    fastddp's steps.  A round is as slow as its slowest rank: slower."""
+    base = rounds(N, {"f0": 95.0, "t0": 100.0, "f1": 110.0, "t1": 100.0}, seed=8)
+    per_round = []
+    for i in range(N):
+        per_rank = [[(base["f0"][i], -1.0, 1.0), (base["t0"][i], -1.0, 1.0)],
+                    [(base["f1"][i], -1.0, 1.0), (base["t1"][i], -1.0, 1.0)]]
+        per_round.append(R.merge_ranks(per_rank))
+    fastddp = [r[0][0] for r in per_round]
+    torch_ = [r[1][0] for r in per_round]
+    c = R.compare(fastddp, torch_)
+    assert c.verdict == "slower" and c.ratio == pytest.approx(1.10, abs=0.02), c
+    assert R.compare(base["f0"], base["t0"]).verdict == "faster"  # rank 0 alone would say the opposite
+
+
+def test_too_few_rounds_decide_nothing():
+    data = rounds(4, {"fastddp": 50.0, "torch": 100.0}, seed=9)
+    c = _cmp(data)
+    assert c.ratio == pytest.approx(0.5, abs=0.02) and c.ratio_ci is None and c.verdict == "undecided"
+
+
+def test_compare_rejects_bad_samples():
+    with pytest.raises(ValueError, match="no rounds"):
+        R.compare([], [1.0])
+    with pytest.raises(ValueError, match="> 0 ms"):
+        R.compare([1.0, 0.0], [1.0, 1.0])
+
+
+# -- overhead ratio: only where it means something -----------------------------------------
+
+def test_overhead_ratio_needs_a_clearly_positive_peer_overhead():
+    # torch adds nothing measurable over local: no overhead ratio, however the point falls
+    data = rounds(N, {"local": 100.0, "torch": 100.0, "fastddp": 102.0}, seed=10, own_sd=0.02)
+    c = _cmp(data)
+    assert c.overhead_ratio is None and c.overhead_ratio_ci is None
+    # fastddp faster than local (noise) against a clear torch overhead: clipped at 0, never negative
+    data = rounds(N, {"local": 100.0, "torch": 110.0, "fastddp": 99.5}, seed=11)
+    c = _cmp(data)
+    assert c.overhead_ratio == 0.0 and c.overhead_ratio_ci[0] >= 0.0, c
+
+
+def test_derive_overheads_and_the_best_peer():
+    data = rounds(60, {"local": 50.0, "torch": 80.0, "replicate": 70.0, "fastddp": 72.0}, seed=12)
+    rows = [row("m", "local", data["local"]), row("m", "torch", data["torch"]),
+            row("m", "replicate", data["replicate"], family="replicate"),
+            row("m", "fastddp", data["fastddp"], baselines=("torch", "replicate"))]
+    s = R.derive(R.Section(None, rows))
+    by = {r.wrapper: r for r in s.rows}
+    assert by["local"].overhead_ms == 0.0
+    assert by["torch"].overhead_ms == pytest.approx(30.0, rel=0.05)
+    lo, hi = by["torch"].overhead_ci
+    assert lo < by["torch"].overhead_ms < hi
+    # both peers compared; the best (fastest) peer first, and it is the row's headline
+    assert [(c.peer, c.best) for c in s.comparisons] == [("replicate", True), ("torch", False)]
+    assert by["fastddp"].ratio_baseline == "replicate"
+    assert by["fastddp"].ratio == pytest.approx(72 / 70, abs=0.01)
+    assert {c.peer: c.verdict for c in s.comparisons}["torch"] == "faster"
+    cells = R.comparison_table(s)
+    assert [c[2] for c in cells] == ["*replicate", "torch"]  # * marks the best of several peers
+
+
+def test_pairs_skip_missing_and_failed_peers():
+    rows = [row("m", "torch", [10.0] * 6), row("m", "torch-view", [], status="failed: boom"),
+            row("m", "fastddp", [9.0] * 6, baselines=("torch", "replicate")),
+            row("m", "fastddp-view", [9.0] * 6, baselines=("torch-view",)),
+            row("m", "comm-floor", [8.0] * 6, family="floor", baselines=("torch",))]
+    assert [(a.wrapper, b.wrapper) for a, b in R.pairs(rows)] == [("fastddp", "torch")]
+
+
+# -- the stop rule ------------------------------------------------------------------------
+
+def _feed(data, rule, round_s=1.0):
+    """Rounds one by one into rows, as the runner does; returns (reason,
+    rounds, elapsed, rows)."""
+    rows = [row("m", "local", []), row("m", "torch", []), row("m", "fastddp", [], baselines=("torch",))]
+    stopper = R.Stopper(rule)
+    n = len(data["torch"])
+    for i in range(n):
+        for r in rows:
+            r.step_ms.append(data[r.wrapper][i])
+        elapsed = (i + 1) * round_s
+        reason = stopper.update(rows, i + 1, elapsed, round_s)
+        if reason:
+            return reason, i + 1, elapsed, rows
+    return None, n, n * round_s, rows
+
+
+def test_stop_rule_precision_then_the_report_agrees():
+    data = rounds(2000, {"local": 60.0, "torch": 100.0, "fastddp": 97.0}, seed=13, shared_sd=0.1, own_sd=0.03)
+    reason, n, _, rows = _feed(data, R.StopRule(half_width=0.01, budget_s=10_000))
+    assert reason == "precision" and R.MIN_ROUNDS <= n < 2000
+    s = R.derive(R.Section(None, rows, half_width=0.01))
+    (c,) = s.comparisons
+    assert c.half_width <= 0.01 and c.rounds == n  # the report's interval is the one the rule saw
+    assert c.verdict == "faster" and c.ratio_ci[0] < 0.97 < c.ratio_ci[1]
+
+
+def test_stop_rule_waits_for_min_rounds():
+    exact = {"local": [50.0] * 100, "torch": [100.0] * 100, "fastddp": [90.0] * 100}
+    reason, n, _, _ = _feed(exact, R.StopRule())
+    assert (reason, n) == ("precision", R.MIN_ROUNDS)
+
+
+def test_stop_rule_budget_when_noise_wins():
+    data = rounds(500, {"local": 60.0, "torch": 100.0, "fastddp": 100.0}, seed=14, own_sd=0.5)
+    reason, n, elapsed, rows = _feed(data, R.StopRule(half_width=0.01, budget_s=60.0), round_s=1.0)
+    # the next round plus the post-round work (POST_ROUNDS rounds) no longer fit 60 s
+    assert reason == "budget" and elapsed + 1.0 * (1 + R.POST_ROUNDS) > 60.0 >= elapsed - 1.0 + 1.0 * (1 + R.POST_ROUNDS)
+    s = R.derive(R.Section(None, rows, half_width=0.01))
+    assert s.comparisons[0].half_width > 0.01
+
+
+def test_stop_rule_runs_a_few_rounds_even_over_budget():
+    data = rounds(10, {"local": 1.0, "torch": 2.0, "fastddp": 2.0}, seed=15)
+    reason, n, _, _ = _feed(data, R.StopRule(budget_s=1.0), round_s=5.0)
+    assert (reason, n) == ("budget", R.MIN_TIMED_ROUNDS)
+
+
+def test_unused_budget_goes_to_the_next_models():
+    rule = R.StopRule(budget_s=100.0)
+    assert rule.model_budget(0, 0.0) == 100.0
+    assert rule.model_budget(1, 40.0) == 160.0      # the first stopped at 40 s
+    assert rule.model_budget(3, 40.0 + 160.0 + 90.0) == 110.0
+    assert rule.model_budget(1, 130.0) == 70.0      # an overrun is paid back
+    # the Stopper applies the model's budget, not the rule's
+    data = rounds(400, {"local": 60.0, "torch": 100.0, "fastddp": 100.0}, seed=17, own_sd=0.5)
+    rows = [row("m", w, data[w][:50], baselines=("torch",) if w == "fastddp" else ()) for w in data]
+    stop = R.Stopper(rule, budget_s=160.0)
+    assert stop.update(rows, 50, 150.0, 1.0) is None and stop.update(rows, 51, 157.5, 1.0) == "budget"
+
+
+def test_stop_rule_without_pairs_runs_to_the_budget():
+    rule = R.StopRule(budget_s=30.0)
+    rows = [row("m", "local", [1.0] * 40), row("m", "torch", [2.0] * 40)]
+    assert rule.widest(rows) is None
+    assert R.Stopper(rule).update(rows, 40, 10.0, 1.0) is None
+    assert R.Stopper(rule).update(rows, 40, 28.0, 1.0) == "budget"
+
+
+@pytest.mark.parametrize("kw, msg", [({"half_width": 0.0}, "half-width"), ({"half_width": 1.5}, "half-width"),
+                                     ({"budget_s": 0}, "budget"), ({"min_rounds": 2}, "min_rounds")])
+def test_stop_rule_rejects_bad_settings(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        R.StopRule(**kw)
+
+
+# -- what the user reads ----------------------------------------------------------------
+
+def _wide_section(verdicts=True):
+    """A worst case for the terminal: long names, second-long steps, several
+    peers, a failed row with a long reason, a long note."""
+    data = rounds(40, {"local": 900.0, "torch-batched": 1500.0, "replicate-bf16": 1400.0,
+                       "fastddp-batched": 1450.0, "fastddp-compile": 1499.0}, seed=16)
+    rows = [row("transformer", "local", data["local"], note="no DDP"),
+            row("transformer", "torch-batched", data["torch-batched"],
+                note="stand-in: torch 2.11 has no batched_grad_copy; DDP + builtin ALLREDUCE hook (divides by W)"),
+            row("transformer", "replicate-bf16", data["replicate-bf16"], family="replicate"),
+            row("transformer", "fastddp-batched", data["fastddp-batched"],
+                baselines=("torch-batched", "replicate-bf16"), ops_per_step=123456, wire_bytes=10 ** 9,
+                resident_bytes=5 * 2 ** 30, step_peak_bytes=2 ** 30),
+            row("transformer", "fastddp-compile", data["fastddp-compile"], baselines=("torch-batched",)),
+            row("transformer", "fastddp-view", [], baselines=("torch-view",),
+                status="failed: RuntimeError: " + "a very long reason " * 10)]
+    for r in rows:
+        r.cpu_ms = [x / 2 for x in r.step_ms]
+    s = R.Section(None, rows, verdicts=verdicts,
+                  runs={"transformer": {"rounds": 40, "stopped": "budget", "elapsed_s": 140.2, "budget_s": 140.0}})
+    return R.derive(s)
+
+
+def test_terminal_fits_100_columns():
+    rep = R.Report({"model_descriptions": {"transformer": "6 x TransformerEncoderLayer(d=256, h=4, ff=1024) + "
+                                                          "Linear, batch 4 x 32 tokens, and then some more"}},
+                   [_wide_section()])
+    text = R.summary_text(rep)
+    too_wide = [line for line in text.splitlines() if len(line) > R.TERMINAL_WIDTH]
+    assert not too_wide, "\n".join(too_wide)
+    assert "time budget of 140 s spent" in text and "failed: RuntimeError" in text
+
+
+def test_terminal_and_markdown_list_the_same_comparisons():
+    s = _wide_section()
+    text = R.format_table(s)
+    md = R.to_markdown(R.Report({}, [s]))
+    term = re.findall(r"^  (fastddp-\S+)\s+(\*?\S+)\s+(\d\.\d{3})", text, re.M)
+    mark = re.findall(r"^\| transformer \| (fastddp-\S+) \| (\*?\S+) \| (\d\.\d{3}) \|", md, re.M)
+    cells = [tuple(c[1:4]) for c in R.comparison_table(s)]
+    assert term == mark == cells and len(cells) == 3
+    verdicts = [c[-1] for c in R.comparison_table(s)]
+    assert all(v in ("faster", "slower", "equal ±3%", "undecided") for v in verdicts)
+    for v in verdicts:
+        assert v in text and v in md
+
+
+def test_quick_gives_no_verdicts():
+    s = _wide_section(verdicts=False)
+    assert all(c.verdict is None for c in s.comparisons)
+    text = R.summary_text(R.Report({}, [s]))
+    assert "no verdicts" in text
+    for word in ("faster", "slower", "equal ±", "undecided"):
+        assert word not in text
+    md = R.to_markdown(R.Report({}, [s]))
+    assert "Smoke run" in md and "undecided" not in md
+
+
+def test_clip_span_prints_the_true_value():
+    assert R.clip_span(2.0, 5.0, 0.0, 10.0) == (2.0, 5.0, [])
+    lo, hi, labels = R.clip_span(2.0, 25.0, 0.0, 10.0)
+    assert (lo, hi) == (2.0, 10.0) and labels == [(10.0, "25.00 >")]
+    lo, hi, labels = R.clip_span(0.3, 1.9, 0.8, 1.2, fmt=lambda v: f"{v:.2f}")
+    assert (lo, hi) == (0.8, 1.2) and sorted(labels) == [(0.8, "< 0.30"), (1.2, "1.90 >")]
+    with pytest.raises(ValueError):
+        R.clip_span(0, 1, 1, 1)
+
+
+def test_json_roundtrip_keeps_the_decision():
+    s = _wide_section()
+    back = R.from_json(R.to_json(R.Report({"label": "t"}, [s]))).sections[0]
+    assert back.runs == s.runs and back.half_width == s.half_width and back.verdicts
+    assert [(c.wrapper, c.peer, c.verdict, c.ratio_ci) for c in back.comparisons] == \
+           [(c.wrapper, c.peer, c.verdict, c.ratio_ci) for c in s.comparisons]
+    assert not math.isnan(back.comparisons[0].ratio)
+
+
+def test_ratio_axis_shows_every_point_and_cuts_only_wide_intervals():
+    c = [R.Comparison("m", "a", "b", 20, 0.95, (0.93, 0.97), -1.0, None),
+         R.Comparison("m", "c", "b", 20, 1.10, (0.40, 2.50), 1.0, None)]
+    lo, hi = R._ratio_axis(c, 0.03)
+    assert lo < 2 / 3 and hi > 1.5 and lo > 0.55 and hi < 1.6   # the wide interval cut near 0.67 / 1.5
+    assert lo < 0.93 and hi > 1.10
+    far = [R.Comparison("m", "a", "b", 20, 3.0, None, 1.0, None)]
+    lo, hi = R._ratio_axis(far, 0.03)
+    assert lo < 0.94 and hi > 3.0   # a point is always on the axis

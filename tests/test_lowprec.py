@@ -1,0 +1,412 @@
+"""bf16 transport with fp32 accumulation (``fastddp.hooks.bf16_fp32acc_hook``)
+on gloo ranks: the fused path against a numpy oracle of its rule, against
+the same hook on torch's DDP, and against an fp64 exact average; error
+feedback, no_sync, join, static_graph, bucket views, check_finite and the
+bytes it reports.
+
+The rule (the oracle below recomputes it with numpy, independently of the
+package): ``x_k = bf16(fp32(g_k) * fp32(1/W))`` on rank k (nearest even);
+``sum = ((x_0 + x_1) + x_2) + ...`` in fp32, rank order; result
+``bf16(sum)``, then widened back to the fp32 ``.grad``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import STAND_IN, _world_fixture, torch_reference, world2, world3  # noqa: F401
+from tests._models import loss_fn, make_batch, make_model
+
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.skipif(STAND_IN, reason="fastddp's fused low-precision paths")]
+
+world4 = _world_fixture(4)
+
+
+# ------------------------------------------------------------------ oracle
+def bf16_rne(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 (nearest even) -> fp32, on the bits (finite inputs)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + ((u >> 16) & 1) + 0x7FFF) >> 16) << 16
+    return r.astype(np.uint32).view(np.float32)
+
+
+def oracle(local_grads: list[np.ndarray], world: int) -> np.ndarray:
+    """The averaged gradient under bf16_fp32acc's rule, from every rank's fp32 grad."""
+    inv = np.float32(1.0 / world)
+    parts = [bf16_rne(g.astype(np.float32) * inv) for g in local_grads]
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        acc = (acc + p).astype(np.float32)
+    return bf16_rne(acc)
+
+
+def _gather(t: torch.Tensor, world: int) -> list[np.ndarray]:
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous())
+    return [o.numpy() for o in out]
+
+
+def _fused(model, state=None, **opts):
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as F
+
+    m = F(model, **opts)
+    m.register_comm_hook(state, fh.bf16_fp32acc_hook)
+    return m
+
+
+# ----------------------------------------------------------- oracle parity
+def _oracle_parity(rank, world, model_name, opts, steps=3):
+    """Every grad of every step equals the numpy oracle bit for bit, and
+    stays within the rule's error bound of the exact (fp64) average."""
+    local = make_model(model_name)
+    m = _fused(copy.deepcopy(local), **opts)
+    assert m.reducer.fused_path == ("fp32acc", torch.bfloat16)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    bad, worst = [], 0.0
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        local.zero_grad(set_to_none=True)
+        x, y = make_batch(model_name, rank, step)
+        loss_fn(m(x), y).backward()
+        loss_fn(local(x), y).backward()
+        for i, (pl, pm) in enumerate(zip(local.parameters(), m.parameters())):
+            gs = _gather(pl.grad.detach(), world)
+            want = oracle(gs, world)
+            got = pm.grad.detach().numpy()
+            if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+                bad.append((step, i, int((got != want).sum())))
+            exact = np.mean(np.stack([g.astype(np.float64) for g in gs]), axis=0)
+            # each input rounded once to bf16 (2^-9 relative), the fp32 sum of
+            # W terms, one final rounding: |err| <= 2^-8 (sum |x_k|) + 2^-8 |exact|
+            bound = 2.0 ** -8 * (np.sum(np.stack([np.abs(g.astype(np.float64)) / world for g in gs]), 0)
+                                 + np.abs(exact)) * (1 + 1e-3) + 1e-30
+            excess = np.abs(got.astype(np.float64) - exact) / bound
+            worst = max(worst, float(excess.max()))
+        opt.step()
+        local.load_state_dict(m.module.state_dict())  # the local copy follows the wrapped one
+    return bad, worst
+
+
+OPTS = [{}, {"gradient_as_bucket_view": True}, {"bucket_cap_mb": 0.0005}, {"static_graph": True}]
+OPT_IDS = ["default", "view", "tiny", "static"]
+
+
+@pytest.mark.parametrize("opts", OPTS, ids=OPT_IDS)
+def test_matches_oracle_w2(world2, opts):
+    for bad, worst in world2.run(_oracle_parity, "mlp", opts):
+        assert bad == [] and worst <= 1.0, (bad, worst)
+
+
+@pytest.mark.parametrize("opts", OPTS[:3], ids=OPT_IDS[:3])
+def test_matches_oracle_w3(world3, opts):
+    for bad, worst in world3.run(_oracle_parity, "mlp", opts):
+        assert bad == [] and worst <= 1.0, (bad, worst)
+
+
+@pytest.mark.parametrize("opts", [{}, {"bucket_cap_mb": 0.0005}], ids=["default", "tiny"])
+def test_matches_oracle_w4(world4, opts):
+    for bad, worst in world4.run(_oracle_parity, "deep", opts):
+        assert bad == [] and worst <= 1.0, (bad, worst)
+
+
+# ------------------------------------------------- the hook on torch's DDP
+def _fused_vs_torch_ddp(rank, world, opts, steps=3):
+    """The plain hook on torch's DDP and the fused path: the same bits."""
+    import fastddp.hooks as fh
+
+    base = make_model("mlp")
+    a = torch_reference(copy.deepcopy(base), hook=True, **opts)
+    a.register_comm_hook(None, fh.bf16_fp32acc_hook)
+    b = _fused(copy.deepcopy(base), **opts)
+    oa = torch.optim.SGD(a.parameters(), lr=0.05)
+    ob = torch.optim.SGD(b.parameters(), lr=0.05)
+    bad = []
+    for step in range(steps):
+        x, y = make_batch("mlp", rank, step)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad(set_to_none=True)
+            loss_fn(m(x), y).backward()
+        for i, (pa, pb) in enumerate(zip(a.parameters(), b.parameters())):
+            if not torch.equal(pa.grad, pb.grad):
+                bad.append((step, i))
+        oa.step()
+        ob.step()
+    return bad
+
+
+@pytest.mark.parametrize("opts", [{}, {"gradient_as_bucket_view": True}], ids=["default", "view"])
+def test_fused_equals_hook_on_torch_ddp(world3, opts):
+    assert world3.run(_fused_vs_torch_ddp, opts) == [[]] * 3
+
+
+def _fused_vs_callback(rank, world):
+    """On another (equal) group the hook runs as a plain callback: same bits."""
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as F
+
+    base = make_model("mlp")
+    a = _fused(copy.deepcopy(base))
+    b = F(copy.deepcopy(base))
+    b.register_comm_hook(fh.CompressionState(process_group=dist.new_group(list(range(world)))),
+                         fh.bf16_fp32acc_hook)
+    assert b.reducer.fused_path is None and a.reducer.fused_path is not None
+    x, y = make_batch("mlp", rank, 0)
+    for m in (a, b):
+        loss_fn(m(x), y).backward()
+    return [torch.equal(pa.grad, pb.grad) for pa, pb in zip(a.parameters(), b.parameters())]
+
+
+def test_fused_equals_plain_callback(world2):
+    for r in world2.run(_fused_vs_callback):
+        assert all(r), r
+
+
+# ----------------------------------------------------------- error feedback
+def _error_feedback(rank, world, opts):
+    """The residual after each step is exactly x - bf16(x), x = g/W + r_prev
+    (per parameter, across the rebuild after step 0), and the grads are the
+    oracle's of the x's."""
+    import fastddp.hooks as fh
+
+    local = make_model("mlp")
+    m = _fused(copy.deepcopy(local), fh.CompressionState(error_feedback=True), **opts)
+    lp, mp_ = list(local.parameters()), list(m.parameters())
+    r = [torch.zeros_like(p) for p in lp]
+    ok = []
+    for step in range(3):
+        for p in lp + mp_:
+            p.grad = None
+        x, y = make_batch("mlp", rank, step)
+        loss_fn(m(x), y).backward()
+        loss_fn(local(x), y).backward()
+        for i, (pl, pm) in enumerate(zip(lp, mp_)):
+            xval = pl.grad * (1.0 / world) + r[i]
+            r[i] = xval - xval.to(torch.bfloat16).float()
+            ok.append(torch.equal(m.reducer.error_feedback_residual(i), r[i]))
+            # x is bf16-exact after the cast, so the oracle of x*W... take the wire values directly
+            wires = _gather(xval.to(torch.bfloat16).float(), world)
+            acc = wires[0].copy()
+            for w in wires[1:]:
+                acc = (acc + w).astype(np.float32)
+            ok.append(np.array_equal(pm.grad.numpy().view(np.uint32), bf16_rne(acc).view(np.uint32)))
+    return ok
+
+
+@pytest.mark.parametrize("opts", [{}, {"gradient_as_bucket_view": True}], ids=["default", "view"])
+def test_error_feedback_is_exactly_the_recurrence(world2, opts):
+    for r in world2.run(_error_feedback, opts):
+        assert all(r), r
+
+
+# ------------------------------------------------- no_sync, join, bytes, stats
+def _no_sync_and_bytes(rank, world):
+    """no_sync accumulates locally; the synced step reduces the sum by the
+    rule; stats() counts the padded bf16 wire of every bucket."""
+    local = make_model("mlp")
+    m = _fused(copy.deepcopy(local), bucket_cap_mb=0.0005)
+    with m.no_sync():
+        x, y = make_batch("mlp", rank, 0)
+        loss_fn(m(x), y).backward()
+    before = m.stats()["bytes_on_wire"]
+    x2, y2 = make_batch("mlp", rank, 1)
+    loss_fn(m(x2), y2).backward()
+    loss_fn(local(x), y).backward()
+    loss_fn(local(x2), y2).backward()
+    ok = [np.array_equal(pm.grad.numpy().view(np.uint32),
+                         oracle(_gather(pl.grad, world), world).view(np.uint32))
+          for pl, pm in zip(local.parameters(), m.parameters())]
+    mid = m.stats()["bytes_on_wire"]
+    x3, y3 = make_batch("mlp", rank, 2)
+    loss_fn(m(x3), y3).backward()  # after the rebuild: several tiny buckets
+    per_step = m.stats()["bytes_on_wire"] - mid
+    numels = [b["numel"] for b in m.stats()["buckets"]]
+    want = sum(-(-n // world) * world * 2 for n in numels)
+    return ok, before, per_step, want, len(numels)
+
+
+def test_no_sync_and_bytes_on_the_wire(world3):
+    for ok, before, per_step, want, nb in world3.run(_no_sync_and_bytes):
+        assert all(ok) and before == 0 and nb > 1
+        assert per_step == want, (per_step, want)
+
+
+def _join(rank, world):
+    """Rank 1 runs out of data one step early; rank 0's last step reduces with
+    rank 1's zeros (divided by the initial world size)."""
+    local = make_model("mlp")
+    m = _fused(copy.deepcopy(local))
+    steps = 3 if rank == 0 else 2
+    with m.join():
+        for step in range(steps):
+            m.zero_grad(set_to_none=True)
+            x, y = make_batch("mlp", rank, step)
+            loss_fn(m(x), y).backward()
+    if rank != 0:
+        return True
+    local.zero_grad(set_to_none=True)
+    loss_fn(local(x), y).backward()
+    return all(np.array_equal(pm.grad.numpy().view(np.uint32),
+                              oracle([pl.grad.numpy(), np.zeros(pl.shape, np.float32)], 2).view(np.uint32))
+               for pl, pm in zip(local.parameters(), m.parameters()))
+
+
+def test_join(world2):
+    assert world2.run(_join) == [True, True]
+
+
+# ------------------------------------------------------------ check_finite
+def _check_finite(rank, world):
+    """A NaN gradient on rank 1 raises on both ranks before .grad changes;
+    the residual that step wrote is not carried into the next step."""
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as F
+
+    local = make_model("mlp")
+    m = F(copy.deepcopy(local), check_finite="raise")
+    m.register_comm_hook(fh.CompressionState(error_feedback=True), fh.bf16_fp32acc_hook)
+    out = {}
+    x, y = make_batch("mlp", rank, 0)
+    loss_fn(m(x), y).backward()  # step 0: residuals now hold real errors
+    x, y = make_batch("mlp", rank, 1)
+    m.zero_grad(set_to_none=True)
+    try:
+        loss = loss_fn(m(x), y) * (float("nan") if rank == 1 else 1.0)
+        loss.backward()
+        out["raised"] = None
+    except FloatingPointError as e:
+        out["raised"] = str(e)
+    # next step: the residual must be x - bf16(x) of x = g/W alone (the
+    # abandoned step's residual was dropped)
+    m.zero_grad(set_to_none=True)
+    x, y = make_batch("mlp", rank, 2)
+    loss_fn(m(x), y).backward()
+    local.load_state_dict(m.module.state_dict())
+    local.zero_grad(set_to_none=True)
+    loss_fn(local(x), y).backward()
+    res_ok = []
+    for i, pl in enumerate(local.parameters()):
+        xval = pl.grad * (1.0 / world)
+        res_ok.append(torch.equal(m.reducer.error_feedback_residual(i), xval - xval.to(torch.bfloat16).float()))
+    out["residual_fresh"] = all(res_ok)
+    return out
+
+
+def test_check_finite_raises_and_drops_the_stale_residual(world2):
+    for out in world2.run(_check_finite):
+        assert out["raised"] is not None and "non-finite" in out["raised"], out
+        assert out["residual_fresh"], out
+
+
+def _overflow_flagged(rank, world):
+    """Finite bf16 inputs whose fp32 sum rounds to inf: the shard sum flags it."""
+    from fastddp import DistributedDataParallel as F
+    import fastddp.hooks as fh
+
+    p = torch.nn.Linear(1, 1, bias=False)
+    m = F(p, check_finite="raise")
+    m.register_comm_hook(None, fh.bf16_fp32acc_hook)
+    with torch.no_grad():
+        p.weight.fill_(1.0)
+    assert world == 2
+    # g/W ~ 1.7e38 per rank: finite in bf16; the fp32 sum ~3.4e38 is finite,
+    # its bf16 rounding is not (bf16's largest is 3.39e38)
+    x = torch.full((1, 1), 3.4e38)
+    try:
+        m(x).sum().backward()
+    except FloatingPointError as e:
+        return str(e)
+    return None
+
+
+def test_sum_overflow_is_flagged(world2):
+    for msg in world2.run(_overflow_flagged):
+        assert msg is not None and "check_finite" in msg, msg
+
+
+# ------------------------------------------------------------- bad configs
+def test_error_feedback_needs_a_fused_hook():
+    from fastddp import reduction
+    import fastddp.hooks as fh
+
+    with pytest.raises(ValueError, match="bf16_fp32acc_hook"):
+        reduction.choose(fh.noop_hook, fh.CompressionState(error_feedback=True), False, True)
+    dense, _ = reduction.choose(fh.bf16_fp32acc_hook, fh.CompressionState(error_feedback=True), False, True)
+    assert isinstance(dense, reduction.Fp32Accumulate) and dense.error_feedback
+
+
+def _sparse_refused(rank, world):
+    """A sparse bucket reaches the hook as a plain callback: a clear error."""
+    model = make_model("sparse_emb")
+    m = _fused(model)
+    x, y = make_batch("sparse_emb", rank, 0)
+    try:
+        loss_fn(m(x), y).backward()
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def test_sparse_gradients_are_refused_clearly(world2):
+    for msg in world2.run(_sparse_refused):
+        assert msg is not None and "sparse" in msg and "bf16_fp32acc_hook" in msg, msg
+
+
+# --------------------------------------------------------------- overlap
+def _order_of_events(rank, world):
+    """Every bucket's all-to-all is issued during backward, as its bucket is
+    ready (before the last bucket's pack), and the shard sums and
+    all-gathers run after the last bucket is issued, in bucket order."""
+    from fastddp import groups, kernels
+
+    events = []
+    real_a2a, real_ag, real_sum, real_pack = (groups.all_to_all_single, groups.all_gather_into_tensor,
+                                              kernels.reduce_shards, kernels.pack)
+
+    def a2a(out, t, pg):
+        events.append(("a2a", t.numel()))
+        return real_a2a(out, t, pg)
+
+    def ag(out, t, pg):
+        events.append(("ag", out.numel()))
+        return real_ag(out, t, pg)
+
+    def rsum(*a, **k):
+        events.append(("sum", None))
+        return real_sum(*a, **k)
+
+    def pack(srcs, dst, *a, **k):
+        if dst.dtype == torch.bfloat16:
+            events.append(("pack", dst.numel()))
+        return real_pack(srcs, dst, *a, **k)
+
+    m = _fused(make_model("deep"), bucket_cap_mb=0.001)
+    for step in range(2):  # the second step runs in the rebuilt buckets
+        m.zero_grad(set_to_none=True)
+        x, y = make_batch("deep", rank, step)
+        groups.all_to_all_single, groups.all_gather_into_tensor = a2a, ag
+        kernels.reduce_shards, kernels.pack = rsum, pack
+        events.clear()
+        try:
+            loss_fn(m(x), y).backward()
+        finally:
+            groups.all_to_all_single, groups.all_gather_into_tensor = real_a2a, real_ag
+            kernels.reduce_shards, kernels.pack = real_sum, real_pack
+    return events, m.reducer.num_buckets
+
+
+def test_all_to_all_overlaps_backward(world2):
+    for events, nb in world2.run(_order_of_events):
+        kinds = [k for k, _ in events]
+        assert nb > 2 and kinds.count("a2a") == nb and kinds.count("ag") == nb and kinds.count("sum") == nb
+        last_pack = max(i for i, k in enumerate(kinds) if k == "pack")
+        first_sum = kinds.index("sum")
+        assert kinds.index("a2a") < last_pack < first_sum, kinds  # a2a of bucket 0 while backward runs
+        assert all(k in ("pack", "a2a") for k in kinds[:first_sum]), kinds
+        assert kinds[first_sum:] == ["sum", "ag"] * nb, kinds
