@@ -363,17 +363,33 @@ class PythonHook(Reduction):
         return self._call(r, bucket, torch.zeros_like(bucket.hook_buffer()))
 
 
-class FusedCompression(Reduction):
+class _ResidualBook:
+    """Error-feedback residuals per bucket, and which buckets are packed but
+    not yet unpacked.  A residual written by a pack whose iteration never
+    reached its unpack (a caught error: check_finite, a failed hook, an
+    exception in backward) is zeroed at the bucket's next pack: it would carry
+    part of a gradient the user never applied; a rebuild drops it."""
+
+    def _residual_for_pack(self, bucket) -> torch.Tensor | None:
+        res = self.residual.get(bucket.index)
+        if res is not None and bucket.index in self.unfinished:
+            res.zero_()  # the last pack's iteration was abandoned: its residual is stale
+        self.unfinished.add(bucket.index)
+        return res
+
+    def _take_finished_residuals(self) -> dict[int, torch.Tensor]:
+        """At a rebuild: the residuals worth carrying (stale ones dropped); the book starts empty."""
+        old = {i: t for i, t in self.residual.items() if i not in self.unfinished}
+        self.residual, self.unfinished = {}, set()
+        return old
+
+
+class FusedCompression(_ResidualBook, Reduction):
     """fastddp's fp16/bf16 hooks as a fused path: the pack scales by fp32(1/W)
     and casts into a 16-bit wire buffer (allocated once per bucket) in ONE
     launch, optionally with error feedback (an fp32 residual per bucket, read
-    and rewritten by the same launch); all-reduce on the wire; the unpack
-    casts back.
-
-    A residual written by a pack whose iteration never reached its unpack (a
-    caught error: check_finite, a failed hook, an exception in backward) is
-    discarded (zeroed) at the bucket's next pack: it would carry part of a
-    gradient the user never applied."""
+    and rewritten by the same launch; stale ones dropped: :class:`_ResidualBook`);
+    all-reduce on the wire; the unpack casts back."""
 
     kind = "compress"
     scaling = Scaling.MUL
@@ -403,10 +419,7 @@ class FusedCompression(Reduction):
 
     def pack(self, r, bucket, grads) -> None:
         wire = self._wire(r, bucket)
-        residual, health = self.residual.get(bucket.index), bucket.health
-        if residual is not None and bucket.index in self.unfinished:
-            residual.zero_()  # the last pack's iteration was abandoned: its residual is stale
-        self.unfinished.add(bucket.index)
+        residual, health = self._residual_for_pack(bucket), bucket.health
         if kernels.backend(bucket.flat.device) == "reference":
             # CPU (no Triton): the bucket is the scratch, scaled in place
             # (x * fp32(1/W), as the kernel) and cast into the wire: no
@@ -439,8 +452,8 @@ class FusedCompression(Reduction):
         """Error-feedback residuals belong to parameters: they follow them
         into the rebuilt buckets (a stale one, see the class, is dropped);
         wire buffers are made anew."""
-        old_res = {i: t for i, t in self.residual.items() if i not in self.unfinished}
-        self.wire, self.residual, self.unfinished = {}, {}, set()
+        old_res = self._take_finished_residuals()
+        self.wire = {}
         if not self.error_feedback:
             return
         for b in new_buckets:
@@ -547,7 +560,7 @@ class Fp32Accumulate(FusedCompression):
 
 
 
-class BlockFp8(Reduction):
+class BlockFp8(_ResidualBook, Reduction):
     """Block-scaled fp8 (e4m3) on the wire, summed in fp32 (``fp8_compress_hook``)::
 
         pack      the bucket's non-exempt grads * fp32(1/W) into an fp32 stage
@@ -628,10 +641,7 @@ class BlockFp8(Reduction):
     # ---------------------------------------------------------------- pack
     def pack(self, r, bucket, grads) -> None:
         d = self._bufs(r, bucket)
-        res, health = self.residual.get(bucket.index), bucket.health
-        if res is not None and bucket.index in self.unfinished:
-            res.zero_()  # the last pack's iteration was abandoned: its residual is stale
-        self.unfinished.add(bucket.index)
+        res, health = self._residual_for_pack(bucket), bucket.health
         scale = 1.0 / r.divide_factor()
         plain = _plain(r, bucket, grads)
         if plain:
@@ -704,8 +714,8 @@ class BlockFp8(Reduction):
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """Residuals follow their parameters into the rebuilt buckets (a stale
         one is dropped); they are sized at each new bucket's first pack."""
-        old_res = {i: t for i, t in self.residual.items() if i not in self.unfinished}
-        self.bufs, self.residual, self.unfinished, self.open = {}, {}, set(), []
+        old_res = self._take_finished_residuals()
+        self.bufs, self.open = {}, []
         self.carry = (old_res, old_locate, {b.index for b in new_buckets if not b.sparse}) \
             if self.error_feedback and old_res else None
 
