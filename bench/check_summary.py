@@ -23,7 +23,8 @@ def kernels_lines(path: Path) -> list[str]:
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     out = [f"copy {m['copy_GB/s']} GB/s (read+write); backend {m['backend']}; fastddp % of copy "
            f"(x: speed-up over torch's fastest way)" + ("; TRUNCATED" if m.get("truncated") else "")]
-    out.append("  " + f"{'op':<11}{'wire':<5}" + "".join(f"{s:>20}" for s in shapes))
+    w = max([11] + [len(r["op"]) + 1 for r in rows])  # the low-precision rows have longer names
+    out.append("  " + f"{'op':<{w}}{'wire':<5}" + "".join(f"{s:>20}" for s in shapes))
     cases = list(dict.fromkeys((r["op"], r["wire"]) for r in rows))
     for op, wire in cases:
         cells = []
@@ -37,7 +38,7 @@ def kernels_lines(path: Path) -> list[str]:
             x = f" {min(theirs) / ours['device_us']:.1f}x" if theirs and ours["device_us"] > 0 else ""
             flag = "" if ours.get("bit_exact", True) else " NOT-EXACT"
             cells.append(f"{ours['pct_copy']:.0f}%{x}{flag}")
-        out.append("  " + f"{op:<11}{wire:<5}" + "".join(f"{c:>20}" for c in cells))
+        out.append("  " + f"{op:<{w}}{wire:<5}" + "".join(f"{c:>20}" for c in cells))
     bad = [r for r in rows if r.get("bit_exact") is False]
     hb = sum(1 for r in rows if r.get("host_bound"))
     out.append(f"  bit-exact vs reference: {'all' if not bad else f'{len(bad)} NOT'}"

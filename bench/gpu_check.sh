@@ -35,12 +35,15 @@
 #                           comm stream; 150 s per test
 #   4 kernels-bw   60 s     bench/gpu_kernels.py: GB/s vs the   --cpu-smoke: a tiny bucket,
 #                           measured copy bandwidth (stops      interpreter (60 s)
-#                           new cases 20 s before the budget)
+#                           new cases 20 s before the budget);
+#                           + fp8 quantize/dequantize and the
+#                           fp8 / bf16 shard sums, bit-exact
 #   5 bench        85 s     fastddp-bench --world 1 (NCCL):     --models tiny at world 1 (every
 #                           small transformer mlp25m, 15        wrapper) and world 2 (5), on CPU
 #                           steps, every fastddp row beside     (120 s)
 #                           its torch row, + torch's FSDP2
-#                           replicate (fp32, bf16 reduce)
+#                           replicate (fp32, bf16 reduce),
+#                           fastddp's bf16-fp32acc and fp8 rows
 #                           (torch-batched: a
 #                           labelled stand-in on torch 2.11)
 #
@@ -359,7 +362,8 @@ say "4/5 kernels-bw ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[
 
 # ---------------------------------------------------------------- 5 bench
 WRAPPERS=(local torch torch-batched torch-view torch-fp16 torch-bf16
-          fastddp fastddp-batched fastddp-view fastddp-fp16 fastddp-bf16 replicate replicate-bf16)
+          fastddp fastddp-batched fastddp-view fastddp-fp16 fastddp-bf16 fastddp-bf16acc fastddp-fp8
+          replicate replicate-bf16)
 copy_bench() {  # the newest report under $1 -> $dest/bench.md/json
     local md js
     md=$(ls -t "$1"/*/*.md 2>/dev/null | head -1)

@@ -259,6 +259,81 @@ def measure(clock: Clock, fn, nbytes: int, reps: int) -> dict:
     return out
 
 
+FP8_BLOCK = 256
+
+
+def lowprec_cases(n: int, device: torch.device, seed: int = 0) -> dict:
+    """The low-precision reductions' own launches on one flat fp32 bucket of
+    ``n`` elements (padded to whole fp8 blocks): name -> (fn, bytes read +
+    written, reference fn computing the same outputs).  W = 2 for the shard sums."""
+    import fastddp.kernels as K
+    from fastddp.kernels import reference
+
+    n = -(-n // (2 * FP8_BLOCK)) * 2 * FP8_BLOCK
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen).to(device)
+    res0 = (torch.randn(n, generator=gen) * 1e-3).to(device)
+    nb = n // FP8_BLOCK
+    q, sc = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(nb, device=device)
+    out = torch.empty(n, device=device)
+    bf = torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16)  # 2 slices of n/2
+    bf_out = torch.empty(n // 2, dtype=torch.bfloat16, device=device)
+    res = res0.clone()
+    K.quantize_fp8(x, q, sc, FP8_BLOCK)  # valid inputs for the dequantize / shard rows
+    qq, ss = q.clone(), sc.clone()
+    q_out, s_out = torch.empty(n // 2, dtype=torch.uint8, device=device), torch.empty(nb // 2, device=device)
+
+    def quant_ef():
+        res.copy_(res0)  # the same input every call (a copy of n fp32: counted in the bytes)
+        K.quantize_fp8(x, q, sc, FP8_BLOCK, residual=res)
+
+    def quant_ef_ref():
+        r = res0.clone()
+        a, b = torch.empty_like(q), torch.empty_like(sc)
+        reference.quantize_fp8(x, a, b, FP8_BLOCK, residual=r)
+        return a, b, r
+
+    def fp8_sum_ref():
+        a, b = torch.empty_like(q_out), torch.empty_like(s_out)
+        reference.reduce_fp8_shards(qq, ss, a, b, 2, FP8_BLOCK)
+        return a, b
+
+    cases = {
+        "fp8 quantize+ef": (quant_ef, n * (4 + 4 + 4 + 4 + 1) + nb * 4, quant_ef_ref, lambda: (q, sc, res)),
+        "fp8 dequantize": (lambda: K.dequantize_fp8(qq, ss, out, FP8_BLOCK), n * (1 + 4) + nb * 4,
+                           lambda: (reference.dequantize_fp8(qq, ss, torch.empty_like(out), FP8_BLOCK),),
+                           lambda: (out,)),
+        "fp8 shard sum W=2": (lambda: K.reduce_fp8_shards(qq, ss, q_out, s_out, 2, FP8_BLOCK),
+                              n * 1 + nb * 4 + (n // 2) * 1 + (nb // 2) * 4, fp8_sum_ref, lambda: (q_out, s_out)),
+        "bf16 shard sum W=2": (lambda: K.reduce_shards(bf, bf_out, 2), n * 2 + (n // 2) * 2,
+                               lambda: (reference.reduce_shards(bf, torch.empty_like(bf_out), 2),),
+                               lambda: (bf_out,)),
+    }
+    return cases
+
+
+def lowprec_rows(clock, shapes: dict, reps: int, meta: dict, rows: list) -> None:
+    """GB/s of the bf16-fp32acc and fp8 launches against the copy bandwidth,
+    launches per call, and bit-exactness against the reference (where the
+    case returns its outputs)."""
+    def same(a, b):
+        return torch.equal(a.view(torch.uint8) if a.dtype != torch.uint8 else a,
+                           b.view(torch.uint8) if b.dtype != torch.uint8 else b)
+
+    for shape, (n_t, n) in shapes.items():
+        for name, (fn, nbytes, ref, got) in lowprec_cases(n_t * n, clock.device).items():
+            r = measure(clock, fn, nbytes, reps)
+            r.update(op=name, shape=shape, wire="-", method="fastddp", tensors=1, elements=n_t * n,
+                     bytes=nbytes, pct_copy=round(100 * r["GB/s"] / meta["copy_GB/s"], 1))
+            if got is not None:  # bit for bit against the reference
+                fn()
+                want = ref()
+                r["bit_exact"] = all(same(a.cpu(), b.cpu()) for a, b in zip(got(), want))
+            rows.append(r)
+            print(f"  {name:<19}{shape:<12} dev {r['device_us']:9.1f} us  {r['GB/s']:7.1f} GB/s "
+                  f"({r['pct_copy']:5.1f}%)  launches {r['triton_launches']}", flush=True)
+
+
 def run(args, save=None) -> dict:
     """Measure; ``save(res)`` is called after every bucket shape (and at the end)."""
     import triton
@@ -322,6 +397,11 @@ def run(args, save=None) -> dict:
                       f"launches {r['triton_launches']} kernels {r['cuda_kernels']}"
                       + ("  HOST-BOUND" if r.get("host_bound") else ""), flush=True)
             del grads, flat, lay, views, methods
+        if save is not None:
+            save(res)
+
+    if not out_of_time():
+        lowprec_rows(clock, shapes, reps, meta, rows)
         if save is not None:
             save(res)
 

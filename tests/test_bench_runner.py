@@ -538,3 +538,21 @@ def test_progress_bar_counts_the_budget(capsys):
     bar.tick(10.0, 0, None)
     assert bar.bar.n == 50 and "at most 1:10 left" in bar.text and "warming up" in bar.text
     bar.close()
+
+
+def test_gpu_kernels_lowprec_rows_bit_exact_on_cpu():
+    """The GPU check's low-precision rows (fp8 quantize with error feedback,
+    dequantize, the fp8 and bf16 shard sums) run and are checked bit for bit
+    against the reference; on the CPU that is the torch path's result."""
+    from fastddp.bench import gpu_kernels as G
+
+    clock = G.Clock(torch.device("cpu"))
+    meta, rows = {"copy_GB/s": 1.0}, []
+    G.lowprec_rows(clock, {"odd": (3, 1000)}, 1, meta, rows)
+    assert [r["op"] for r in rows] == ["fp8 quantize+ef", "fp8 dequantize", "fp8 shard sum W=2",
+                                       "bf16 shard sum W=2"]
+    assert all(r["bit_exact"] is True for r in rows), rows
+    assert all(r["bytes"] > 0 and r["elements"] == 3000 for r in rows)
+    meta.update(device="cpu", date="2026-12-01", torch="t", triton="t", cuda=None, python="3",
+                block=1, num_warps=1, truncated=False)
+    assert "| fp8 quantize+ef |" in G.to_markdown({"meta": meta, "rows": rows, "block_sweep": []})
