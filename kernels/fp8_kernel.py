@@ -63,8 +63,9 @@ def _decode(b_q):
     b_e = (b_c >> 3) & 0xF
     b_m = b_c & 7
     b_norm = (b_sign | ((b_e + 120) << 23) | (b_m << 20)).to(tl.float32, bitcast=True)
-    b_sub = b_m.to(tl.float32) * 0.001953125
-    b_sub = tl.where(b_sign != 0, -b_sub, b_sub)
+    # subnormal: m * 2^-9, its sign OR-ed in as a bit (``-x`` is ``0 - x`` in
+    # triton 3.6, which turns -0.0 (0x80) into +0.0)
+    b_sub = ((b_m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True) | b_sign).to(tl.float32, bitcast=True)
     b_d = tl.where(b_e == 0, b_sub, b_norm)
     return tl.where((b_c & 0x7F) == 0x7F, float("nan"), b_d)
 
