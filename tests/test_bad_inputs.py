@@ -186,6 +186,59 @@ def test_second_backward_over_one_forward_is_averaged(world2, case):
     assert res[0][1] == res[1][1], "the ranks' gradients differ"
 
 
+def _accelerate_sync_body(rank, world_size, multiple_fwd):
+    """accelerate's ``test_sync.py`` patterns with plain torch: ``no_sync``
+    steps between synchronising ones (``test_distributed_sync``), and three
+    forwards under ``no_sync`` whose last backward is forced to synchronise
+    the way ``Accelerator.trigger_sync_in_backward`` does it
+    (``require_backward_grad_sync = True`` + ``reducer.prepare_for_backward([])``,
+    ``test_distributed_sync_multiple_fwd``).  fastddp's grads equal torch's DDP's."""
+    import copy
+
+    from tests._dist import torch_ddp_class
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    out = []
+    for cls in (ddp_class(), torch_ddp_class()):
+        ddp = cls(copy.deepcopy(base))
+        seen = []
+        if multiple_fwd:
+            losses = []
+            for step in range(3):
+                with ddp.no_sync():
+                    losses.append(ddp(_int_batch(rank, step)).pow(2).mean())
+            for step, loss in enumerate(losses):
+                if step < 2:
+                    loss.backward()
+                else:
+                    ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
+                    ddp.reducer.prepare_for_backward([])
+                    try:
+                        loss.backward()
+                    finally:
+                        ddp.require_backward_grad_sync = ddp.require_forward_param_sync = False
+                seen.append([p.grad.clone() for p in ddp.parameters()])
+        else:
+            for step in range(4):
+                if step % 2 == 0:
+                    with ddp.no_sync():
+                        ddp(_int_batch(rank, step)).pow(2).mean().backward()
+                else:
+                    ddp(_int_batch(rank, step)).pow(2).mean().backward()
+                seen.append([p.grad.clone() for p in ddp.parameters()])
+        out.append(seen)
+    fast, ref = out
+    return [(k, i) for k, (a, b) in enumerate(zip(fast, ref)) for i, (x, y) in enumerate(zip(a, b))
+            if not torch.allclose(x, y, rtol=1e-6, atol=1e-7)]
+
+
+@pytest.mark.parametrize("multiple_fwd", [False, True], ids=["no_sync_steps", "trigger_sync_in_backward"])
+def test_accelerate_sync_patterns_match_torch(world2, multiple_fwd):
+    for rank, bad in enumerate(world2.run(_accelerate_sync_body, multiple_fwd)):
+        assert not bad, f"rank {rank}: (step, param) where fastddp's grad differs from torch's DDP: {bad}"
+
+
 def _local_step_body(rank, world_size):
     """The pattern torch's docs allow besides no_sync(): accumulate through
     ``ddp.module`` (local), reduce with the last micro-batch through DDP."""
