@@ -16,6 +16,7 @@ Layers (kernel -> launcher -> op)::
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import threading
 from typing import Sequence
@@ -301,6 +302,19 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[in
 _SHARD_DTYPES = (torch.bfloat16,)
 
 
+def _dispatch(device: torch.device, cpu_fn, module: str, launcher: str, *args) -> None:
+    """Run a single-launch op (the shard sums, fp8): the plain-torch path on the
+    reference backend, else the Triton launcher ``module.launcher`` (imported
+    on first use, so the CPU path never imports Triton), with the same
+    arguments."""
+    name = backend(device)
+    if name == "reference":
+        _bump("reference_calls")
+        cpu_fn(*args)
+        return
+    _launch(name, device, getattr(importlib.import_module(f".{module}", __package__), launcher), *args)
+
+
 def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int, *,
                   health: torch.Tensor | None = None) -> torch.Tensor:
     """Sum this rank's shard as received from every rank: ``src`` holds
@@ -326,13 +340,8 @@ def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int, *,
                          f"{out.numel()} need {world * out.numel()}")
     if health is not None:
         _check_health(health, out)
-    name = backend(out.device)
-    if name == "reference":
-        _bump("reference_calls")
-        return torch_path.reduce_shards(src, out, world, health)
-    from .shard_kernel import launch_reduce_shards
-
-    _launch(name, out.device, launch_reduce_shards, src, out, world, health)
+    _dispatch(out.device, torch_path.reduce_shards, "shard_kernel", "launch_reduce_shards",
+              src, out, world, health)
     return out
 
 
@@ -379,14 +388,8 @@ def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: 
             raise ValueError("quantize_fp8: residual must match x in size and device")
     if health is not None:
         _check_health(health, x)
-    name = backend(x.device)
-    if name == "reference":
-        _bump("reference_calls")
-        torch_path.quantize_fp8(x, q, scales, block, residual, health)
-        return q
-    from .fp8_kernel import launch_quantize_fp8
-
-    _launch(name, x.device, launch_quantize_fp8, x, q, scales, block, residual, health)
+    _dispatch(x.device, torch_path.quantize_fp8, "fp8_kernel", "launch_quantize_fp8",
+              x, q, scales, block, residual, health)
     return q
 
 
@@ -394,13 +397,7 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, blo
     """``out`` (fp32) = each e4m3 value of ``q`` times its block's scale, exactly."""
     _check_f32("dequantize_fp8", "out", out)
     _check_fp8("dequantize_fp8", block, out.numel(), q, scales, out.device)
-    name = backend(out.device)
-    if name == "reference":
-        _bump("reference_calls")
-        return torch_path.dequantize_fp8(q, scales, out, block)
-    from .fp8_kernel import launch_dequantize_fp8
-
-    _launch(name, out.device, launch_dequantize_fp8, q, scales, out, block)
+    _dispatch(out.device, torch_path.dequantize_fp8, "fp8_kernel", "launch_dequantize_fp8", q, scales, out, block)
     return out
 
 
@@ -417,12 +414,6 @@ def reduce_fp8_shards(src_q: torch.Tensor, src_s: torch.Tensor, out_q: torch.Ten
     _check_fp8("reduce_fp8_shards", block, world * n, src_q, src_s, out_q.device)
     if health is not None:
         _check_health(health, out_q)
-    name = backend(out_q.device)
-    if name == "reference":
-        _bump("reference_calls")
-        torch_path.reduce_fp8_shards(src_q, src_s, out_q, out_s, world, block, health)
-        return out_q
-    from .fp8_kernel import launch_reduce_fp8_shards
-
-    _launch(name, out_q.device, launch_reduce_fp8_shards, src_q, src_s, out_q, out_s, world, block, health)
+    _dispatch(out_q.device, torch_path.reduce_fp8_shards, "fp8_kernel", "launch_reduce_fp8_shards",
+              src_q, src_s, out_q, out_s, world, block, health)
     return out_q
