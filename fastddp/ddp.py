@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import compile as _compile, groups, join, planner, profiling
+from . import _exit, compile as _compile, groups, join, planner, profiling
 from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
 from .surface import TorchSurface
@@ -112,6 +112,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     ):
         torch.nn.Module.__init__(self)  # NOT torch DDP's constructor: no C++ reducer
         Joinable.__init__(self)
+        _exit.install()  # a clean exit while gloo's threads release hook callbacks (see _exit)
         cfg = DDPConfig.resolve(
             module, device_ids=device_ids, output_device=output_device, dim=dim,
             broadcast_buffers=broadcast_buffers, init_sync=init_sync, process_group=process_group,
