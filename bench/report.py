@@ -332,6 +332,10 @@ class Row:
     """Net memory allocated by building the wrapper and running one step."""
     step_peak_bytes: int | None = None
     """Peak memory above the step's start during a steady-state step."""
+    autotune: dict | None = None
+    """``bucket_cap_mb="auto"`` rows: the tuner's report after the timed
+    rounds (``stats()["autotune"]``: layouts tried with their step times,
+    the one chosen, when it settled)."""
     # derived by derive()
     step: Quantiles | None = None
     exposed: Quantiles | None = None

@@ -590,6 +590,10 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
             stopped = _agree_stop(ctx, reason)
         progress.tick(now - t0, rounds, stopper.widest if stopper else None)
 
+    for e in entries:
+        tuner = getattr(getattr(e.module, "reducer", None), "tuner", None)
+        if tuner is not None:
+            e.row.autotune = tuner.report()
     t_post = time.perf_counter()
     for e in entries:
         if e.row.ok:

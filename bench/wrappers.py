@@ -41,6 +41,8 @@ replicate          torch's FSDP2-based ``replicate``
                    does (:func:`replicate_blocks` says what a block is); fp32
 replicate-bf16     ... with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16):
                    params and compute fp32, gradients all-reduced in bf16
+fastddp-capN       ... bucket_cap_mb=N for N in SWEEP_CAPS_MB (opt-in rows of the
+                   bucket sweep, ``python -m bench.bucket_sweep``)
 fastddp-auto       ... bucket_cap_mb="auto" (opt-in row; tunes in its first ~25
                    steps: time it with --warmup 30 to see the settled layout)
 =================  ===========================================================
@@ -285,6 +287,17 @@ def _fastddp_auto(model, process_group, options):
     return ddp, "bucket_cap_mb='auto' (tuning steps count unless --warmup >= 30)"
 
 
+#: The fixed caps of the bucket sweep (``python -m bench.bucket_sweep``): opt-in rows ``fastddp-capN``.
+SWEEP_CAPS_MB = (1, 5, 10, 25, 50, 100)
+
+
+def _fastddp_cap(model, process_group, options, cap_mb: float):
+    import dataclasses
+
+    ddp, _ = _fastddp(model, process_group, dataclasses.replace(options, bucket_cap_mb=cap_mb))
+    return ddp, f"bucket_cap_mb={cap_mb:g}"
+
+
 def registry() -> dict[str, WrapperSpec]:
     """Every wrapper by name (a fresh dict on every call)."""
     P = functools.partial
@@ -315,6 +328,9 @@ def registry() -> dict[str, WrapperSpec]:
                     wire_itemsize=2),
         WrapperSpec("fastddp-auto", "fastddp", "auto", _fastddp_auto, baselines=("torch", "replicate")),
     ]
+    # opt-in: fastddp at each fixed cap of the bucket sweep (compared with fastddp-auto there)
+    specs += [WrapperSpec(f"fastddp-cap{c:g}", "fastddp", f"cap{c:g}", P(_fastddp_cap, cap_mb=c),
+                          baselines=("torch",)) for c in SWEEP_CAPS_MB]
     from .compile_wrappers import specs as compile_specs  # torch-compile, fastddp-compile (opt-in rows)
 
     specs += compile_specs(WrapperSpec, _torch, _fastddp)
