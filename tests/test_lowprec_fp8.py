@@ -404,7 +404,7 @@ def test_launches_per_bucket(world2):
 # ------------------------------------------------------- the CPU path
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("with_res", [False, True])
-@pytest.mark.parametrize("nblocks", [1, 7, 300, 513])  # around the 64K-element chunk at block 256
+@pytest.mark.parametrize("nblocks", [1, 7, 300, 1025])  # one chunk; past the 256K-element chunk at block 256
 def test_cpu_path_matches_reference(block, with_res, nblocks):
     from fastddp.kernels import torch_path as T
 
@@ -430,8 +430,23 @@ def test_cpu_path_matches_reference(block, with_res, nblocks):
     assert torch.equal(d1.nan_to_num(7.0), d2.nan_to_num(7.0))
 
 
+def test_cpu_decode_is_torchs_bit_for_bit():
+    """The pair lookup returns torch's decode's exact bits for every pair of
+    codes (NaN codes included), and falls back to torch where a pair would
+    straddle the tensor (odd length, odd offset)."""
+    from fastddp.kernels import torch_path as T
+
+    every_pair = torch.arange(65536, dtype=torch.int32)
+    q = torch.stack([every_pair & 0xFF, every_pair >> 8], 1).reshape(-1).to(U8)
+    want = q.view(torch.float8_e4m3fn).to(torch.float32).view(torch.int32)
+    assert torch.equal(T.decode_fp8(q).view(torch.int32), want)
+    for part in (q[:7], q[1:9], q[3:]):  # odd length / odd offset
+        assert torch.equal(T.decode_fp8(part).view(torch.int32),
+                           part.view(torch.float8_e4m3fn).to(torch.float32).view(torch.int32))
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("n", [32 * 3, 32 * 4099])  # one chunk; several
+@pytest.mark.parametrize("n", [32 * 3, 32 * 8200])  # one chunk; two (256K-element chunks)
 def test_cpu_reduce_matches_reference(world, n):
     from fastddp.kernels import torch_path as T
 
