@@ -86,32 +86,39 @@ def analyse(speed: str, report: R.Report) -> list[dict]:
         for model, rows in by_model.items():
             auto = rows.get("fastddp-auto")
             caps = {c: rows[_cap_name(c)] for c in SWEEP_CAPS_MB if _cap_name(c) in rows}
-            if auto is None or not caps:
+            default = rows.get("fastddp")  # bucket_cap_mb=None: torch's default layout (1 MiB first bucket)
+            if auto is None or not (caps or default):
                 continue
-            mean = {c: R.trimmed_mean(r.step_ms) for c, r in caps.items()}
-            best = min(mean, key=mean.get)
-            vs = {c: R.compare(auto.step_ms, r.step_ms, model=model, wrapper="fastddp-auto",
-                               peer=_cap_name(c)) for c, r in caps.items()}
-            within = _verdict(vs[best].ratio_ci, 1.0 + WITHIN)
-            beat25 = "n/a (25 is the best)" if best == 25 else (
-                _verdict(vs[25].ratio_ci, 1.0) if 25 in vs else "n/a (no cap 25 row)")
             tune = auto.autotune or {}
             tried = [t for lay in tune.get("tried", []) for t in lay.get("step_ms", []) if t is not None]
             chosen = tune.get("chosen") or tune.get("current") or {}
-            out.append({
-                "speed": speed, "bandwidth_gbps": sec.bandwidth_gbps, "model": model,
-                "rounds": min(len(auto.step_ms), *(len(r.step_ms) for r in caps.values())),
-                "step_ms": {**{f"{c:g}": mean[c] for c in caps}, "auto": R.trimmed_mean(auto.step_ms)},
-                "p20_p80": {**{f"{c:g}": (R.quantile(r.step_ms, 0.2), R.quantile(r.step_ms, 0.8))
-                               for c, r in caps.items()},
-                            "auto": (R.quantile(auto.step_ms, 0.2), R.quantile(auto.step_ms, 0.8))},
-                "auto_vs": {f"{c:g}": {"ratio": v.ratio, "ci": v.ratio_ci} for c, v in vs.items()},
-                "best": best, "within_3pct_of_best": within, "better_than_25": beat25,
-                "auto_state": tune.get("state"), "auto_settled_at_step": tune.get("settled_at_step"),
-                "auto_chose": chosen.get("torch_args"), "auto_buckets": chosen.get("buckets"),
-                "tuning_slowest_step_ms": max(tried) if tried else None,
-                "tuning_layouts_tried": len(tune.get("tried", [])),
-            })
+            res = {"speed": speed, "bandwidth_gbps": sec.bandwidth_gbps, "model": model,
+                   "auto_state": tune.get("state"), "auto_settled_at_step": tune.get("settled_at_step"),
+                   "auto_chose": chosen.get("torch_args"), "auto_buckets": chosen.get("buckets"),
+                   "tuning_slowest_step_ms": max(tried) if tried else None,
+                   "tuning_layouts_tried": len(tune.get("tried", []))}
+            if caps:
+                mean = {c: R.trimmed_mean(r.step_ms) for c, r in caps.items()}
+                best = min(mean, key=mean.get)
+                vs = {c: R.compare(auto.step_ms, r.step_ms, model=model, wrapper="fastddp-auto",
+                                   peer=_cap_name(c)) for c, r in caps.items()}
+                res.update({
+                    "rounds": min(len(auto.step_ms), *(len(r.step_ms) for r in caps.values())),
+                    "step_ms": {**{f"{c:g}": mean[c] for c in caps}, "auto": R.trimmed_mean(auto.step_ms)},
+                    "p20_p80": {**{f"{c:g}": (R.quantile(r.step_ms, 0.2), R.quantile(r.step_ms, 0.8))
+                                   for c, r in caps.items()},
+                                "auto": (R.quantile(auto.step_ms, 0.2), R.quantile(auto.step_ms, 0.8))},
+                    "auto_vs": {f"{c:g}": {"ratio": v.ratio, "ci": v.ratio_ci} for c, v in vs.items()},
+                    "best": best, "within_3pct_of_best": _verdict(vs[best].ratio_ci, 1.0 + WITHIN),
+                    "better_than_25": "n/a (25 is the best)" if best == 25 else (
+                        _verdict(vs[25].ratio_ci, 1.0) if 25 in vs else "n/a (no cap 25 row)")})
+            if default is not None:
+                v = R.compare(auto.step_ms, default.step_ms, model=model, wrapper="fastddp-auto", peer="fastddp")
+                res["auto_vs_default"] = {"ratio": v.ratio, "ci": v.ratio_ci, "rounds": v.rounds,
+                                          "verdict": R.decide(v.ratio_ci, WITHIN),
+                                          "default_ms": R.trimmed_mean(default.step_ms),
+                                          "auto_ms": R.trimmed_mean(auto.step_ms)}
+            out.append(res)
     return out
 
 
@@ -134,7 +141,7 @@ def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
              "| speed | model | rounds | " + " | ".join(f"cap {c}" for c in caps) +
              " | auto | best | auto / best | 90% | within 3% | auto / 25 | 90% | better than 25 | auto chose |",
              "|---|---|---:|" + "---:|" * len(caps) + "---:|---:|---:|---:|---|---:|---:|---|---|"]
-    for r in results:
+    for r in (r for r in results if "best" in r):
         b = f"{r['best']:g}"
         cells = [r["speed"], r["model"], str(r["rounds"])]
         cells += [f"{r['step_ms'][c]:.1f}" if c in r["step_ms"] else "-" for c in caps]
@@ -149,21 +156,36 @@ def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
     lines += ["", "Tuning cost (auto's own first steps, excluded from the rounds above by the warm-up):", "",
               "| speed | model | layouts tried | settled at step | slowest trial step ms | settled step ms | x |",
               "|---|---|---:|---:|---:|---:|---:|"]
-    for r in results:
+    for r in (r for r in results if "best" in r):
         slow, settled = r["tuning_slowest_step_ms"], r["step_ms"]["auto"]
         x = "-" if slow is None else f"{slow / settled:.2f}"
         lines.append(f"| {r['speed']} | {r['model']} | {r['tuning_layouts_tried']} | "
                      f"{r['auto_settled_at_step'] if r['auto_settled_at_step'] is not None else '-'} | "
                      f"{'-' if slow is None else f'{slow:.1f}'} | {settled:.1f} | {x} |")
-    met = sum(r["within_3pct_of_best"] == "met" for r in results)
-    lines += ["", f"auto within 3% of the best fixed cap: {met} of {len(results)} (model, speed) pairs; "
-              f"better than 25 where 25 is not the best: "
-              f"{sum(r['better_than_25'] == 'met' for r in results)} of "
-              f"{sum(not r['better_than_25'].startswith('n/a') for r in results)}.", ""]
+    swept = [r for r in results if "best" in r]
+    met = sum(r["within_3pct_of_best"] == "met" for r in swept)
+    lines += ["", f"auto within 3% of the best fixed cap: {met} of {len(swept)} (model, speed) pairs; "
+              f"better than an explicit 25 where 25 is not the best: "
+              f"{sum(r['better_than_25'] == 'met' for r in swept)} of "
+              f"{sum(not r['better_than_25'].startswith('n/a') for r in swept)}.", ""]
+    vd = [r for r in results if "auto_vs_default" in r]
+    if vd:
+        lines += ["An explicit `bucket_cap_mb=N` makes the first bucket N MiB too (torch's rule); torch's "
+                  "default (`bucket_cap_mb=None`: 25 MiB, first bucket 1 MiB) is its own layout. auto against "
+                  "it, paired by round in a run of its own (`fastddp` = default):", "",
+                  "| speed | model | rounds | default ms | auto ms | auto / default | 90% | verdict |",
+                  "|---|---|---:|---:|---:|---:|---:|---|"]
+        for r in vd:
+            v = r["auto_vs_default"]
+            lines.append(f"| {r['speed']} | {r['model']} | {v['rounds']} | {v['default_ms']:.1f} | "
+                         f"{v['auto_ms']:.1f} | {v['ratio']:.3f} | {_ci(v['ci'])} | "
+                         f"{R.verdict_text(v['verdict'], WITHIN)} |")
+        lines.append("")
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path) -> bool:
+    results = [r for r in results if "best" in r]
     try:
         import matplotlib
 
@@ -208,24 +230,29 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=30, help="untimed rounds: auto tunes in them")
     ap.add_argument("--out", default="reports")
     ap.add_argument("--from-json", nargs="*", default=None, metavar="SPEED=PATH",
-                    help="analyse existing bench reports instead of running")
+                    help="analyse existing bench reports instead of running (a later report of the "
+                         "same speed and model replaces an earlier one's rows)")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    paths: dict[str, Path] = {}
+    paths: list[tuple[str, Path]] = []
     if args.from_json:
         for item in args.from_json:
             speed, _, p = item.partition("=")
-            paths[speed] = Path(p)
+            paths.append((speed, Path(p)))
     else:
         for speed in args.speeds:
-            paths[speed] = run_speed(speed, args.models, args.budget, args.warmup, out)
-    results, meta, runs = [], {}, {}
-    for speed, p in paths.items():
+            paths.append((speed, run_speed(speed, args.models, args.budget, args.warmup, out)))
+    merged: dict[tuple[str, str], dict] = {}  # a later run of the same model and speed replaces an earlier
+    meta, runs = {}, {}
+    for speed, p in paths:
         rep = R.from_json(p.read_text())
         meta = meta or rep.meta
-        runs[speed] = str(p)
-        results += analyse(speed, rep)
-    folder = paths[next(iter(paths))].parent
+        runs.setdefault(speed, []).append(str(p))
+        for r in analyse(speed, rep):
+            merged.setdefault((speed, r["model"]), {}).update(r)
+    results = list(merged.values())
+    runs = {k: ", ".join(v) for k, v in runs.items()}
+    folder = paths[0][1].parent
     stem = f"{datetime.date.today().isoformat()}-bucket-sweep"
     md = to_markdown(results, meta, runs)
     chart = folder / f"{stem}.png"

@@ -74,3 +74,16 @@ def test_markdown_names_every_setting_and_the_tally():
     for c in ("cap 1", "cap 5", "cap 10", "cap 25", "cap 50", "cap 100", "| auto |"):
         assert c in md
     assert "auto within 3% of the best fixed cap: 1 of 1" in md
+
+
+def test_auto_against_torchs_default_layout():
+    """A run of its own with the ``fastddp`` (bucket_cap_mb=None) row: auto
+    against torch's default layout, with a verdict; no cap rows needed."""
+    rows = _rows("m", {"auto": 80.0}) + [
+        R.Row("m", "fastddp", family="fastddp", step_ms=list(_rows("m", {"auto": 100.0})[0].step_ms))]
+    (res,) = S.analyse("netns:1", _report(rows))
+    assert "best" not in res
+    v = res["auto_vs_default"]
+    assert 0.78 < v["ratio"] < 0.82 and v["verdict"] == "faster"
+    md = S.to_markdown([res], {"device": "test"}, {"netns:1": "x.json"})
+    assert "auto / default" in md and "faster" in md

@@ -1,0 +1,93 @@
+"""gloo's collectives on a real shaped link, bytes per second each way.
+
+    python -m bench.link_collectives netns:0.2 [netns:1 ...]      (root)
+
+Two ranks in network namespaces over a veth pair shaped by ``tc tbf``
+(:mod:`bench.netlink`); every collective moves the same bytes each way
+(``--mb``, default 8 MiB): a ring all-reduce of fp16, one all-to-all, the same
+all-to-all as 8 smaller ones issued together, an all-gather, and a send/recv
+pair. Median of 3 after a barrier; rank 0 prints one line per collective.
+It answers "which primitive carries a reduction's bytes best on this link":
+fastddp's bf16+fp32-sum and fp8 reductions move half their bytes by
+all-to-all and half by all-gather, torch's fp16 hook all by all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def _rank(mb: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    n = mb * 2**20 // 2  # 16-bit elements in mb MiB
+
+    def timed(fn, k: int = 3) -> float:
+        ts = []
+        for _ in range(k):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    ar = torch.zeros(n, dtype=torch.float16)  # ring at W=2: n/2 each way twice
+    a_in = torch.zeros(2 * n, dtype=torch.bfloat16)
+    a_out = torch.empty_like(a_in)
+    g_in = torch.zeros(n, dtype=torch.bfloat16)
+    g_out = torch.empty(2 * n, dtype=torch.bfloat16)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def a2a_chunks(c: int = 8) -> None:
+        ins, outs, m = a_in.view(2, -1), a_out.view(2, -1), n // c
+        pieces = [(outs[:, i * m:(i + 1) * m].contiguous(), ins[:, i * m:(i + 1) * m].contiguous())
+                  for i in range(c)]
+        for w in [dist.all_to_all_single(o, i, async_op=True) for o, i in pieces]:
+            w.wait()
+
+    def p2p() -> None:
+        s, r = torch.zeros(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, s, 1 - rank), dist.P2POp(dist.irecv, r, 1 - rank)]):
+            w.wait()
+
+    cases = [("all_reduce (fp16, ring)", lambda: dist.all_reduce(ar)),
+             ("all_to_all_single", lambda: dist.all_to_all_single(a_out, a_in)),
+             ("all_to_all_single x8 (async)", a2a_chunks),
+             ("all_gather", lambda: gather(g_out, g_in)),
+             ("isend/irecv", p2p)]
+    for name, fn in cases:
+        s = timed(fn)
+        if rank == 0:
+            print(f"  {name:30s} {s * 1e3:8.1f} ms  {mb * 1.048576 / s:7.1f} MB/s each way", flush=True)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.link_collectives", description=__doc__.split("\n\n")[0])
+    ap.add_argument("links", nargs="+", help="netns:RATE (Gbit/s)")
+    ap.add_argument("--mb", type=int, default=8, help="MiB each way per collective")
+    args = ap.parse_args(argv)
+    from .netlink import NetnsLink, parse_link
+
+    for text in args.links:
+        print(f"{text}: {args.mb} MiB each way", flush=True)
+        with NetnsLink(parse_link(text)) as link:
+            link.run_ranks([sys.executable, "-m", "bench.link_collectives", "--_rank", str(args.mb)],
+                           timeout_s=600)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--_rank":
+        os.environ.setdefault("PYTHONWARNINGS", "ignore")
+        _rank(int(sys.argv[2]))
+        sys.exit(0)
+    sys.exit(main())
