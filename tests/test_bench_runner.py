@@ -389,7 +389,8 @@ def tiny_run(tmp_path_factory):
 def test_tiny_run_writes_report(tiny_run):
     rc, out, traces, elapsed = tiny_run
     assert rc == 0
-    assert elapsed < 60, f"the tiny run took {elapsed:.0f} s"
+    # a runaway guard, not a timing claim: ~25 s quiet; 60 s failed twice at load 20+
+    assert elapsed < 180, f"the tiny run took {elapsed:.0f} s"
     (folder,) = out.iterdir()
     md = list(folder.glob("*-ci.md"))
     js = list(folder.glob("*-ci.json"))
