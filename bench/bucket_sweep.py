@@ -105,9 +105,8 @@ def analyse(speed: str, report: R.Report) -> list[dict]:
                 res.update({
                     "rounds": min(len(auto.step_ms), *(len(r.step_ms) for r in caps.values())),
                     "step_ms": {**{f"{c:g}": mean[c] for c in caps}, "auto": R.trimmed_mean(auto.step_ms)},
-                    "p20_p80": {**{f"{c:g}": (R.quantile(r.step_ms, 0.2), R.quantile(r.step_ms, 0.8))
-                                   for c, r in caps.items()},
-                                "auto": (R.quantile(auto.step_ms, 0.2), R.quantile(auto.step_ms, 0.8))},
+                    "p20_p80": {**{f"{c:g}": (r.step.p20, r.step.p80) for c, r in caps.items()},
+                                "auto": (auto.step.p20, auto.step.p80)},  # quantiles from derive()
                     "auto_vs": {f"{c:g}": {"ratio": v.ratio, "ci": v.ratio_ci} for c, v in vs.items()},
                     "best": best, "within_3pct_of_best": _verdict(vs[best].ratio_ci, 1.0 + WITHIN),
                     "better_than_25": "n/a (25 is the best)" if best == 25 else (

@@ -280,21 +280,18 @@ def _replicate(model, process_group, options, reduce_dtype: torch.dtype | None =
     return model, note
 
 
-def _fastddp_auto(model, process_group, options):
-    import dataclasses
-
-    ddp, _ = _fastddp(model, process_group, dataclasses.replace(options, bucket_cap_mb="auto"))
-    return ddp, "bucket_cap_mb='auto' (tuning steps count unless --warmup >= 30)"
-
-
 #: The fixed caps of the bucket sweep (``python -m bench.bucket_sweep``): opt-in rows ``fastddp-capN``.
 SWEEP_CAPS_MB = (1, 5, 10, 25, 50, 100)
 
 
-def _fastddp_cap(model, process_group, options, cap_mb: float):
+def _fastddp_cap(model, process_group, options, cap_mb: float | str):
+    """fastddp at ``bucket_cap_mb=cap_mb`` whatever ``--bucket-cap-mb`` says
+    (the sweep's rows and fastddp-auto)."""
     import dataclasses
 
     ddp, _ = _fastddp(model, process_group, dataclasses.replace(options, bucket_cap_mb=cap_mb))
+    if cap_mb == "auto":
+        return ddp, "bucket_cap_mb='auto' (tuning steps count unless --warmup >= 30)"
     return ddp, f"bucket_cap_mb={cap_mb:g}"
 
 
@@ -326,7 +323,8 @@ def registry() -> dict[str, WrapperSpec]:
         WrapperSpec("replicate", "replicate", "default", _replicate),
         WrapperSpec("replicate-bf16", "replicate", "bf16", P(_replicate, reduce_dtype=torch.bfloat16),
                     wire_itemsize=2),
-        WrapperSpec("fastddp-auto", "fastddp", "auto", _fastddp_auto, baselines=("torch", "replicate")),
+        WrapperSpec("fastddp-auto", "fastddp", "auto", P(_fastddp_cap, cap_mb="auto"),
+                    baselines=("torch", "replicate")),
     ]
     # opt-in: fastddp at each fixed cap of the bucket sweep (compared with fastddp-auto there)
     specs += [WrapperSpec(f"fastddp-cap{c:g}", "fastddp", f"cap{c:g}", P(_fastddp_cap, cap_mb=c),

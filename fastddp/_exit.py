@@ -21,8 +21,9 @@ no other thread of the process has been runnable for several consecutive
 samples of ``/proc/self/task/*/stat`` -- a thread waiting for the GIL is woken
 by every sleep, so it cannot stay asleep while the GIL is free -- and no thread
 that ``threading`` did not start is inside Python code (a callback that waits
-with the GIL released, say for another collective), or a bounded time has passed (spinning OpenMP workers keep a thread runnable; then the wait
-ends at the bound).  Cost: about 10 ms at exit on an idle process, never more
+with the GIL released, say for another collective), or a bounded time has
+passed (spinning OpenMP workers keep a thread runnable; then the wait ends at
+the bound).  Cost: about 10 ms at exit on an idle process, never more
 than ``FASTDDP_EXIT_DRAIN_S`` (default 0.5 s).  Where ``/proc`` is not
 available the sleep runs for a fixed 50 ms instead.
 """
@@ -112,4 +113,3 @@ def install() -> None:
             return
         atexit.register(drain)
         _installed = True
-
