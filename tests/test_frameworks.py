@@ -127,7 +127,9 @@ def _accelerate_worker(args: argparse.Namespace) -> None:
         results["test_sync.main"] = "passed"
     except Exception as e:  # noqa: BLE001
         detail = " | ".join(str(e).splitlines())[:600]  # the grads it compared: which check, how far
-        results["test_sync.main"] = f"failed: {type(e).__name__}: {detail}"
+        where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__)[-3:]))
+        env = {k: v for k, v in os.environ.items() if k.startswith(("FASTDDP", "TRITON", "OMP", "GLOO", "TORCH"))}
+        results["test_sync.main"] = f"failed: {type(e).__name__}: {detail} [at {where}; env {env}]"
         traceback.print_exc()
         if PartialState().use_distributed:
             PartialState().destroy_process_group()
