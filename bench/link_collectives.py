@@ -10,6 +10,8 @@ pair. Median of 3 after a barrier; rank 0 prints one line per collective.
 It answers "which primitive carries a reduction's bytes best on this link":
 fastddp's bf16+fp32-sum and fp8 reductions move half their bytes by
 all-to-all and half by all-gather, torch's fp16 hook all by all-reduce.
+The chunked variants (x4/x8/x16 calls issued together, an all-gather done as
+all-to-alls) are the candidates for those reductions' two phases.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import os
 import statistics
 import sys
 import time
+
+REPS = int(os.environ.get("FASTDDP_LINK_REPS", "3"))
 
 
 def _rank(mb: int) -> None:
@@ -30,7 +34,7 @@ def _rank(mb: int) -> None:
     torch.set_num_threads(1)
     n = mb * 2**20 // 2  # 16-bit elements in mb MiB
 
-    def timed(fn, k: int = 3) -> float:
+    def timed(fn, k: int = REPS) -> float:
         ts = []
         for _ in range(k):
             dist.barrier()
@@ -53,6 +57,19 @@ def _rank(mb: int) -> None:
         for w in [dist.all_to_all_single(o, i, async_op=True) for o, i in pieces]:
             w.wait()
 
+    def gather_chunks(c: int = 8) -> None:
+        m = n // c
+        pieces = [(torch.empty(2 * m, dtype=torch.bfloat16), g_in[i * m:(i + 1) * m]) for i in range(c)]
+        for w in [gather(o, i, async_op=True) for o, i in pieces]:
+            w.wait()
+
+    def a2a_gather_chunks(c: int = 8) -> None:
+        # an all-gather as all-to-alls: each rank sends its piece to every rank
+        m = n // c
+        pieces = [(torch.empty(2 * m, dtype=torch.bfloat16), g_in[i * m:(i + 1) * m].repeat(2)) for i in range(c)]
+        for w in [dist.all_to_all_single(o, i, async_op=True) for o, i in pieces]:
+            w.wait()
+
     def p2p() -> None:
         s, r = torch.zeros(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
         for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, s, 1 - rank), dist.P2POp(dist.irecv, r, 1 - rank)]):
@@ -62,6 +79,10 @@ def _rank(mb: int) -> None:
              ("all_to_all_single", lambda: dist.all_to_all_single(a_out, a_in)),
              ("all_to_all_single x8 (async)", a2a_chunks),
              ("all_gather", lambda: gather(g_out, g_in)),
+             ("all_gather x8 (async)", gather_chunks),
+             ("all_to_all_single as gather x8", a2a_gather_chunks),
+             ("all_to_all_single x4 (async)", lambda: a2a_chunks(4)),
+             ("all_to_all_single x16 (async)", lambda: a2a_chunks(16)),
              ("isend/irecv", p2p)]
     for name, fn in cases:
         s = timed(fn)

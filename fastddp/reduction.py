@@ -37,6 +37,7 @@ public surface (``comm``, ``view_mode``, ``divide_factor()``,
 from __future__ import annotations
 
 import enum
+import os
 
 import torch
 
@@ -468,6 +469,57 @@ class FusedCompression(_ResidualBook, Reduction):
                     new_views[pos].copy_(ob.layout.views(old_res[ob.index])[opos])
 
 
+#: Bytes each way per collective call of a two-phase reduction's chunked
+#: phases.  On a TCP link gloo's one big all-to-all carries 55-60% of a ring
+#: all-reduce's rate and one big all-gather ~70%; the same bytes as calls of
+#: ~1 MiB issued together carry 90% and 97-100%
+#: (``reports/amd-epyc/2026-12-01-gloo-collectives-on-link.md``).  CPU
+#: tensors (gloo) only: NCCL pipelines its own chunks, so CUDA buckets keep
+#: one call per phase (no staging copies).  ``FASTDDP_CHUNK_BYTES`` overrides
+#: it for both (0: one call per phase).
+CHUNK_BYTES = 1 << 20
+MAX_CHUNKS = 32
+
+
+def chunk_bounds(shard: int, world: int, elem_bytes: int, align: int,
+                 device: torch.device | None = None) -> list[tuple[int, int]]:
+    """``[a, b)`` pieces of a shard of ``shard`` elements, each ``align``-aligned,
+    so that one collective call moves about ``CHUNK_BYTES`` each way.  Depends
+    only on the sizes (and the setting), so every rank cuts the same pieces and
+    issues the same calls.  One piece: the phases run unchunked (no staging)."""
+    env = os.environ.get("FASTDDP_CHUNK_BYTES")
+    try:
+        if env is None or not env.strip():
+            target = CHUNK_BYTES if device is None or device.type == "cpu" else 0
+        else:
+            target = int(env)
+    except ValueError:
+        raise ValueError(f"fastddp: FASTDDP_CHUNK_BYTES={env!r} is not a whole number of bytes "
+                         "(0 turns chunking off)") from None
+    units = shard // align
+    each_way = (world - 1) * shard * elem_bytes
+    if world < 2 or target <= 0 or units < 2 or each_way <= target:
+        return [(0, shard)]
+    n = min(MAX_CHUNKS, units, -(-each_way // target))
+    per = -(-units // n) * align
+    return [(a, min(a + per, shard)) for a in range(0, shard, per)]
+
+
+def _to_stage(stage: torch.Tensor, src: torch.Tensor, world: int, bounds) -> None:
+    """Chunk-major staging of a shard-major ``src``: piece ``[a, b)`` of every
+    shard, back to back in rank order, at ``stage[world*a : world*b]``."""
+    sv = src.view(world, -1)
+    for a, b in bounds:
+        stage[world * a:world * b].view(world, b - a).copy_(sv[:, a:b])
+
+
+def _from_stage(dst: torch.Tensor, stage: torch.Tensor, world: int, bounds) -> None:
+    """The inverse of :func:`_to_stage`."""
+    dv = dst.view(world, -1)
+    for a, b in bounds:
+        dv[:, a:b].copy_(stage[world * a:world * b].view(world, b - a))
+
+
 class _ShardStep:
     """One bucket's two-phase reduction in flight, duck-typed as the Future
     :meth:`~fastddp.comm.Comm.wait` completes: ``wait()`` finishes it on the
@@ -476,6 +528,7 @@ class _ShardStep:
     issued from callbacks could reach the ranks in different orders)."""
 
     __slots__ = ("owner", "r", "bucket", "a2a", "ag", "iteration", "health", "extra")
+    # a2a / ag: the phases' Works, one per chunk (per tensor) in issue order
 
     def __init__(self, owner, r, bucket, a2a, iteration, health, extra=()):
         self.owner, self.r, self.bucket, self.a2a = owner, r, bucket, a2a
@@ -504,7 +557,12 @@ class Fp32Accumulate(FusedCompression):
         unpack    wait the all-gather; the wire -> .grad (ONE launch)
 
     Bytes on the wire equal a bf16 all-reduce's; the sum's error no longer
-    grows with the world size (one rounding instead of one per ring hop)."""
+    grows with the world size (one rounding instead of one per ring hop).
+    A bucket moving more than ``CHUNK_BYTES`` each way runs both phases in
+    chunks (:func:`chunk_bounds`): the same pieces of every shard staged back
+    to back, one all-to-all per chunk issued together, each chunk summed and
+    its all-gather issued as soon as its all-to-all is in; the same elements
+    meet in the same order, so the result is bit for bit the unchunked one."""
 
     kind = "fp32acc"
 
@@ -512,6 +570,7 @@ class Fp32Accumulate(FusedCompression):
         super().__init__(torch.bfloat16, error_feedback)
         self.fused = ("fp32acc", torch.bfloat16)
         self.recv: dict[int, torch.Tensor] = {}
+        self.chunks: dict[int, tuple] = {}  # bucket -> (wire numel, bounds, stage or None)
         self.open: list[_ShardStep] = []  # in issue order
 
     def wire_numel(self, r, bucket) -> int:
@@ -524,12 +583,26 @@ class Fp32Accumulate(FusedCompression):
             t = self.recv[bucket.index] = torch.empty_like(wire)
         return t
 
+    def _chunks(self, r, bucket, wire) -> tuple:
+        c = self.chunks.get(bucket.index)
+        if c is None or c[0] != wire.numel():
+            bounds = chunk_bounds(wire.numel() // r.world, r.world, wire.element_size(), 1, wire.device)
+            c = self.chunks[bucket.index] = (wire.numel(), bounds,
+                                             torch.empty_like(wire) if len(bounds) > 1 else None)
+        return c
+
     def _start(self, r, bucket, wire, health) -> Pending:
         # a step left open by an abandoned iteration is dropped: its
         # all-to-all completed (every rank issued it) and nobody waits for it
         self.open = [s for s in self.open if s.iteration == r.num_iterations and s.bucket.index < bucket.index]
-        work = groups.all_to_all_single(self._recv(bucket, wire), wire, r.comm.pg)
-        step = _ShardStep(self, r, bucket, work, r.num_iterations, health)
+        recv, pg, W = self._recv(bucket, wire), r.comm.pg, r.world
+        _, bounds, stage = self._chunks(r, bucket, wire)
+        if stage is None:
+            works = [groups.all_to_all_single(recv, wire, pg)]
+        else:
+            _to_stage(stage, wire, W, bounds)
+            works = [groups.all_to_all_single(recv[W * a:W * b], stage[W * a:W * b], pg) for a, b in bounds]
+        step = _ShardStep(self, r, bucket, works, r.num_iterations, health)
         self.open.append(step)
         return r.comm.hook(step, wire.numel() * wire.element_size())
 
@@ -546,17 +619,27 @@ class Fp32Accumulate(FusedCompression):
         order), then wait for ``step``'s all-gather."""
         for s in self.open:
             if s.ag is None:
-                groups.wait(s.a2a)
                 wire, recv = self.wire[s.bucket.index], self.recv[s.bucket.index]
-                n = wire.numel() // s.r.world
-                kernels.reduce_shards(recv, recv[:n], s.r.world, health=s.health)
-                s.ag = groups.all_gather_into_tensor(wire, recv[:n], s.r.comm.pg)
-        groups.wait(step.ag)
+                W, pg = s.r.world, s.r.comm.pg
+                _, bounds, stage = self.chunks[s.bucket.index]
+                s.ag = []
+                for (a, b), work in zip(bounds, s.a2a):
+                    groups.wait(work)
+                    piece = recv[W * a:W * b]
+                    kernels.reduce_shards(piece, piece[:b - a], W, health=s.health)
+                    # the all-to-all that read this stage piece is complete: gather into it
+                    out = wire if stage is None else stage[W * a:W * b]
+                    s.ag.append(groups.all_gather_into_tensor(out, piece[:b - a], pg))
+        for work in step.ag:
+            groups.wait(work)
+        _, bounds, stage = self.chunks[step.bucket.index]
+        if stage is not None:
+            _from_stage(self.wire[step.bucket.index], stage, step.r.world, bounds)
         self.open.remove(step)
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         super().carry_over(old_buckets, old_locate, new_buckets)
-        self.recv, self.open = {}, []
+        self.recv, self.open, self.chunks = {}, [], {}
 
 
 
@@ -570,7 +653,8 @@ class BlockFp8(_ResidualBook, Reduction):
                   launch); the stage -> fp8 bits + one power-of-two scale per
                   block, error feedback read and rewritten there (ONE launch)
         issue     all-to-all of the fp8 shards and of their scales; the exempt
-                  buffer's fp32 all-reduce (all async, when the bucket is ready)
+                  buffer's fp32 all-reduce (all async, when the bucket is ready);
+                  a big bucket in chunks of whole blocks, as Fp32Accumulate
         finish    end of backward, every bucket in flight in bucket order: wait
                   its all-to-alls; ONE launch dequantizes the W slices of this
                   rank's shard, adds them in fp32 in rank order and quantizes
@@ -632,6 +716,9 @@ class BlockFp8(_ResidualBook, Reduction):
              "rq": torch.empty(W * shard, dtype=torch.uint8, device=dev),
              "rs": torch.empty(W * shard // B, dtype=torch.float32, device=dev),
              "exbuf": torch.zeros(sum(ex_numels), dtype=torch.float32, device=dev)}
+        d["chunks"] = chunk_bounds(shard, W, 1, B, dev)  # fp8 pieces of whole blocks (their scales follow)
+        if len(d["chunks"]) > 1:
+            d["q_stage"], d["s_stage"] = torch.empty_like(d["q"]), torch.empty_like(d["s"])
         self.bufs[bucket.index] = d
         if self.error_feedback and (bucket.index not in self.residual
                                     or self.residual[bucket.index].numel() != W * shard):
@@ -660,8 +747,17 @@ class BlockFp8(_ResidualBook, Reduction):
     # --------------------------------------------------------- collectives
     def _start(self, r, bucket, d, health) -> Pending:
         self.open = [s for s in self.open if s.iteration == r.num_iterations and s.bucket.index < bucket.index]
-        pg = r.comm.pg
-        works = [groups.all_to_all_single(d["rq"], d["q"], pg), groups.all_to_all_single(d["rs"], d["s"], pg)]
+        pg, W, B = r.comm.pg, r.world, self.block
+        if len(d["chunks"]) == 1:
+            works = [groups.all_to_all_single(d["rq"], d["q"], pg), groups.all_to_all_single(d["rs"], d["s"], pg)]
+        else:
+            qs, ss = d["q_stage"], d["s_stage"]
+            _to_stage(qs, d["q"], W, d["chunks"])
+            _to_stage(ss, d["s"], W, [(a // B, b // B) for a, b in d["chunks"]])
+            works = []
+            for a, b in d["chunks"]:
+                works.append(groups.all_to_all_single(d["rq"][W * a:W * b], qs[W * a:W * b], pg))
+                works.append(groups.all_to_all_single(d["rs"][W * a // B:W * b // B], ss[W * a // B:W * b // B], pg))
         extra = [groups.all_reduce(d["exbuf"], pg, async_op=True)] if d["ex"] else []
         step = _ShardStep(self, r, bucket, works, r.num_iterations, health, extra)
         self.open.append(step)
@@ -681,19 +777,29 @@ class BlockFp8(_ResidualBook, Reduction):
     def finish(self, step: _ShardStep) -> None:
         """Sum and all-gather every open step not yet gathered (in issue
         order), then wait for ``step``'s all-gathers and exempt all-reduce."""
+        B = self.block
         for s in self.open:
             if s.ag is None:
-                for w in s.a2a:
-                    groups.wait(w)
-                d, n = self.bufs[s.bucket.index], self.bufs[s.bucket.index]["shard"]
-                nb = n // self.block
-                kernels.reduce_fp8_shards(d["rq"], d["rs"], d["rq"][:n], d["rs"][:nb], s.r.world, self.block,
-                                          health=s.health)
-                pg = s.r.comm.pg
-                s.ag = [groups.all_gather_into_tensor(d["q"], d["rq"][:n], pg),
-                        groups.all_gather_into_tensor(d["s"], d["rs"][:nb], pg)]
+                d, W, pg = self.bufs[s.bucket.index], s.r.world, s.r.comm.pg
+                chunked = len(d["chunks"]) > 1
+                s.ag = []
+                for k, (a, b) in enumerate(d["chunks"]):
+                    groups.wait(s.a2a[2 * k])
+                    groups.wait(s.a2a[2 * k + 1])
+                    rq, rs = d["rq"][W * a:W * b], d["rs"][W * a // B:W * b // B]
+                    n, nb = b - a, (b - a) // B
+                    kernels.reduce_fp8_shards(rq, rs, rq[:n], rs[:nb], W, B, health=s.health)
+                    qo = d["q_stage"][W * a:W * b] if chunked else d["q"]
+                    so = d["s_stage"][W * a // B:W * b // B] if chunked else d["s"]
+                    s.ag += [groups.all_gather_into_tensor(qo, rq[:n], pg),
+                             groups.all_gather_into_tensor(so, rs[:nb], pg)]
         for w in list(step.ag) + list(step.extra):
             groups.wait(w)
+        d = self.bufs[step.bucket.index]
+        if len(d["chunks"]) > 1:
+            W = step.r.world
+            _from_stage(d["q"], d["q_stage"], W, d["chunks"])
+            _from_stage(d["s"], d["s_stage"], W, [(a // B, b // B) for a, b in d["chunks"]])
         self.open.remove(step)
 
     # -------------------------------------------------------------- unpack

@@ -410,3 +410,74 @@ def test_all_to_all_overlaps_backward(world2):
         assert kinds.index("a2a") < last_pack < first_sum, kinds  # a2a of bucket 0 while backward runs
         assert all(k in ("pack", "a2a") for k in kinds[:first_sum]), kinds
         assert kinds[first_sum:] == ["sum", "ag"] * nb, kinds
+
+
+# ------------------------------------------------------- chunked phases
+def _with_chunk_bytes(rank, world, chunk_bytes, body, *args):
+    """Run ``body`` with FASTDDP_CHUNK_BYTES set in this worker (restored after)."""
+    import os
+
+    old = os.environ.get("FASTDDP_CHUNK_BYTES")
+    os.environ["FASTDDP_CHUNK_BYTES"] = str(chunk_bytes)
+    try:
+        return body(rank, world, *args)
+    finally:
+        if old is None:
+            os.environ.pop("FASTDDP_CHUNK_BYTES", None)
+        else:
+            os.environ["FASTDDP_CHUNK_BYTES"] = old
+
+
+def _chunk_counts(rank, world, chunk_bytes):
+    """How many all-to-alls each bucket's first phase issues (the pieces its shard is cut into)."""
+    def body(rank, world):
+        m = _fused(make_model("mlp"))
+        x, y = make_batch("mlp", rank, 0)
+        loss_fn(m(x), y).backward()
+        red = m.reducer.buckets[0].reduction
+        return [len(red.chunks[b.index][1]) for b in m.reducer.buckets]
+    return _with_chunk_bytes(rank, world, chunk_bytes, body)
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 1000])
+def test_chunked_phases_match_oracle_w3(world3, chunk_bytes):
+    """Both phases cut into many pieces (down to 64 bytes each way per call,
+    uneven last pieces at W=3): still the oracle's bits (the same elements meet
+    in the same order), and every rank cut its shards the same way."""
+    for bad, worst in world3.run(_with_chunk_bytes, chunk_bytes, _oracle_parity, "mlp", {}):
+        assert bad == [] and worst <= 1.0, (bad, worst)
+    counts = world3.run(_chunk_counts, chunk_bytes)
+    assert counts[0] == counts[1] == counts[2] and max(counts[0]) > 1, counts
+
+
+def test_chunking_follows_the_setting(world2):
+    off = world2.run(_chunk_counts, 0)[0]
+    assert set(off) == {1}, off
+    fine = world2.run(_chunk_counts, 256)[0]
+    assert max(fine) > 1 and all(c <= 32 for c in fine), fine  # MAX_CHUNKS
+
+
+def test_chunk_bounds_rule():
+    from fastddp.reduction import MAX_CHUNKS, chunk_bounds
+
+    assert chunk_bounds(1000, 1, 2, 1) == [(0, 1000)]            # world 1: nothing to cut
+    assert chunk_bounds(100, 2, 2, 1) == [(0, 100)]              # under CHUNK_BYTES each way
+    b = chunk_bounds(6_500_000, 2, 1, 256)                       # an fp8 shard of 6.5M elements
+    assert b[0][0] == 0 and b[-1][1] == 6_500_000 and all(x % 256 == 0 for x, _ in b)
+    assert all(b1 == a2 for (_, b1), (a2, _) in zip(b, b[1:])) and 2 <= len(b) <= MAX_CHUNKS
+    assert len(chunk_bounds(10**9, 8, 4, 1)) == MAX_CHUNKS
+
+
+def test_chunking_is_for_gloo_only(monkeypatch):
+    """CUDA buckets (NCCL pipelines its own chunks) keep one call per phase unless asked."""
+    from fastddp.reduction import chunk_bounds
+
+    big = 10**8
+    monkeypatch.delenv("FASTDDP_CHUNK_BYTES", raising=False)
+    assert len(chunk_bounds(big, 2, 2, 1, torch.device("cpu"))) > 1
+    assert chunk_bounds(big, 2, 2, 1, torch.device("cuda", 0)) == [(0, big)]
+    monkeypatch.setenv("FASTDDP_CHUNK_BYTES", str(1 << 20))
+    assert len(chunk_bounds(big, 2, 2, 1, torch.device("cuda", 0))) > 1
+    monkeypatch.setenv("FASTDDP_CHUNK_BYTES", "lots")
+    with pytest.raises(ValueError, match="FASTDDP_CHUNK_BYTES"):
+        chunk_bounds(big, 2, 2, 1)

@@ -233,7 +233,7 @@ def test_reduce_kernel_matches_reference(world):
 
 
 # ------------------------------------------------------ the fused reduction
-def _pipeline(rank, world, opts, block=32, steps=3, exempt="default"):
+def _pipeline(rank, world, opts, block=32, steps=3, exempt="default", chunked=False):
     """Every grad equals the reference pipeline recomputed from all ranks'
     local gradients and the buckets' layout: non-exempt params quantized
     (residual per rank), dequantized, summed in fp32 in rank order,
@@ -302,6 +302,10 @@ def _pipeline(rank, world, opts, block=32, steps=3, exempt="default"):
             if not torch.equal(r_mod, want_r):
                 bad.append((step, i, "residual"))
         local.load_state_dict(m.module.state_dict())
+    if chunked:  # the phases did run in pieces
+        bufs = m.reducer.buckets[0].reduction.bufs.values()
+        if not any(len(d["chunks"]) > 1 for d in bufs):
+            bad.append("no bucket was chunked")
     return bad
 
 
@@ -462,3 +466,26 @@ def test_cpu_reduce_matches_reference(world, n):
     nan = (aq & 0x7F) == 0x7F
     assert torch.equal(nan, (bq_[:n] & 0x7F) == 0x7F) and torch.equal(aq[~nan], bq_[:n][~nan])
     assert torch.equal(as_, bs_[:n // block]) and int(h1) == int(h2)
+
+
+def _pipeline_chunked(rank, world, chunk_bytes, *args):
+    import os
+
+    old = os.environ.get("FASTDDP_CHUNK_BYTES")
+    os.environ["FASTDDP_CHUNK_BYTES"] = str(chunk_bytes)
+    try:
+        m_chunks = _pipeline(rank, world, *args, chunked=True)
+    finally:
+        if old is None:
+            os.environ.pop("FASTDDP_CHUNK_BYTES", None)
+        else:
+            os.environ["FASTDDP_CHUNK_BYTES"] = old
+    return m_chunks
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+@pytest.mark.parametrize("chunk_bytes", [32, 100])
+def test_chunked_phases_match_reference_pipeline(world2, chunk_bytes):
+    """fp8 shards cut into pieces of whole blocks (one block per piece at 32
+    bytes, blocks of 32): every grad and residual still the reference pipeline's."""
+    assert world2.run(_pipeline_chunked, chunk_bytes, {}) == [[], []]
