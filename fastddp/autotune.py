@@ -19,11 +19,15 @@ How, step by step (a step = a forward that synchronises and its backward;
             serial-wire replay of the timeline (:func:`predict`)
     trials  torch's default first, then the model's best, then hill-climbing
             on the rest cap (and the first cap) around the best measured:
-            TRIAL_STEPS steps each, cost = median of the per-step MAX over
-            ranks of forward start -> all gradients reduced; a layout whose
+            TRIAL_STEPS steps each, TRIAL_STEPS more (up to MAX_TRIAL_STEPS)
+            while a layout's steps spread by more than SPREAD_OK; cost = the
+            median of the faster half of the per-step MAX over ranks of
+            forward start -> all gradients reduced (a step is only ever made
+            slower by what else runs on the machine); a layout whose
             calibrated prediction is far above the best measured is never
-            tried; a layout replaces the best only if it is faster by more
-            than the noise
+            tried (calibrated by the smallest measured - predicted gap, so
+            the pruning errs towards trying); a layout replaces the best only
+            if it is faster by more than the noise
     settled the best, installed at a step boundary; a log line on rank 0
 
 Every decision is taken from values all-reduced (MAX) over the group, by the
@@ -56,9 +60,20 @@ __all__ = ["Tuner", "parse_cap", "predict", "resolve_cap"]
 log = logging.getLogger("fastddp.autotune")
 
 TRIAL_STEPS = 3
-"""Measured steps per layout (median of 3: one outlier step does not decide)."""
+"""Measured steps per layout at least (and per extension)."""
+MAX_TRIAL_STEPS = 9
+"""Measured steps per layout at most: a noisy layout is measured in rounds of
+TRIAL_STEPS until its spread is under SPREAD_OK or it has this many."""
+MAX_TUNING_STEPS = 30
+"""Measured steps over all layouts at most (the probe and waits not counted):
+tuning then settles on the best so far."""
+SPREAD_OK = 0.02
+"""Relative robust spread (1.4826 MAD / median) of a layout's steps under
+which TRIAL_STEPS of them suffice.  On a shared 2-core machine a 70 ms step
+was measured as 72 / 85 / 115 ms in one trial: a median of 3 then ranks
+layouts by the machine's noise (issue: auto 1.11x the best fixed cap)."""
 MAX_LAYOUTS = 7
-"""Layouts measured at most: probe + 7 x 3 steps settles by step ~25 (30 with static_graph)."""
+"""Layouts measured at most: probe + 7 x 3 steps settles by step ~25 on quiet steps."""
 REST_CAPS_MB = (0.5, 1, 2, 5, 10, 25, 50, 100)
 """The rest-cap grid (MiB); torch's default is 25."""
 FIRST_CAPS_MB = (0.25, 1)
@@ -152,7 +167,19 @@ class Layout:
 
     @property
     def cost(self) -> float:
-        return statistics.median(self.samples) if self.samples else float("inf")
+        """The median of the faster half of the steps (noise only adds time)."""
+        if not self.samples:
+            return float("inf")
+        fast = sorted(self.samples)[:(len(self.samples) + 1) // 2]
+        return statistics.median(fast)
+
+    @property
+    def spread(self) -> float:
+        """Relative robust spread of the steps: 1.4826 * MAD / median."""
+        if len(self.samples) < 2:
+            return 0.0
+        med = statistics.median(self.samples)
+        return 1.4826 * statistics.median(abs(x - med) for x in self.samples) / med if med > 0 else 0.0
 
     @property
     def is_default(self) -> bool:
@@ -285,8 +312,9 @@ class Tuner:
                 self.current.local_exposed.append(step[1])
             if len(self.current.local) >= TRIAL_STEPS:
                 self._reduce(self.current)
-                nxt = self._next()
-                changed = self._settle(r, self.best, "") if nxt is None else self._start(r, nxt)
+                if not self._more(self.current):
+                    nxt = self._next()
+                    changed = self._settle(r, self.best, "") if nxt is None else self._start(r, nxt)
         if self.state != _SETTLED:
             self._open = (self._now(), r.steps_reduced)
         return changed
@@ -416,9 +444,22 @@ class Tuner:
         lay.samples += vals[:k]
         lay.exposed += vals[k:]
         lay.local, lay.local_exposed = [], []
-        self.order.append(lay)
-        if self.best is None or lay.cost < self.best.cost - self.noise(self.best):
+        if lay not in self.order:
+            self.order.append(lay)
+        if self.best is lay:  # measured again: is it still the best?
+            self.best = min(self.order, key=lambda l: l.cost) if len(self.order) > 1 else lay
+        elif self.best is None or lay.cost < self.best.cost - self.noise(self.best):
             self.best = lay
+
+    def _more(self, lay: Layout) -> bool:
+        """Measure ``lay`` TRIAL_STEPS more steps?  From MAX-reduced samples
+        only, so every rank decides the same."""
+        if len(lay.samples) >= MAX_TRIAL_STEPS or lay.spread <= SPREAD_OK or self._spent():
+            return False
+        return True
+
+    def _spent(self) -> bool:
+        return sum(len(l.samples) for l in self.order) >= MAX_TUNING_STEPS
 
     def noise(self, ref: Layout) -> float:
         """What a difference of two medians of TRIAL_STEPS steps must exceed:
@@ -428,13 +469,17 @@ class Tuner:
         return max(REL_NOISE * ref.cost, 2 * spread * math.sqrt(2 / TRIAL_STEPS))
 
     def _calibrated(self, lay: Layout) -> float:
-        """The model's prediction on the measured scale: + median(measured - predicted)."""
-        base = statistics.median(l.cost - l.predicted_s for l in self.order)
+        """The model's prediction on the measured scale, optimistically: +
+        the smallest (measured - predicted) seen.  It only prunes, so it errs
+        towards trying: with the median, one layout the model misjudged badly
+        (predicted fastest, measured 25% slower) pulled every prediction up
+        and pruned the true best unseen."""
+        base = min(l.cost - l.predicted_s for l in self.order)
         return base + lay.predicted_s
 
     def _next(self) -> Layout | None:
         measured = {id(l) for l in self.order}
-        if len(self.order) >= MAX_LAYOUTS:
+        if len(self.order) >= MAX_LAYOUTS or self._spent():
             return None
         if len(self.order) == 1:  # after torch's default: the model's best
             first = min(self.layouts, key=lambda l: l.predicted_s)
@@ -471,7 +516,8 @@ class Tuner:
         tail = ("gain within noise: kept torch's default layout" if pick is d and len(self.order) > 1 else
                 "best measured")
         self.reason = (f"{why}chose {pick.label()}: {pick.cost * 1e3:.2f} ms per step "
-                       f"(forward to gradients reduced, median of {TRIAL_STEPS}, max over ranks){base}; "
+                       f"(forward to gradients reduced, median of the faster half of "
+                       f"{len(pick.samples)}, max over ranks){base}; "
                        f"noise +-{noise * 1e3:.2f} ms; {tail}; {len(self.order)} layouts in "
                        f"{sum(len(l.samples) for l in self.order)} steps; model: latency "
                        f"{self.model.get('alpha_us')} us, {self.model.get('beta_gbps')} GB/s, backward "
