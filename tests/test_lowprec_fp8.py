@@ -468,24 +468,11 @@ def test_cpu_reduce_matches_reference(world, n):
     assert torch.equal(as_, bs_[:n // block]) and int(h1) == int(h2)
 
 
-def _pipeline_chunked(rank, world, chunk_bytes, *args):
-    import os
-
-    old = os.environ.get("FASTDDP_CHUNK_BYTES")
-    os.environ["FASTDDP_CHUNK_BYTES"] = str(chunk_bytes)
-    try:
-        m_chunks = _pipeline(rank, world, *args, chunked=True)
-    finally:
-        if old is None:
-            os.environ.pop("FASTDDP_CHUNK_BYTES", None)
-        else:
-            os.environ["FASTDDP_CHUNK_BYTES"] = old
-    return m_chunks
-
-
 @pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
 @pytest.mark.parametrize("chunk_bytes", [32, 100])
 def test_chunked_phases_match_reference_pipeline(world2, chunk_bytes):
     """fp8 shards cut into pieces of whole blocks (one block per piece at 32
     bytes, blocks of 32): every grad and residual still the reference pipeline's."""
-    assert world2.run(_pipeline_chunked, chunk_bytes, {}) == [[], []]
+    from tests.test_lowprec import _with_chunk_bytes
+
+    assert world2.run(_with_chunk_bytes, chunk_bytes, _pipeline, {}, 32, 3, "default", True) == [[], []]
