@@ -443,7 +443,23 @@ class single_rank_group:
         return dist.group.WORLD
 
     def __exit__(self, *exc):
+        import gc
+
         import torch.distributed as dist
         if dist.is_initialized():
+            # A gloo group is destroyed where its last reference goes, often
+            # a torch DDP's C++ Reducer freed when the test returns, with the
+            # GIL held; the group's destructor joins gloo's worker threads.
+            # A worker still freeing a finished Work whose captured thread-
+            # local state holds a Python object needs the GIL for that: a
+            # deadlock (seen once: CI hung in a torch-batched test). So let
+            # every Work run (barrier) and the workers free them (the GIL
+            # released) before any destructor can join them.
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - a broken group is destroyed anyway
+                pass
+            gc.collect()
+            time.sleep(0.05)
             dist.destroy_process_group()
         return False

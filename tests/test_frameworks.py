@@ -94,6 +94,26 @@ def _install_ddp(impl: str) -> type:
     return CPUVariant
 
 
+def _reduction_trail(n: int = 8):
+    """The last ``n`` reductions of every fastddp module in this process (for
+    the open bug's record): iteration, steps reduced, each bucket's reduced
+    values, the grads written back.  Test-only instrumentation."""
+    import collections
+
+    from fastddp.reducer import Reducer
+
+    trail = collections.deque(maxlen=n)
+    finalize = Reducer._finalize
+
+    def recorded(self):
+        finalize(self)
+        trail.append((self.num_iterations, self.steps_reduced,
+                      [[round(float(x), 7) for x in b.flat[:4]] for b in self.buckets if b.flat is not None],
+                      [round(float(p.grad.flatten()[0]), 7) for p in self.params[:4] if p.grad is not None]))
+    Reducer._finalize = recorded
+    return trail
+
+
 def _accelerate_worker(args: argparse.Namespace) -> None:
     import runpy
 
@@ -122,6 +142,7 @@ def _accelerate_worker(args: argparse.Namespace) -> None:
     assert issubclass(cls, torch.nn.parallel.distributed.DistributedDataParallel)
 
     # test_sync.py: its main() as shipped (it destroys the process group at the end).
+    trail = _reduction_trail() if args.impl == "fastddp" else None
     try:
         runpy.run_path(str(scripts / "test_sync.py"), run_name="__main__")
         results["test_sync.main"] = "passed"
@@ -129,7 +150,8 @@ def _accelerate_worker(args: argparse.Namespace) -> None:
         detail = " | ".join(str(e).splitlines())[:600]  # the grads it compared: which check, how far
         where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__)[-3:]))
         env = {k: v for k, v in os.environ.items() if k.startswith(("FASTDDP", "TRITON", "OMP", "GLOO", "TORCH"))}
-        results["test_sync.main"] = f"failed: {type(e).__name__}: {detail} [at {where}; env {env}]"
+        seen = "" if trail is None else f"; last reductions {list(trail)}"
+        results["test_sync.main"] = f"failed: {type(e).__name__}: {detail} [at {where}; env {env}{seen}]"
         traceback.print_exc()
         if PartialState().use_distributed:
             PartialState().destroy_process_group()
