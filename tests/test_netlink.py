@@ -147,7 +147,10 @@ def test_failed_setup_leaves_nothing(monkeypatch):
 
 
 _HOLDER = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # a shell without job control starts background jobs with SIGINT ignored,
+    # and Python then installs no KeyboardInterrupt handler: make it a user's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {repo!r})
     from fastddp.bench.netlink import NetnsLink, parse_link
     with NetnsLink(parse_link("netns:1")) as link:
