@@ -447,16 +447,14 @@ class Tuner:
         if lay not in self.order:
             self.order.append(lay)
         if self.best is lay:  # measured again: is it still the best?
-            self.best = min(self.order, key=lambda l: l.cost) if len(self.order) > 1 else lay
+            self.best = min(self.order, key=lambda l: l.cost)
         elif self.best is None or lay.cost < self.best.cost - self.noise(self.best):
             self.best = lay
 
     def _more(self, lay: Layout) -> bool:
         """Measure ``lay`` TRIAL_STEPS more steps?  From MAX-reduced samples
         only, so every rank decides the same."""
-        if len(lay.samples) >= MAX_TRIAL_STEPS or lay.spread <= SPREAD_OK or self._spent():
-            return False
-        return True
+        return len(lay.samples) < MAX_TRIAL_STEPS and lay.spread > SPREAD_OK and not self._spent()
 
     def _spent(self) -> bool:
         return sum(len(l.samples) for l in self.order) >= MAX_TUNING_STEPS

@@ -597,11 +597,11 @@ class Fp32Accumulate(FusedCompression):
         self.open = [s for s in self.open if s.iteration == r.num_iterations and s.bucket.index < bucket.index]
         recv, pg, W = self._recv(bucket, wire), r.comm.pg, r.world
         _, bounds, stage = self._chunks(r, bucket, wire)
-        if stage is None:
-            works = [groups.all_to_all_single(recv, wire, pg)]
-        else:
+        src = wire  # one piece: the wire itself
+        if stage is not None:
+            src = stage
             _to_stage(stage, wire, W, bounds)
-            works = [groups.all_to_all_single(recv[W * a:W * b], stage[W * a:W * b], pg) for a, b in bounds]
+        works = [groups.all_to_all_single(recv[W * a:W * b], src[W * a:W * b], pg) for a, b in bounds]
         step = _ShardStep(self, r, bucket, works, r.num_iterations, health)
         self.open.append(step)
         return r.comm.hook(step, wire.numel() * wire.element_size())
@@ -716,7 +716,8 @@ class BlockFp8(_ResidualBook, Reduction):
              "rq": torch.empty(W * shard, dtype=torch.uint8, device=dev),
              "rs": torch.empty(W * shard // B, dtype=torch.float32, device=dev),
              "exbuf": torch.zeros(sum(ex_numels), dtype=torch.float32, device=dev)}
-        d["chunks"] = chunk_bounds(shard, W, 1, B, dev)  # fp8 pieces of whole blocks (their scales follow)
+        d["chunks"] = chunk_bounds(shard, W, 1, B, dev)  # fp8 pieces of whole blocks
+        d["s_chunks"] = [(a // B, b // B) for a, b in d["chunks"]]  # ... and their scales
         if len(d["chunks"]) > 1:
             d["q_stage"], d["s_stage"] = torch.empty_like(d["q"]), torch.empty_like(d["s"])
         self.bufs[bucket.index] = d
@@ -747,17 +748,16 @@ class BlockFp8(_ResidualBook, Reduction):
     # --------------------------------------------------------- collectives
     def _start(self, r, bucket, d, health) -> Pending:
         self.open = [s for s in self.open if s.iteration == r.num_iterations and s.bucket.index < bucket.index]
-        pg, W, B = r.comm.pg, r.world, self.block
-        if len(d["chunks"]) == 1:
-            works = [groups.all_to_all_single(d["rq"], d["q"], pg), groups.all_to_all_single(d["rs"], d["s"], pg)]
-        else:
+        pg, W = r.comm.pg, r.world
+        qs, ss = d["q"], d["s"]  # one piece: the buffers themselves
+        if len(d["chunks"]) > 1:
             qs, ss = d["q_stage"], d["s_stage"]
             _to_stage(qs, d["q"], W, d["chunks"])
-            _to_stage(ss, d["s"], W, [(a // B, b // B) for a, b in d["chunks"]])
-            works = []
-            for a, b in d["chunks"]:
-                works.append(groups.all_to_all_single(d["rq"][W * a:W * b], qs[W * a:W * b], pg))
-                works.append(groups.all_to_all_single(d["rs"][W * a // B:W * b // B], ss[W * a // B:W * b // B], pg))
+            _to_stage(ss, d["s"], W, d["s_chunks"])
+        works = []
+        for (a, b), (sa, sb) in zip(d["chunks"], d["s_chunks"]):
+            works.append(groups.all_to_all_single(d["rq"][W * a:W * b], qs[W * a:W * b], pg))
+            works.append(groups.all_to_all_single(d["rs"][W * sa:W * sb], ss[W * sa:W * sb], pg))
         extra = [groups.all_reduce(d["exbuf"], pg, async_op=True)] if d["ex"] else []
         step = _ShardStep(self, r, bucket, works, r.num_iterations, health, extra)
         self.open.append(step)
@@ -783,14 +783,14 @@ class BlockFp8(_ResidualBook, Reduction):
                 d, W, pg = self.bufs[s.bucket.index], s.r.world, s.r.comm.pg
                 chunked = len(d["chunks"]) > 1
                 s.ag = []
-                for k, (a, b) in enumerate(d["chunks"]):
+                for k, ((a, b), (sa, sb)) in enumerate(zip(d["chunks"], d["s_chunks"])):
                     groups.wait(s.a2a[2 * k])
                     groups.wait(s.a2a[2 * k + 1])
-                    rq, rs = d["rq"][W * a:W * b], d["rs"][W * a // B:W * b // B]
-                    n, nb = b - a, (b - a) // B
+                    rq, rs = d["rq"][W * a:W * b], d["rs"][W * sa:W * sb]
+                    n, nb = b - a, sb - sa
                     kernels.reduce_fp8_shards(rq, rs, rq[:n], rs[:nb], W, B, health=s.health)
                     qo = d["q_stage"][W * a:W * b] if chunked else d["q"]
-                    so = d["s_stage"][W * a // B:W * b // B] if chunked else d["s"]
+                    so = d["s_stage"][W * sa:W * sb] if chunked else d["s"]
                     s.ag += [groups.all_gather_into_tensor(qo, rq[:n], pg),
                              groups.all_gather_into_tensor(so, rs[:nb], pg)]
         for w in list(step.ag) + list(step.extra):
@@ -799,7 +799,7 @@ class BlockFp8(_ResidualBook, Reduction):
         if len(d["chunks"]) > 1:
             W = step.r.world
             _from_stage(d["q"], d["q_stage"], W, d["chunks"])
-            _from_stage(d["s"], d["s_stage"], W, [(a // B, b // B) for a, b in d["chunks"]])
+            _from_stage(d["s"], d["s_stage"], W, d["s_chunks"])
         self.open.remove(step)
 
     # -------------------------------------------------------------- unpack

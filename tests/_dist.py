@@ -443,8 +443,6 @@ class single_rank_group:
         return dist.group.WORLD
 
     def __exit__(self, *exc):
-        import gc
-
         import torch.distributed as dist
         if dist.is_initialized():
             # A gloo group is destroyed where its last reference goes, often

@@ -417,15 +417,14 @@ def _with_chunk_bytes(rank, world, chunk_bytes, body, *args):
     """Run ``body`` with FASTDDP_CHUNK_BYTES set in this worker (restored after)."""
     import os
 
+    from tests._dist import _restore_env
+
     old = os.environ.get("FASTDDP_CHUNK_BYTES")
     os.environ["FASTDDP_CHUNK_BYTES"] = str(chunk_bytes)
     try:
         return body(rank, world, *args)
     finally:
-        if old is None:
-            os.environ.pop("FASTDDP_CHUNK_BYTES", None)
-        else:
-            os.environ["FASTDDP_CHUNK_BYTES"] = old
+        _restore_env("FASTDDP_CHUNK_BYTES", old)
 
 
 def _chunk_counts(rank, world, chunk_bytes):
