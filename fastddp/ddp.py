@@ -323,6 +323,11 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
 
     @_compile.eager  # never traced by torch.compile
     def _post_forward(self, output):
+        if torch.is_grad_enabled():
+            # the graph just built holds each parameter's AccumulateGrad node:
+            # the native hooks follow nodes torch replaced (mixed_precision's
+            # swap; .half()/.float()/.to() after wrapping, e.g. around an eval)
+            self.reducer.refresh_hooks()
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             walk = self.find_unused_parameters and not self.static_graph  # the outputs' graph

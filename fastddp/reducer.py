@@ -31,12 +31,13 @@ import collections
 import dataclasses
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from . import autotune, compile as _compile, groups, planner, profiling, reduction
+from . import _native, autotune, compile as _compile, groups, planner, profiling, reduction
 from .buckets import Bucket
 from .comm import Comm
 from .health import HealthCheck
@@ -119,8 +120,8 @@ class Reducer:
         # on AccumulateGrad (also for undefined grads), without tuples of grads
         self._fwd_reduced_at, self._fwd_unused = 0, []   # see watch_outputs
         self._output_hook = self._make_output_hook()
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                              for i, p in enumerate(self.params)]
+        self._hook_handles, self.native = [], None
+        self._attach_hooks()
 
     # ------------------------------------------------------- public surface
     view_mode = property(lambda self: self.opts.gradient_as_bucket_view)
@@ -169,6 +170,8 @@ class Reducer:
         if self.health is not None:
             self.health.install(self._buckets)
         self._bucket_of = [self._buckets[plan.locate(i)[0]] for i in range(len(self.params))]
+        if getattr(self, "native", None) is not None:
+            self.native.set_buckets([b.index for b in self._bucket_of])
         if not old:
             return
         old_locate = [(old[bi], pos) for bi, pos in map(old_plan.locate, range(len(self.params)))]
@@ -266,6 +269,9 @@ class Reducer:
                 self.abort_iteration()
                 raise
         self._fast_hooks = not (r.track_used or r.static or r.unused or r.collect_order or self.debug)
+        if self.native is not None:
+            fast = self._fast_hooks and self.ready_probe is None
+            self.native.arm(_native.FAST if fast else _native.PY, [b.size for b in self._buckets])
 
     def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
         """After prepare_for_backward: every later backward through these
@@ -319,19 +325,83 @@ class Reducer:
                 b.pending, b.work = b.size, None
             self.ready.rearm(list(unused))
             self._fast_hooks = False
+            if self.native is not None:
+                self.native.set_mode(_native.PY)
 
     # ------------------------------------------------------------ readiness
+    def _attach_hooks(self) -> None:
+        """One readiness hook per parameter: the native countdown
+        (:mod:`fastddp._native`, a C++ post hook on each AccumulateGrad, as
+        torch's reducer has) where it builds, else Python post-accumulate hooks."""
+        mod = _native.countdown_module()
+        if mod is None:
+            self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                                  for i, p in enumerate(self.params)]
+            return
+        me = weakref.ref(self)  # the C++ side holds these: no cycle back to the reducer
+
+        def on_bucket(b: int) -> None:
+            r = me()
+            if r is not None:
+                r._native_bucket_ready(b)
+
+        def on_hook(index: int, twice: bool) -> None:
+            r = me()
+            if r is not None:
+                r._native_marked_twice(index) if twice else r._hook_body(index)
+
+        def ca_hook(index: int):
+            def hook(_grad_inputs, _grad_outputs):  # compiled autograd's node post hook
+                r = me()
+                if r is not None:
+                    r._hook_body(index)
+            return _compile.eager(hook)
+
+        self.native = mod.Countdown(self.params, on_bucket, on_hook,
+                                    [ca_hook(i) for i in range(len(self.params))])
+        self.native.set_buckets([b.index for b in self._bucket_of])
+
+    def refresh_hooks(self) -> int:
+        """After each forward: the native hooks follow AccumulateGrad nodes
+        that torch replaced (a parameter's data changed dtype or device);
+        Python's post-accumulate hooks live on the tensor and need nothing.
+        ~0.3 us per parameter (600: ~0.2 ms with a cold cache).  Returns how
+        many moved."""
+        return self.native.refresh() if self.native is not None else 0
+
     def _make_hook(self, index: int):
         reducer = self
 
         def hook(_param):
-            if reducer._fast_hooks:  # armed, nothing to track: no lock (one autograd thread)
-                reducer._mark_ready(index)
-            else:
-                with reducer._lock:
-                    for i in reducer.ready.on_hook(index, reducer.params[index].grad is not None):
-                        reducer._mark_ready(i)
+            reducer._hook_body(index)
         return _compile.eager(hook)  # compiled autograd: called eagerly, in place
+
+    def _hook_body(self, index: int) -> None:
+        if self._fast_hooks:  # armed, nothing to track: no lock (one autograd thread)
+            self._mark_ready(index)
+        else:
+            with self._lock:
+                for i in self.ready.on_hook(index, self.params[index].grad is not None):
+                    self._mark_ready(i)
+
+    def _native_bucket_ready(self, b: int) -> None:
+        """The native countdown: bucket ``b``'s last parameter is ready."""
+        bucket = self._buckets[b]
+        marked = self.ready.marked
+        for i in bucket.indices:
+            marked[i] = 1
+        bucket.pending = 0
+        self._bucket_complete(bucket)
+
+    def _native_marked_twice(self, index: int) -> None:
+        self._sync_native_marks()
+        self.ready.mark(index)  # raises torch's error, naming the parameter
+        raise RuntimeError(f"fastddp internal error: parameter {index} marked twice went unnoticed")
+
+    def _sync_native_marks(self) -> None:
+        """The marks of buckets the native countdown has not finished yet."""
+        if self.native is not None and self.native.mode() == _native.FAST:
+            self.ready.marked = bytearray(self.native.marked())
 
     def _mark_ready(self, index: int) -> None:
         self.ready.mark(index)
@@ -340,18 +410,21 @@ class Reducer:
         bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
-            try:
-                self._pack(bucket)
-                if self.debug:
-                    return  # issued by _debug_check after the cross-rank check
-                self._launch_ready()
-            except BaseException:
-                self.abort_iteration()  # e.g. a hook's error: the next iteration starts clean
-                raise
-            if self._next_bucket == len(self._buckets):
-                self._all_buckets_issued()
-                # compiled autograd's engine runs no queued callbacks (every grad is in by now)
-                self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
+            self._bucket_complete(bucket)
+
+    def _bucket_complete(self, bucket: Bucket) -> None:
+        try:
+            self._pack(bucket)
+            if self.debug:
+                return  # issued by _debug_check after the cross-rank check
+            self._launch_ready()
+        except BaseException:
+            self.abort_iteration()  # e.g. a hook's error: the next iteration starts clean
+            raise
+        if self._next_bucket == len(self._buckets):
+            self._all_buckets_issued()
+            # compiled autograd's engine runs no queued callbacks (every grad is in by now)
+            self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
 
     def _all_buckets_issued(self) -> None:
         self._t_all_issued = time.perf_counter()
@@ -413,6 +486,9 @@ class Reducer:
                 raise RuntimeError(f"fastddp internal error: finalize with {self._next_bucket} of "
                                    f"{len(self._buckets)} buckets issued (armed: {self.ready.expect_hooks})")
             self._fast_hooks, self._div_factor = False, None  # join may change the divisor
+            if self.native is not None:  # until the next armed forward: hooks that track nothing skip Python
+                idle = not (self.ready.static or self.ready.dynamic_find_unused or self.debug)
+                self.native.set_mode(_native.IDLE if idle else _native.PY)
             track = self.ready.static or self.opts.find_unused_parameters
             self.ready.expect_hooks = False
             live = [b for b in self._buckets if b.work is not None]  # else skipped (unused)
@@ -454,13 +530,17 @@ class Reducer:
     # ---------------------------------------------------------------- errors
     def abort_iteration(self) -> None:
         """An error is raised in this iteration: the next well-formed one starts clean."""
+        self._sync_native_marks()
         self.ready.abort()
         self._fast_hooks = False
+        if self.native is not None:
+            self.native.set_mode(_native.PY)
         self._next_bucket = 0
         for b in self._buckets:
             b.work, b.sparse_grad, b.pending = None, None, b.size
 
     def ensure_prior_reduction_finished(self) -> None:
+        self._sync_native_marks()
         if self.ready.require_finalize:
             err = self.ready.unfinished_error()
             self.abort_iteration()  # so the error is not raised forever after a user catches it
@@ -477,3 +557,5 @@ class Reducer:
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
+        if self.native is not None:
+            self.native.remove()

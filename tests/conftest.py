@@ -10,6 +10,13 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def pytest_sessionstart(session):
+    """Build the native readiness hooks now (about a minute the first time,
+    then cached: fastddp/_native.py), not inside the first test's timeout."""
+    from fastddp import _native
+    _native.countdown_module()
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     for item in items:

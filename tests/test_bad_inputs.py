@@ -530,9 +530,11 @@ def test_extra_backward_on_one_rank_is_an_error_not_a_hang(world2):
     """Without debug mode the collectives pair up wrongly until one rank waits
     alone: an error within the group's timeout (10 s here), never a hang.
     (torch's DDP leaves rank 0's second backward local: no error, averaged
-    away by the next step only if the grads are not zeroed.)"""
+    away by the next step only if the grads are not zeroed.)  The rank left
+    waiting errors by the timeout, or sooner when the other rank's group is
+    already gone (its reducer freed, its sockets closed)."""
     res = world2.run(_scenario_body, "extra_backward_one_rank", timeout=90)
-    assert any(isinstance(r, str) and "Timed out" in r for r in res), res
+    assert any(isinstance(r, str) and ("Timed out" in r or "Connection closed by peer" in r) for r in res), res
 
 
 def test_no_sync_on_one_rank_is_an_error_not_a_hang(world2):
@@ -541,7 +543,7 @@ def test_no_sync_on_one_rank_is_an_error_not_a_hang(world2):
     may finish with mispaired averages, as in torch: only debug mode's
     check, or the error on its peer, shows it)."""
     res = world2.run(_scenario_body, "no_sync_one_rank", timeout=90)
-    assert any(isinstance(r, str) and "Timed out" in r for r in res), res
+    assert any(isinstance(r, str) and ("Timed out" in r or "Connection closed by peer" in r) for r in res), res
 
 
 def test_parameter_unfrozen_after_wrapping(world2):

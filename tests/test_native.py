@@ -1,0 +1,319 @@
+"""The native readiness hooks (fastddp/_native.py): the C++ countdown behind
+every reducer where it builds, and the Python hooks it replaces.
+
+The whole suite runs on the native hooks (tests/run.sh builds them first);
+here: the countdown's own contract, its modes, gradients bit-equal to the
+Python hooks' in every mode, the fallback and its message, the build without
+ninja, and what it changes for the user (no reference cycle, AccumulateGrad
+nodes replaced under mixed precision, a parameter changed after wrapping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import os
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests._dist import REPO_ROOT, fastddp_only, single_rank_group, world2  # noqa: F401 (fixture)
+
+pytestmark = fastddp_only
+
+OFF = os.environ.get("FASTDDP_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+@contextlib.contextmanager
+def _native_env(value: str | None):
+    old = os.environ.get("FASTDDP_NATIVE")
+    if value is None:
+        os.environ.pop("FASTDDP_NATIVE", None)
+    else:
+        os.environ["FASTDDP_NATIVE"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FASTDDP_NATIVE", None)
+        else:
+            os.environ["FASTDDP_NATIVE"] = old
+
+
+def _module():
+    from fastddp import _native
+    mod = _native.countdown_module()
+    assert mod is not None, ("the native readiness hooks did not build here (a C++ compiler and "
+                             "torch's headers are needed); FASTDDP_NATIVE=0 runs without them")
+    return mod
+
+
+# ------------------------------------------------------------ the countdown
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_countdown_contract():
+    """FAST: one call per bucket, when its last parameter is in; a second
+    mark of a parameter goes to Python flagged; PY: every hook to Python;
+    IDLE: nothing.  A Python error in a callback is the backward's error."""
+    from fastddp import _native
+    mod = _module()
+    lin = nn.Linear(4, 3)
+    ps = list(lin.parameters())
+    ev = []
+    cd = mod.Countdown(ps, lambda b: ev.append(("bucket", b)), lambda i, twice: ev.append(("hook", i, twice)),
+                       [None, None])
+    cd.set_buckets([1, 0])  # weight in bucket 1, bias in bucket 0
+    x = torch.randn(2, 4)
+
+    cd.arm(_native.FAST, [1, 1])
+    lin(x).sum().backward()
+    assert sorted(ev) == [("bucket", 0), ("bucket", 1)] and cd.marked() == b"\x01\x01"
+
+    ev.clear()
+    cd.arm(_native.FAST, [1, 1])
+    y = lin(x).sum()
+    y.backward(retain_graph=True)
+    y.backward()  # every parameter marked a second time
+    assert sorted(ev) == [("bucket", 0), ("bucket", 1), ("hook", 0, True), ("hook", 1, True)]
+
+    ev.clear()
+    cd.arm(_native.PY, [1, 1])
+    lin(x).sum().backward()
+    assert sorted(ev) == [("hook", 0, False), ("hook", 1, False)]
+
+    ev.clear()
+    cd.set_mode(_native.IDLE)
+    lin(x).sum().backward()
+    assert ev == [] and cd.mode() == _native.IDLE
+
+    def boom(b):
+        raise ValueError(f"bucket {b} refused")
+    cd2 = mod.Countdown(ps, boom, lambda i, twice: None, [None, None])
+    cd2.set_buckets([0, 0])
+    cd2.arm(_native.FAST, [2])
+    with pytest.raises(ValueError, match="bucket 0 refused"):
+        lin(x).sum().backward()
+    cd2.remove()
+    assert not cd2.attached
+
+    cd.remove()  # hooks gone: nothing fires any more
+    cd.set_mode(_native.PY)
+    lin(x).sum().backward()
+    assert ev == []
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_countdown_follows_a_replaced_accumulator():
+    """torch gives a parameter a new AccumulateGrad node when its data changes
+    dtype (mixed precision's swap); refresh() moves the hook there."""
+    from fastddp import _native
+    mod = _module()
+    lin = nn.Linear(4, 3)
+    ps = list(lin.parameters())
+    ev = []
+    cd = mod.Countdown(ps, lambda b: ev.append(b), lambda i, twice: None, [None, None])
+    cd.set_buckets([0, 0])
+    assert cd.refresh() == 0
+    lin.double()  # p.data = p.data.double(): new AccumulateGrad nodes
+    assert cd.refresh() == 2 and cd.refresh() == 0
+    cd.arm(_native.FAST, [2])
+    lin(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    assert ev == [0]
+
+
+# ----------------------------------------------------------- in the reducer
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_reducer_modes_follow_the_iteration():
+    from fastddp import DistributedDataParallel as DDP, _native
+    with single_rank_group():
+        ddp = DDP(_model(), bucket_cap_mb=0.0005)
+        r = ddp.reducer
+        assert r.native is not None and r._hook_handles == []
+        for step in range(3):
+            out = ddp(torch.randn(4, 8))
+            if step >= 1:  # after the rebuild's ready order is learnt: the countdown alone
+                assert r.native.mode() == _native.FAST
+            out.sum().backward()
+            assert r.native.mode() == _native.IDLE  # a no_sync backward costs no Python
+        assert r.num_buckets > 1  # (after the rebuild)
+        with ddp.no_sync():
+            ddp(torch.randn(4, 8)).sum().backward()
+        ddp(torch.randn(4, 8)).sum().backward()
+        fu = DDP(_model(), find_unused_parameters=True)
+        fu(torch.randn(4, 8)).sum().backward()
+        assert fu.reducer.native.mode() == _native.PY  # the unused-parameter walk needs every hook
+        del ddp, fu, r
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_reducer_is_freed():
+    """The C++ hooks hold the reducer weakly: the cycle collector cannot see
+    references held in C++, so a strong one would keep every wrapped model
+    (and its buckets) alive for the life of the process."""
+    from fastddp import DistributedDataParallel as DDP
+    with single_rank_group():
+        ddp = DDP(_model())
+        ddp(torch.randn(4, 8)).sum().backward()
+        ref = weakref.ref(ddp.reducer)
+        del ddp
+        gc.collect()
+        assert ref() is None
+
+
+def _half_eval_body(rank, world_size):
+    """An eval in half precision between training steps (model.half() ...
+    model.float()) gives every parameter a new AccumulateGrad node: the
+    gradients after it are still averaged."""
+    from fastddp import DistributedDataParallel as DDP
+    m = _model()
+    ddp = DDP(m)
+    out = []
+    for step in range(4):
+        if step == 2:
+            m.half()
+            with torch.no_grad():
+                ddp(torch.randn(4, 8).half())
+            m.float()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 10 + step))
+        ddp(x).sum().backward()
+        out.append([p.grad.clone() for p in m.parameters()])
+        for p in m.parameters():
+            p.grad = None
+    return out
+
+
+def test_dtype_round_trip_after_wrapping_still_averages(world2):
+    a, b = world2.run(_half_eval_body)
+    for step, (ga, gb) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(ga, gb)):
+            assert torch.equal(x, y), f"step {step} param {i}: the ranks' gradients differ (not averaged)"
+
+
+def _grads_body(rank, world_size, native):
+    """Steps in every readiness mode; the grads after each (bitwise compared
+    across the two kinds of hooks by the test)."""
+    import torch.distributed as dist
+    from fastddp import DistributedDataParallel as DDP
+    with _native_env(native):
+        out = []
+        for kw in ({}, {"batched_grad_copy": True}, {"gradient_as_bucket_view": True},
+                   {"find_unused_parameters": True}, {"static_graph": True}, {"bucket_cap_mb": 0.0005}):
+            ddp = DDP(_model(), **kw)
+            assert (ddp.reducer.native is None) == (native == "0")
+            for step in range(4):
+                g = torch.Generator().manual_seed(rank * 100 + step)
+                x = torch.randn(4, 8, generator=g)
+                if step == 1:  # gradient accumulation
+                    with ddp.no_sync():
+                        ddp(x).sum().backward()
+                    ddp(x * 2).sum().backward()
+                elif step == 2 and "static_graph" not in kw:  # two losses through one forward
+                    y = ddp(x)
+                    y.sum().backward(retain_graph=True)
+                    (y * y).sum().backward()
+                else:
+                    ddp(x).sum().backward()
+                out.append([p.grad.clone() for p in ddp.parameters()])
+                for p in ddp.parameters():
+                    p.grad = None
+            dist.barrier()
+            del ddp
+        return out
+
+
+def test_native_and_python_hooks_give_the_same_gradients(world2):
+    if OFF:
+        pytest.skip("FASTDDP_NATIVE=0")
+    nat = world2.run(_grads_body, "1")
+    py = world2.run(_grads_body, "0")
+    for rank in range(2):
+        assert len(nat[rank]) == len(py[rank])
+        for k, (a, b) in enumerate(zip(nat[rank], py[rank])):
+            for i, (x, y) in enumerate(zip(a, b)):
+                assert torch.equal(x, y), f"rank {rank} case/step {k} param {i}: native {x} python {y}"
+
+
+# ------------------------------------------------------------ the fallback
+def test_a_failed_build_falls_back_with_a_clear_warning(monkeypatch):
+    from fastddp import DistributedDataParallel as DDP, _native
+
+    def fail():
+        raise RuntimeError("c++: command not found")
+    monkeypatch.setattr(_native, "_module", None)
+    monkeypatch.setattr(_native, "_failed", None)
+    monkeypatch.setattr(_native, "_import_built", lambda: None)
+    monkeypatch.setattr(_native, "_build", fail)
+    with _native_env(None), single_rank_group():
+        with pytest.warns(RuntimeWarning, match="could not be built .*c\\+\\+: command not found.*Python hooks"):
+            ddp = DDP(_model())
+        assert ddp.reducer.native is None and len(ddp.reducer._hook_handles) == 6
+        ddp(torch.randn(4, 8)).sum().backward()  # the Python hooks reduce
+        assert all(p.grad is not None for p in ddp.parameters())
+        with _native_env("require"), pytest.raises(RuntimeError, match="could not be built"):
+            DDP(_model())
+        del ddp
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_build_without_ninja(tmp_path):
+    """A machine with a compiler but no ninja (torch's JIT builder needs it)
+    builds with the compiler directly, with torch's flags."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    import shutil
+    for tool in ("c++", "g++", "cc", "gcc", "as", "ld"):
+        path = shutil.which(tool)
+        if path:
+            os.symlink(path, bindir / tool)
+    env = dict(os.environ, PATH=str(bindir), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), FASTDDP_NATIVE="require")
+    code = ("import fastddp._native as n, torch\n"
+            "assert not n._has_ninja()\n"
+            "m = n.countdown_module()\n"
+            "lin = torch.nn.Linear(2, 2); ev = []\n"
+            "cd = m.Countdown(list(lin.parameters()), ev.append, lambda i, t: None, [None, None])\n"
+            "cd.set_buckets([0, 0]); cd.arm(n.FAST, [2]); lin(torch.ones(1, 2)).sum().backward()\n"
+            "assert ev == [0], ev\n"
+            "print('built', m.__file__)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "built" in res.stdout and str(tmp_path / "ext") in res.stdout
+
+
+def test_off_by_environment():
+    from fastddp import DistributedDataParallel as DDP
+    with _native_env("0"), single_rank_group():
+        ddp = DDP(_model())
+        assert ddp.reducer.native is None and len(ddp.reducer._hook_handles) == 6
+        ddp(torch.randn(4, 8)).sum().backward()
+        del ddp
+
+
+def test_mixed_precision_swap_keeps_the_hooks():
+    """mixed_precision(param_dtype=fp16) swaps the parameters' data each
+    forward (new AccumulateGrad nodes); the gradients still reduce."""
+    from fastddp import DistributedDataParallel as DDP
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: F401 (torch present)
+    try:
+        from torch.nn.parallel.distributed import _MixedPrecision as MP
+    except ImportError:
+        pytest.skip("this torch has no DDP mixed precision config")
+    with single_rank_group():
+        m = _model()
+        ref = copy.deepcopy(m)
+        ddp = DDP(m, mixed_precision=MP(param_dtype=torch.float16, reduce_dtype=torch.float32))
+        for _ in range(3):
+            ddp(torch.randn(4, 8)).float().sum().backward()
+            assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in ddp.parameters())
+            for p in ddp.parameters():
+                p.grad = None
+        del ddp, ref
