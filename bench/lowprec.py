@@ -185,6 +185,9 @@ def conversion(numel, repeats):
     n8 = numel // 256 * 256
     g8, r8, dst8 = g[:n8], torch.zeros(n8), torch.empty(n8)
     q8, s8 = torch.empty(n8, dtype=torch.uint8), torch.empty(n8 // 256)
+    K.quantize_fp8(g8, q8, s8, 256)  # valid codes and scales for the passes that read them
+    n8h = n8 // 512 * 256
+    q8h, s8h = torch.empty(n8h, dtype=torch.uint8), torch.empty(n8h // 256)
     cases = {
         # name: (fn, bytes read + written)
         "copy fp32->fp32": (lambda: dst32.copy_(g), 8 * numel),
@@ -201,6 +204,9 @@ def conversion(numel, repeats):
             lambda: K.quantize_fp8(g8, q8, s8, 256, residual=r8), 4 * n8 + 4 * n8 + n8 + n8 // 64 + 4 * n8),
         "fp8 quantize, no residual (CPU path)": (lambda: K.quantize_fp8(g8, q8, s8, 256), 5 * n8 + n8 // 64),
         "fp8 dequantize (CPU path)": (lambda: K.dequantize_fp8(q8, s8, dst8, 256), 5 * n8 + n8 // 64),
+        # the shard sum of a W=2 all-to-all: 2 x half the bucket in, half out (fp8 + scales)
+        "fp8 shard sum W=2 (CPU path)": (
+            lambda: K.reduce_fp8_shards(q8, s8, q8h, s8h, 2, 256), n8 + n8 // 64 + n8 // 2 + n8 // 128),
     }
     res = {}
     for name, (fn, nbytes) in cases.items():

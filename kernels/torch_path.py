@@ -208,6 +208,16 @@ def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int,
 FP8_CHUNK = 1 << 18
 
 
+def _native_fp8(*tensors) -> object | None:
+    """The native fp8 loops (:mod:`fastddp._native`) when they are built and
+    every tensor is a contiguous CPU one; else None (the torch ops below)."""
+    if not all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors):
+        return None
+    from fastddp import _native
+    mod = _native.countdown_module()
+    return mod if mod is not None and hasattr(mod, "fp8_quantize") else None
+
+
 def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
                  residual: torch.Tensor | None = None, health: torch.Tensor | None = None) -> None:
     """:func:`fastddp.kernels.reference.quantize_fp8`, fast: chunk by chunk;
@@ -217,9 +227,14 @@ def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: 
     torch's cast (nearest even) needs no clamp.  A chunk holding a NaN/inf
     goes through the contract's own code (masks, NaN codes, health bits)."""
     n = x.numel()
+    start = 0
+    if x.dtype == torch.float32 and (nat := _native_fp8(x, q, scales, residual)) is not None:
+        start = nat.fp8_quantize(x, residual, q, scales, block) * block  # one pass; stops at a NaN/inf
+        if start == n:
+            return
     step = max(block, FP8_CHUNK // block * block)
     q8 = q.view(torch.float8_e4m3fn)
-    for c in range(0, n, step):
+    for c in range(start, n, step):
         m = min(step, n - c)
         xc = x[c:c + m] if residual is None else x[c:c + m] + residual[c:c + m]
         xb = xc.view(-1, block)
@@ -270,6 +285,9 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, blo
     """:func:`fastddp.kernels.reference.dequantize_fp8`, chunk by chunk: the
     decode (:func:`decode_fp8`), then the scale written straight into ``out``."""
     n = out.numel()
+    if out.dtype == torch.float32 and (nat := _native_fp8(q, scales, out)) is not None:
+        nat.fp8_dequantize(q, scales, out, block)
+        return out
     step = max(block, FP8_CHUNK // block * block)
     for c in range(0, n, step):
         m = min(step, n - c)
@@ -284,9 +302,14 @@ def reduce_fp8_shards(src_q: torch.Tensor, src_s: torch.Tensor, out_q: torch.Ten
     every slice of a chunk is read (dequantized and added in rank order)
     before the chunk of ``out`` (maybe slice 0) is written."""
     n, nb = out_q.numel(), out_s.numel()
+    start = 0
+    if (nat := _native_fp8(src_q, src_s, out_q, out_s)) is not None:
+        start = nat.fp8_reduce_shards(src_q, src_s, out_q, out_s, world, block) * block  # stops at an overflow
+        if start == n:
+            return
     step = max(block, FP8_CHUNK // block * block)
     tmp = torch.empty(min(step, n), dtype=torch.float32, device=out_q.device)
-    for c in range(0, n, step):
+    for c in range(start, n, step):
         m = min(step, n - c)
         b0, b1 = c // block, (c + m) // block
         acc = torch.empty(m, dtype=torch.float32, device=out_q.device)
