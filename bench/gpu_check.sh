@@ -315,7 +315,9 @@ native_ready() {  # wait up to $1 s for the build; else run on the Python hooks
         kill "$NATIVE_PID" 2>/dev/null; export FASTDDP_NATIVE=0
         say "native readiness hooks: still building after the wait; Python hooks from here"
     else
-        say "$(grep -E '^fastddp native' "$work/native.out" | tail -1 || echo "native readiness hooks: build failed")"
+        local said
+        said=$(grep -E '^fastddp native' "$work/native.out" | tail -1)
+        say "${said:-native readiness hooks: the build failed (see the log); Python hooks from here}"
         grep -q "hooks: ready" "$work/native.out" || export FASTDDP_NATIVE=0
     fi
     cat "$work/native.out" >> "$LOG"

@@ -483,15 +483,12 @@ def _has_ninja() -> bool:
 
 def _build_direct():
     import fcntl
-    import importlib.machinery
     import shutil
     import subprocess
     import sysconfig
     import tempfile
     from torch.utils import cpp_extension
-    name = _name()
-    d = cpp_extension._get_build_directory(name, verbose=False)
-    so = os.path.join(d, name + importlib.machinery.EXTENSION_SUFFIXES[-1])
+    name, d, so = _built_path()
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (c++/g++) on PATH and no ninja")
@@ -519,17 +516,23 @@ def _build_direct():
     return mod
 
 
+def _built_path() -> tuple[str, str, str]:
+    """The module's name, its build folder (torch's extension cache) and
+    the shared object's path there."""
+    import importlib.machinery
+    from torch.utils import cpp_extension
+    name = _name()
+    d = cpp_extension._get_build_directory(name, verbose=False)
+    return name, d, os.path.join(d, name + importlib.machinery.EXTENSION_SUFFIXES[-1])
+
+
 def _import_built():
     """The module a previous process built (the name hashes the source and
     torch's version), imported without re-running the build check (~0.5 s
     per process: every rank of every run pays it); None while absent or
     while another process holds the build lock."""
-    import importlib.machinery
     import importlib.util
-    from torch.utils import cpp_extension
-    name = _name()
-    d = cpp_extension._get_build_directory(name, verbose=False)
-    so = os.path.join(d, name + importlib.machinery.EXTENSION_SUFFIXES[-1])
+    name, d, so = _built_path()
     if not os.path.isfile(so) or os.path.exists(os.path.join(d, "lock")):
         return None
     spec = importlib.util.spec_from_file_location(name, so)

@@ -385,11 +385,10 @@ class Reducer:
                     self._mark_ready(i)
 
     def _native_bucket_ready(self, b: int) -> None:
-        """The native countdown: bucket ``b``'s last parameter is ready."""
+        """The native countdown: bucket ``b``'s last parameter is ready.  The
+        marks stay on the C++ side; :meth:`_sync_native_marks` copies them
+        over where they are read (errors, an unfinished iteration)."""
         bucket = self._buckets[b]
-        marked = self.ready.marked
-        for i in bucket.indices:
-            marked[i] = 1
         bucket.pending = 0
         self._bucket_complete(bucket)
 
@@ -399,7 +398,8 @@ class Reducer:
         raise RuntimeError(f"fastddp internal error: parameter {index} marked twice went unnoticed")
 
     def _sync_native_marks(self) -> None:
-        """The marks of buckets the native countdown has not finished yet."""
+        """``ready.marked`` from the native countdown (it keeps them while it
+        counts): before anything reads them in a counted iteration."""
         if self.native is not None and self.native.mode() == _native.FAST:
             self.ready.marked = bytearray(self.native.marked())
 
