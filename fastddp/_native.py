@@ -79,6 +79,15 @@ struct State {
   PyObject* on_bucket = nullptr;
   PyObject* on_hook = nullptr;
   std::vector<PyObject*> ca_hooks;
+  // gradient_as_bucket_view on the CPU: each fresh gradient is copied into
+  // its bucket view as it arrives (torch's mark_variable_ready_dense), so it
+  // is freed at once and read while still in cache; FAST iterations only
+  std::vector<at::Tensor> vars;   // the parameters
+  std::vector<at::Tensor> dst;    // per parameter: its bucket view (undefined: never)
+  bool early = false;             // this iteration copies early
+  at::Tensor scale;               // wrapped 1/W (torch's mul_out); undefined: a plain copy
+  std::vector<uint8_t> filled;    // per parameter, this iteration
+  std::vector<int> nfilled;       // per bucket, this iteration
 
   ~State() {
     if (!Py_IsInitialized()) return;  // interpreter gone: leak, never touch it
@@ -102,6 +111,7 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
   variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
     int bucket = -1;
     int python = 0;  // 1: the Python hook body, 2: marked twice
+    bool early = false;
     {
       std::lock_guard<std::mutex> lock(st_->mu);
       if (st_->mode == 2) return outputs;
@@ -111,13 +121,42 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
         python = 2;
       } else {
         st_->marked[index_] = 1;
-        int b = st_->bucket_of[index_];
-        if (--st_->pending[b] == 0) bucket = b;
+        early = st_->early && st_->dst[index_].defined();
       }
     }
-    if (python) call(st_->on_hook, index_, python == 2, true);
-    else if (bucket >= 0) call(st_->on_bucket, bucket, false, false);
+    if (python) {
+      call(st_->on_hook, index_, python == 2, true);
+      return outputs;
+    }
+    const bool copied = early && copy_early();
+    {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      int b = st_->bucket_of[index_];
+      if (copied) {
+        st_->filled[index_] = 1;
+        ++st_->nfilled[b];
+      }
+      if (--st_->pending[b] == 0) bucket = b;
+    }
+    if (bucket >= 0) call(st_->on_bucket, bucket, false, false);
     return outputs;
+  }
+
+  // torch's mark_variable_ready_dense for a gradient that is not yet its
+  // bucket view: view = grad * (1/W) (or a plain copy), then .grad = view.
+  // Anything unusual (aliased already, create_graph, another dtype or shape,
+  // not strided) is left to the Python pack, which applies torch's rules.
+  bool copy_early() {
+    const at::Tensor& dst = st_->dst[index_];
+    at::Tensor& grad = st_->vars[index_].mutable_grad();
+    if (!grad.defined() || grad.layout() != at::kStrided || grad.requires_grad() || !grad.device().is_cpu() ||
+        grad.scalar_type() != dst.scalar_type() || grad.sizes() != dst.sizes() || grad.is_alias_of(dst))
+      return false;
+    at::NoGradGuard no_grad;
+    if (st_->scale.defined()) at::mul_out(const_cast<at::Tensor&>(dst), grad, st_->scale);
+    else const_cast<at::Tensor&>(dst).copy_(grad);
+    grad = dst;
+    return true;
   }
 
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
@@ -143,6 +182,9 @@ struct Countdown {
     for (auto& h : ca_hooks) st_->ca_hooks.push_back(h.release().ptr());
     st_->bucket_of.assign(params.size(), 0);
     st_->marked.assign(params.size(), 0);
+    st_->vars = params;
+    st_->dst.assign(params.size(), at::Tensor());
+    st_->filled.assign(params.size(), 0);
     params_ = params;
     for (size_t i = 0; i < params.size(); ++i) {
       auto acc = torch::autograd::impl::grad_accumulator(params[i]);
@@ -176,6 +218,28 @@ struct Countdown {
     nodes_.clear();
     keys_.clear();
     params_.clear();
+    std::lock_guard<std::mutex> lock(st_->mu);
+    st_->early = false;
+    for (auto& t : st_->dst) t.reset();
+    for (auto& t : st_->vars) t.reset();
+  }
+
+  // Each parameter's bucket view for the early copy (None: that parameter
+  // never); called when the buckets or the bucket mode change.
+  void set_views(const std::vector<std::optional<at::Tensor>>& views) {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    TORCH_CHECK(views.size() == st_->dst.size(), "fastddp native: one view (or None) per parameter");
+    for (size_t i = 0; i < views.size(); ++i) st_->dst[i] = views[i].has_value() ? *views[i] : at::Tensor();
+  }
+
+  int filled(int b) {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    return st_->nfilled.at(b);
+  }
+
+  pybind11::bytes filled_marks() {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    return pybind11::bytes(reinterpret_cast<const char*>(st_->filled.data()), st_->filled.size());
   }
 
   void set_buckets(const std::vector<int>& bucket_of) {
@@ -184,11 +248,22 @@ struct Countdown {
     st_->bucket_of = bucket_of;
   }
 
-  void arm(int mode, const std::vector<int>& sizes) {
+  // early: < 0 no early copy this iteration, 0 a plain copy, else the
+  // scale (1/W, applied as torch's wrapped double scalar)
+  void arm(int mode, const std::vector<int>& sizes, double early) {
     std::lock_guard<std::mutex> lock(st_->mu);
     st_->mode = mode;
     st_->pending = sizes;
     std::fill(st_->marked.begin(), st_->marked.end(), 0);
+    st_->early = mode == 1 && early >= 0;
+    if (st_->early && early > 0) {
+      st_->scale = at::scalar_tensor(early, at::TensorOptions().dtype(at::kDouble));
+      st_->scale.unsafeGetTensorImpl()->set_wrapped_number(true);
+    } else {
+      st_->scale = at::Tensor();
+    }
+    std::fill(st_->filled.begin(), st_->filled.end(), 0);
+    st_->nfilled.assign(sizes.size(), 0);
   }
 
   void set_mode(int mode) {
@@ -415,10 +490,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("remove", &Countdown::remove)
       .def("refresh", &Countdown::refresh)
       .def("set_buckets", &Countdown::set_buckets)
-      .def("arm", &Countdown::arm)
+      .def("arm", &Countdown::arm, pybind11::arg("mode"), pybind11::arg("sizes"), pybind11::arg("early") = -1.0)
       .def("set_mode", &Countdown::set_mode)
       .def("mode", &Countdown::mode)
       .def("marked", &Countdown::marked)
+      .def("set_views", &Countdown::set_views)
+      .def("filled", &Countdown::filled)
+      .def("filled_marks", &Countdown::filled_marks)
       .def_property_readonly("attached", &Countdown::attached);
 }
 """

@@ -30,7 +30,7 @@ class Bucket:
 
     __slots__ = ("index", "spec", "params", "indices", "layout", "flat", "views", "size",
                  "pending", "work", "ready_event", "flat_layout", "complex", "grad_views",
-                 "hook_layout", "sparse", "sparse_grad", "reduction", "health")
+                 "hook_layout", "sparse", "sparse_grad", "reduction", "health", "prefilled")
 
     def __init__(self, spec: planner.Bucket, params: Sequence[torch.Tensor], dtype: torch.dtype | None = None):
         self.index = spec.index
@@ -44,6 +44,7 @@ class Bucket:
         self.work: Pending | None = None
         self.reduction = None
         self.health: torch.Tensor | None = None  # check_finite: this bucket's int32 flag (a view)
+        self.prefilled = 0  # grads the native hooks already copied into their views this iteration
         self.ready_event = torch.cuda.Event() if spec.device.type == "cuda" else None
         dtype = dtype or spec.dtype
         self.complex = dtype.is_complex

@@ -144,6 +144,7 @@ class Reducer:
     def register_comm_hook(self, hook: Callable, state: Any, group_ok: bool) -> None:
         """Install a comm hook; fastddp's tagged hooks run as fused paths."""
         self._dense, self._sparse_mode = reduction.choose(hook, state, self.opts.batched_grad_copy, group_ok)
+        self._early_views = None  # the bucket mode changed
         self.comm_hook, self.comm_hook_state = hook, state
         for b in self._buckets:
             b.reduction = self._sparse_mode if b.sparse else self._dense
@@ -170,6 +171,7 @@ class Reducer:
         if self.health is not None:
             self.health.install(self._buckets)
         self._bucket_of = [self._buckets[plan.locate(i)[0]] for i in range(len(self.params))]
+        self._early_views, self._early_any = None, False  # the native early copy's views: the buckets changed
         if getattr(self, "native", None) is not None:
             self.native.set_buckets([b.index for b in self._bucket_of])
         if not old:
@@ -271,7 +273,40 @@ class Reducer:
         self._fast_hooks = not (r.track_used or r.static or r.unused or r.collect_order or self.debug)
         if self.native is not None:
             fast = self._fast_hooks and self.ready_probe is None
-            self.native.arm(_native.FAST if fast else _native.PY, [b.size for b in self._buckets])
+            self.native.arm(_native.FAST if fast else _native.PY, [b.size for b in self._buckets],
+                            self._early_scale() if fast else -1.0)
+
+    def _early_scale(self) -> float:
+        """The native hooks' early copy this iteration (gradient_as_bucket_view
+        on the CPU, plain all-reduce or a Python comm hook): each fresh
+        gradient goes into its bucket view as it arrives, as torch's reducer
+        does, instead of living until its bucket's one pack (on a GPU the one
+        fused pack launch is the point; on the CPU the copy of a gradient
+        still in cache, and its memory freed at once, are).  Returns the
+        scale for :meth:`Countdown.arm` (-1: none, 0: a plain copy, else 1/W)."""
+        if self._early_views is None:
+            self._early_views = self._find_early_views()
+            self._early_any = any(v is not None for v in self._early_views)
+            self.native.set_views(self._early_views)
+        if not self._early_any or self._fwd_work is not None:
+            return -1.0  # join's divisor is known only after its forward all-reduce
+        d = self._dense
+        if type(d) is reduction.AllReduce and d.scaling is reduction.Scaling.MUL:
+            return 1.0 / self.world
+        return 0.0  # batched_grad_copy (the bucket is divided once, whole) / a comm hook (undivided)
+
+    def _find_early_views(self) -> list:
+        d = self._dense
+        if not (self.view_mode and type(d) in (reduction.AllReduce, reduction.PythonHook)):
+            return [None] * len(self.params)
+        ok = {b.index for b in self._buckets
+              if not b.sparse and not b.complex and b.flat.device.type == "cpu"}
+        views: list = [None] * len(self.params)
+        for b in self._buckets:
+            if b.index in ok:
+                for i, p, v in zip(b.indices, b.params, b.grad_views):
+                    views[i] = v if v.dtype == p.dtype else None
+        return views
 
     def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
         """After prepare_for_backward: every later backward through these
@@ -390,7 +425,13 @@ class Reducer:
         over where they are read (errors, an unfinished iteration)."""
         bucket = self._buckets[b]
         bucket.pending = 0
+        bucket.prefilled = self.native.filled(b) if self._early_any else 0
         self._bucket_complete(bucket)
+
+    def early_filled(self, bucket: Bucket) -> bytes:
+        """Per position in ``bucket``: its grad was copied early this iteration."""
+        marks = self.native.filled_marks()
+        return bytes(marks[i] for i in bucket.indices)
 
     def _native_marked_twice(self, index: int) -> None:
         self._sync_native_marks()

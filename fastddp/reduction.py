@@ -96,6 +96,19 @@ def fill_flat(r, bucket, grads, scaling: Scaling, health=None) -> None:
     mark_variable_ready_dense + flush_deferred_copies, one launch).
     ``health``: the bucket's check_finite flag, set by that same launch."""
     W = r.divide_factor()
+    done = bucket.prefilled
+    if done:
+        bucket.prefilled = 0
+        if done == bucket.size:  # every grad went into its view as it arrived (scaled by MUL)
+            if health is not None:
+                _flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
+            if scaling is Scaling.DIV:
+                bucket.flat.div_(W)  # torch's batched_grad_copy: copies, then one division
+            return
+        _fill_flat_mixed(r, bucket, grads, scaling, W, r.early_filled(bucket))
+        if health is not None:
+            _flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
+        return
     if _plain(r, bucket, grads):
         src = bucket.kernel_grads(grads)
         if scaling is Scaling.MUL:
@@ -117,11 +130,15 @@ def fill_flat(r, bucket, grads, scaling: Scaling, health=None) -> None:
         _flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
 
 
-def _fill_flat_mixed(r, bucket, grads, scaling: Scaling, W: int) -> None:
-    """Some grads missing or already aliased: torch's per-parameter rules."""
+def _fill_flat_mixed(r, bucket, grads, scaling: Scaling, W: int, filled=()) -> None:
+    """Some grads missing or already aliased: torch's per-parameter rules.
+    ``filled``: per bucket position, the grad went into its view as it
+    arrived (the native early copy: scaled by MUL, plain otherwise)."""
     view_mode, batched, release = r.view_mode, scaling is Scaling.DIV, r.comm.release
     deferred_src, deferred_dst, deferred = [], [], []
-    for p, g, v, gv in zip(bucket.params, grads, bucket.views, bucket.grad_views):
+    for k, (p, g, v, gv) in enumerate(zip(bucket.params, grads, bucket.views, bucket.grad_views)):
+        if filled and filled[k]:
+            continue
         if g is None:
             v.zero_()
         elif g is gv:

@@ -205,11 +205,18 @@ def _grads_body(rank, world_size, native):
     from fastddp import DistributedDataParallel as DDP
     with _native_env(native):
         out = []
-        for kw in ({}, {"batched_grad_copy": True}, {"gradient_as_bucket_view": True},
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        view = {"gradient_as_bucket_view": True}
+        for kw in ({}, {"batched_grad_copy": True}, view, {**view, "batched_grad_copy": True},
+                   {**view, "bucket_cap_mb": 0.0005}, {**view, "hook": default_hooks.allreduce_hook},
                    {"find_unused_parameters": True}, {"static_graph": True}, {"bucket_cap_mb": 0.0005}):
+            kw = dict(kw)
+            hook = kw.pop("hook", None)
             ddp = DDP(_model(), **kw)
+            if hook is not None:
+                ddp.register_comm_hook(None, hook)
             assert (ddp.reducer.native is None) == (native == "0")
-            for step in range(4):
+            for step in range(6):
                 g = torch.Generator().manual_seed(rank * 100 + step)
                 x = torch.randn(4, 8, generator=g)
                 if step == 1:  # gradient accumulation
@@ -223,8 +230,9 @@ def _grads_body(rank, world_size, native):
                 else:
                     ddp(x).sum().backward()
                 out.append([p.grad.clone() for p in ddp.parameters()])
-                for p in ddp.parameters():
-                    p.grad = None
+                for k, p in enumerate(ddp.parameters()):
+                    if step != 3 or k % 2:  # step 4: some grads fresh, some (views) accumulated
+                        p.grad = None
             dist.barrier()
             del ddp
         return out
@@ -240,6 +248,84 @@ def test_native_and_python_hooks_give_the_same_gradients(world2):
         for k, (a, b) in enumerate(zip(nat[rank], py[rank])):
             for i, (x, y) in enumerate(zip(a, b)):
                 assert torch.equal(x, y), f"rank {rank} case/step {k} param {i}: native {x} python {y}"
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_countdown_early_copy_into_views():
+    """set_views + arm(scale): each fresh grad goes into its view as it
+    arrives (times the scale, torch's mul_out), and .grad becomes the view;
+    a grad already aliasing its view, or another dtype, is left to Python."""
+    from fastddp import _native
+    mod = _module()
+    lin = nn.Linear(4, 3)
+    ps = list(lin.parameters())
+    flat = torch.zeros(15)
+    views = [flat[:12].view(3, 4), flat[12:]]
+    ev = []
+    cd = mod.Countdown(ps, lambda b: ev.append((b, cd.filled(b))), lambda i, twice: None, [None, None])
+    cd.set_buckets([0, 0])
+    cd.set_views(views)
+    x = torch.randn(2, 4)
+    cd.arm(_native.FAST, [2], 0.5)
+    lin(x).sum().backward()
+    ref = nn.Linear(4, 3)
+    ref.load_state_dict(lin.state_dict())
+    ref(x).sum().backward()
+    assert ev == [(0, 2)] and cd.filled_marks() == b"\x01\x01"
+    assert ps[0].grad is views[0] and ps[1].grad is views[1]
+    assert torch.equal(views[0], ref.weight.grad * 0.5) and torch.equal(views[1], ref.bias.grad * 0.5)
+
+    ev.clear()  # aliased grads accumulate into the views: not copied again
+    cd.arm(_native.FAST, [2], 0.5)
+    lin(x).sum().backward()
+    assert ev == [(0, 0)] and cd.filled_marks() == b"\x00\x00" and ps[0].grad is views[0]
+
+    ev.clear()  # scale 0: a plain copy; -1: none
+    for p in ps:
+        p.grad = None
+    cd.arm(_native.FAST, [2], 0.0)
+    lin(x).sum().backward()
+    assert ev == [(0, 2)] and torch.equal(views[1], ref.bias.grad)
+    for p in ps:
+        p.grad = None
+    ev.clear()
+    cd.arm(_native.FAST, [2], -1.0)
+    lin(x).sum().backward()
+    assert ev == [(0, 0)] and ps[1].grad is not views[1]
+
+    ev.clear()  # a view of another dtype (or None): never copied early
+    cd.set_views([views[0].double(), None])
+    for p in ps:
+        p.grad = None
+    cd.arm(_native.FAST, [2], 0.5)
+    lin(x).sum().backward()
+    assert ev == [(0, 0)]
+    cd.remove()
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_view_mode_copies_each_grad_as_it_arrives():
+    """gradient_as_bucket_view on the CPU with fresh grads (zero_grad(set_to_none=True)):
+    the native hooks copy each grad into its bucket view as it arrives, as torch's
+    reducer does, so the fresh tensors are freed during backward (not kept until the
+    bucket's pack); the reduced grads equal the Python hooks' (test above) and torch's
+    (tests/test_parity.py)."""
+    from fastddp import DistributedDataParallel as DDP
+    with single_rank_group():
+        ddp = DDP(_model(), gradient_as_bucket_view=True)
+        r = ddp.reducer
+        for _ in range(3):
+            for p in ddp.parameters():
+                p.grad = None
+            ddp(torch.randn(4, 8)).sum().backward()
+        assert r._early_any and r.native.filled_marks() == b"\x01" * len(r.params)
+        views = [v for b in r.buckets for v in b.grad_views]
+        assert all(any(p.grad is v for v in views) for p in ddp.parameters())
+        plain = DDP(_model())  # not view mode: nothing early (the grads stay .grad)
+        plain(torch.randn(4, 8)).sum().backward()
+        plain(torch.randn(4, 8)).sum().backward()
+        assert not plain.reducer._early_any and set(plain.reducer.native.filled_marks()) == {0}
+        del ddp, plain, r
 
 
 # ------------------------------------------------------------ the fallback
