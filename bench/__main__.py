@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--half-width", type=float, default=R_DEFAULT_HALF_WIDTH * 100, metavar="PCT",
                    help="precision goal: rounds go on until every fastddp/peer step-time ratio's 90%% interval "
                         "is within +-PCT%% (also the margin of an 'equal' verdict; default %(default)g)")
+    p.add_argument("--precision", type=float, metavar="PCT",
+                   help="the precision goal alone, when it should be finer than the verdict margin "
+                        "(--half-width): e.g. --precision 1.5 keeps the +-3%% margin and measures until "
+                        "every interval is within +-1.5%%, so pairs within ~1.5%% end 'equal' "
+                        "(default: --half-width)")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help=f"time per model (and simulated bandwidth) after which the rounds stop whatever the "
                         f"precision, plus what earlier models left unused: model i ends by (i+1) x SECONDS "
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         wrappers=_names(args.wrappers),
         world=args.world, steps=args.steps, warmup=args.warmup,
         half_width=args.half_width / 100, budget_s=args.budget,
+        precision=None if args.precision is None else args.precision / 100,
         bucket_cap_mb=args.bucket_cap_mb, out=args.out, label=args.label, quick=args.quick,
         trace_dir=args.trace, bandwidths=bandwidths, threads=args.threads, cpu=args.cpu,
         seed=args.seed, progress=not args.no_progress, charts=not args.no_charts, link=args.link,
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.mode == "adaptive" and cfg.progress:
         total = cfg.stop_rule().budget_s * len(cfg.models) * len(cfg.bandwidths)
         print(f"fastddp-bench: {len(cfg.models)} model(s) x {len(cfg.bandwidths)} section(s), rounds until "
-              f"every pair is within ±{cfg.half_width * 100:g}% or {cfg.stop_rule().budget_s:g} s per model: "
+              f"every pair is within ±{cfg.stop_rule().half_width * 100:g}% or {cfg.stop_rule().budget_s:g} s per model: "
               f"at most ~{total / 60:.0f} min", file=sys.stderr)
     result = run(cfg)
     if result is None:  # a torchrun rank other than 0

@@ -368,7 +368,9 @@ class Section:
     bandwidth_gbps: float | None
     rows: list[Row] = field(default_factory=list)
     half_width: float = DEFAULT_HALF_WIDTH
-    """The precision goal, and the margin of an ``equal`` verdict."""
+    """The margin of an ``equal`` verdict, and the precision goal unless ``precision`` is set."""
+    precision: float | None = None
+    """The stop rule's precision goal where it is finer than the margin (``--precision``)."""
     verdicts: bool = True
     """False for ``--quick``: a smoke run decides nothing."""
     runs: dict[str, dict] = field(default_factory=dict)
@@ -376,6 +378,11 @@ class Section:
     ``fixed`` or ``quick``), ``elapsed_s`` and ``budget_s``."""
     comparisons: list[Comparison] = field(default_factory=list)
     """Derived by :func:`derive`."""
+
+    @property
+    def goal(self) -> float:
+        """The precision goal the rounds ran to."""
+        return self.precision if self.precision is not None else self.half_width
 
     @property
     def title(self) -> str:
@@ -666,7 +673,7 @@ def format_table(section: Section, meta: Mapping | None = None) -> str:
     table = comparison_table(section)
     lines: list[str] = []
     for model in _models(section.rows):
-        head = run_text(model, section.runs.get(model), section.half_width)
+        head = run_text(model, section.runs.get(model), section.goal)
         lines.append(_clip(head))
         if model in descriptions:
             lines.append(_clip(f"  ({descriptions[model]})"))
@@ -757,7 +764,7 @@ def _md_runs(section: Section) -> str:
         info = section.runs.get(model) or {}
         hws = [c.half_width for c in section.comparisons if c.model == model and c.half_width is not None]
         widest = f"{max(hws) * 100:.1f}%" if hws else "-"
-        stopped = run_text(model, info, section.half_width).split("stopped: ", 1)[-1] if info else "-"
+        stopped = run_text(model, info, section.goal).split("stopped: ", 1)[-1] if info else "-"
         budget = info.get("budget_s")
         out.append(_md([model, str(info.get("rounds", "-")), _f(info.get("elapsed_s"), 0),
                         "-" if budget is None else f"{budget:.0f}", stopped, widest]))
@@ -784,7 +791,7 @@ def _meta_lines(meta: Mapping) -> list[str]:
         ("threads_per_rank", "threads per rank"), ("torch", "torch"), ("triton", "triton"),
         ("nccl", "NCCL"), ("python", "python"), ("numpy", "numpy"), ("fastddp", "fastddp"),
         ("git", "git commit"), ("models", "models"), ("wrappers", "wrappers"),
-        ("rounds", "rounds"), ("half_width", "precision goal (±)"), ("budget_s", "budget per model (s)"),
+        ("rounds", "rounds"), ("half_width", "verdict margin (±)"), ("precision", "precision goal (±)"), ("budget_s", "budget per model (s)"),
         ("warmup", "warm-up rounds"), ("bucket_cap_mb", "bucket_cap_mb"),
         ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("link", "link"), ("quick", "quick"),
         ("load", "load average (1, 5, 15 min)"),
@@ -840,7 +847,7 @@ def _row_json(r: Row) -> dict:
 
 def to_json(report: Report) -> str:
     doc = {"meta": report.meta,
-           "sections": [{"bandwidth_gbps": s.bandwidth_gbps, "half_width": s.half_width,
+           "sections": [{"bandwidth_gbps": s.bandwidth_gbps, "half_width": s.half_width, "precision": s.precision,
                          "verdicts": s.verdicts, "runs": s.runs,
                          "rows": [_row_json(r) for r in s.rows],
                          "comparisons": [dataclasses.asdict(c) for c in s.comparisons]}
@@ -861,7 +868,7 @@ def from_json(text: str) -> Report:
     for s in doc["sections"]:
         rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in s["rows"]]
         sec = Section(s["bandwidth_gbps"], rows, half_width=s.get("half_width", DEFAULT_HALF_WIDTH),
-                      verdicts=s.get("verdicts", True), runs=s.get("runs", {}))
+                      verdicts=s.get("verdicts", True), runs=s.get("runs", {}), precision=s.get("precision"))
         sections.append(derive(sec))
     return Report(doc["meta"], sections)
 
@@ -923,7 +930,7 @@ def _panel_title(section: Section, model: str) -> str:
     info = section.runs.get(model)
     if not info:
         return model
-    how = {"precision": f"within ±{section.half_width * 100:g}%", "budget": "budget spent",
+    how = {"precision": f"within ±{section.goal * 100:g}%", "budget": "budget spent",
            "fixed": "fixed count", "quick": "quick: no verdicts"}.get(info.get("stopped"), str(info.get("stopped")))
     return f"{model}: {info.get('rounds', '?')} rounds, {how}"
 

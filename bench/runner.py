@@ -85,6 +85,12 @@ class BenchConfig:
     """Precision goal: rounds go on until every compared pair's 90% interval
     of the step-time ratio is within this half-width (0.03: ±3%); also the
     margin of an ``equal`` verdict."""
+    precision: float | None = None
+    """The stop rule's half-width goal when it should differ from the verdict
+    margin (``half_width``): e.g. 0.015 with a ±3% margin, so that a pair
+    within ~1.5% of its peer ends "equal ±3%" rather than undecided (or,
+    one run in twenty, decided slower by a few tenths of a percent).  None:
+    ``half_width``."""
     budget_s: float | None = None
     """Seconds per model and section (build to last profiled step) before the
     rounds stop whatever the precision, plus what the models before it left
@@ -129,7 +135,8 @@ class BenchConfig:
         return spec.quick_steps if self.quick else None
 
     def stop_rule(self) -> R.StopRule:
-        return R.StopRule(self.half_width, self.budget_s if self.budget_s is not None else R.DEFAULT_BUDGET_S)
+        return R.StopRule(self.precision if self.precision is not None else self.half_width,
+                          self.budget_s if self.budget_s is not None else R.DEFAULT_BUDGET_S)
 
     def warmup_steps(self) -> int:
         w = self.warmup if self.warmup is not None else (QUICK_WARMUP if self.quick else DEFAULT_WARMUP)
@@ -158,6 +165,9 @@ class BenchConfig:
         if not 0.0 < self.half_width < 1.0:
             raise ValueError(f"--half-width must be a percentage between 0 and 100 (exclusive), "
                              f"got {self.half_width * 100:g}")
+        if self.precision is not None and not 0.0 < self.precision < 1.0:
+            raise ValueError(f"--precision must be a percentage between 0 and 100 (exclusive), "
+                             f"got {self.precision * 100:g}")
         if self.budget_s is not None and not self.budget_s > 0:
             raise ValueError(f"--budget must be > 0 seconds per model, got {self.budget_s:g}")
         if self.world is not None and self.world < 1:
@@ -622,7 +632,8 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
 def _section(ctx: _Ctx, bw: float | None, names: tuple[str, ...], bar) -> R.Section:
     cfg = ctx.cfg
     zoo = model_zoo()
-    section = R.Section(bw, half_width=cfg.half_width, verdicts=not cfg.quick)
+    section = R.Section(bw, half_width=cfg.half_width, verdicts=not cfg.quick,
+                        precision=cfg.precision)
     with contextlib.ExitStack() as stack:
         wire = None
         if bw is not None:
@@ -727,6 +738,7 @@ def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float, sections: list[R.Se
         "mode": cfg.mode,
         "rounds": {f"{m}{s.tag}": info["rounds"] for s in sections for m, info in s.runs.items()},
         "half_width": f"{cfg.half_width * 100:g}%",
+        "precision": f"{cfg.stop_rule().half_width * 100:g}%",
         "budget_s": cfg.stop_rule().budget_s if cfg.mode == "adaptive" else None,
         "warmup": cfg.warmup_steps(),
         "bucket_cap_mb": cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else "default (25)",
@@ -851,7 +863,7 @@ class _Progress:
         if not self.adaptive:
             self.bar.update(1)
             return
-        goal = f"±{self.cfg.half_width * 100:g}%"
+        goal = f"±{self.cfg.stop_rule().half_width * 100:g}%"
         state = "building, warming up" if rounds == 0 else (
             f"round {rounds}, widest pair " + ("-" if widest is None or math.isinf(widest) else f"±{widest:.1%}")
             + f" (goal {goal})")

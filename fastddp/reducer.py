@@ -48,6 +48,12 @@ __all__ = ["Reducer", "ReducerOptions"]
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
+EARLY_COPY_MIN_NUMEL = 16384
+"""gradient_as_bucket_view on the CPU: a bucket whose tensors hold at least
+this many elements on average (64 KiB of fp32) copies each fresh gradient
+into its view as it arrives (see :meth:`Reducer._early_scale`)."""
+
+
 @dataclass(frozen=True)
 class ReducerOptions:
     """What the reducer does; resolved from the DDP constructor arguments."""
@@ -283,7 +289,10 @@ class Reducer:
         does, instead of living until its bucket's one pack (on a GPU the one
         fused pack launch is the point; on the CPU the copy of a gradient
         still in cache, and its memory freed at once, are).  Returns the
-        scale for :meth:`Countdown.arm` (-1: none, 0: a plain copy, else 1/W)."""
+        scale for :meth:`Countdown.arm` (-1: none, 0: a plain copy, else 1/W).
+        Buckets of small tensors keep the one pack: there a copy per tensor
+        costs more than it saves (world 1, ``small``, 600 tensors of 16 KiB:
+        0.95-0.98x torch's view path with early copies, 0.89 without)."""
         if self._early_views is None:
             self._early_views = self._find_early_views()
             self._early_any = any(v is not None for v in self._early_views)
@@ -300,7 +309,8 @@ class Reducer:
         if not (self.view_mode and type(d) in (reduction.AllReduce, reduction.PythonHook)):
             return [None] * len(self.params)
         ok = {b.index for b in self._buckets
-              if not b.sparse and not b.complex and b.flat.device.type == "cpu"}
+              if not b.sparse and not b.complex and b.flat.device.type == "cpu"
+              and b.flat.numel() >= EARLY_COPY_MIN_NUMEL * b.size}
         views: list = [None] * len(self.params)
         for b in self._buckets:
             if b.index in ok:

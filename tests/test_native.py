@@ -202,6 +202,19 @@ def _grads_body(rank, world_size, native):
     """Steps in every readiness mode; the grads after each (bitwise compared
     across the two kinds of hooks by the test)."""
     import torch.distributed as dist
+
+    import fastddp.reducer
+    from fastddp import DistributedDataParallel as DDP
+    threshold, fastddp.reducer.EARLY_COPY_MIN_NUMEL = fastddp.reducer.EARLY_COPY_MIN_NUMEL, 0
+    try:  # the view configurations copy early (the model's tensors are tiny)
+        return _grads_steps(rank, native)
+    finally:
+        fastddp.reducer.EARLY_COPY_MIN_NUMEL = threshold
+
+
+def _grads_steps(rank, native):
+    import torch.distributed as dist
+
     from fastddp import DistributedDataParallel as DDP
     with _native_env(native):
         out = []
@@ -310,22 +323,33 @@ def test_view_mode_copies_each_grad_as_it_arrives():
     reducer does, so the fresh tensors are freed during backward (not kept until the
     bucket's pack); the reduced grads equal the Python hooks' (test above) and torch's
     (tests/test_parity.py)."""
+    import fastddp.reducer
     from fastddp import DistributedDataParallel as DDP
+
+    def wide():  # tensors of 64-256 KiB: above EARLY_COPY_MIN_NUMEL on average
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 128))
+
     with single_rank_group():
-        ddp = DDP(_model(), gradient_as_bucket_view=True)
+        ddp = DDP(wide(), gradient_as_bucket_view=True)
         r = ddp.reducer
         for _ in range(3):
             for p in ddp.parameters():
                 p.grad = None
-            ddp(torch.randn(4, 8)).sum().backward()
+            ddp(torch.randn(4, 256)).sum().backward()
         assert r._early_any and r.native.filled_marks() == b"\x01" * len(r.params)
         views = [v for b in r.buckets for v in b.grad_views]
         assert all(any(p.grad is v for v in views) for p in ddp.parameters())
-        plain = DDP(_model())  # not view mode: nothing early (the grads stay .grad)
-        plain(torch.randn(4, 8)).sum().backward()
-        plain(torch.randn(4, 8)).sum().backward()
+        small = DDP(_model(), gradient_as_bucket_view=True)  # tensors of < 1 KiB: the one pack
+        for _ in range(2):
+            small(torch.randn(4, 8)).sum().backward()
+        assert not small.reducer._early_any and set(small.reducer.native.filled_marks()) == {0}
+        plain = DDP(wide())  # not view mode: nothing early (the grads stay .grad)
+        plain(torch.randn(4, 256)).sum().backward()
+        plain(torch.randn(4, 256)).sum().backward()
         assert not plain.reducer._early_any and set(plain.reducer.native.filled_marks()) == {0}
-        del ddp, plain, r
+        assert fastddp.reducer.EARLY_COPY_MIN_NUMEL == 16384
+        del ddp, small, plain, r
 
 
 # ------------------------------------------------------------ the fallback
