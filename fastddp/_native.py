@@ -85,7 +85,9 @@ struct State {
   std::vector<at::Tensor> vars;   // the parameters
   std::vector<at::Tensor> dst;    // per parameter: its bucket view (undefined: never)
   bool early = false;             // this iteration copies early
-  at::Tensor scale;               // wrapped 1/W (torch's mul_out); undefined: a plain copy
+  bool alias = false;             // then .grad = the view (gradient_as_bucket_view)
+  at::Tensor scale;               // wrapped 1/W (torch's mul_out); undefined: none
+  at::Tensor divisor;             // wrapped W (batched_grad_copy's division); undefined: none
   std::vector<uint8_t> filled;    // per parameter, this iteration
   std::vector<int> nfilled;       // per bucket, this iteration
 
@@ -143,9 +145,11 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
   }
 
   // torch's mark_variable_ready_dense for a gradient that is not yet its
-  // bucket view: view = grad * (1/W) (or a plain copy), then .grad = view.
-  // Anything unusual (aliased already, create_graph, another dtype or shape,
-  // not strided) is left to the Python pack, which applies torch's rules.
+  // bucket view: view = grad * (1/W), grad / W (batched_grad_copy's copy and
+  // division in one pass, the same bits) or a plain copy (a comm hook), then
+  // .grad = view with gradient_as_bucket_view.  Anything unusual (aliased
+  // already, create_graph, another dtype or shape, not strided) is left to
+  // the Python pack, which applies torch's rules.
   bool copy_early() {
     const at::Tensor& dst = st_->dst[index_];
     at::Tensor& grad = st_->vars[index_].mutable_grad();
@@ -153,9 +157,11 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
         grad.scalar_type() != dst.scalar_type() || grad.sizes() != dst.sizes() || grad.is_alias_of(dst))
       return false;
     at::NoGradGuard no_grad;
-    if (st_->scale.defined()) at::mul_out(const_cast<at::Tensor&>(dst), grad, st_->scale);
-    else const_cast<at::Tensor&>(dst).copy_(grad);
-    grad = dst;
+    at::Tensor& out = const_cast<at::Tensor&>(dst);
+    if (st_->divisor.defined()) at::div_out(out, grad, st_->divisor);
+    else if (st_->scale.defined()) at::mul_out(out, grad, st_->scale);
+    else out.copy_(grad);
+    if (st_->alias) grad = dst;
     return true;
   }
 
@@ -248,20 +254,24 @@ struct Countdown {
     st_->bucket_of = bucket_of;
   }
 
-  // early: < 0 no early copy this iteration, 0 a plain copy, else the
-  // scale (1/W, applied as torch's wrapped double scalar)
-  void arm(int mode, const std::vector<int>& sizes, double early) {
+  static at::Tensor wrapped(double v) {  // a Python number as an operand: the tensor's dtype wins
+    auto t = at::scalar_tensor(v, at::TensorOptions().dtype(at::kDouble));
+    t.unsafeGetTensorImpl()->set_wrapped_number(true);
+    return t;
+  }
+
+  // early: < 0 no early copy this iteration, 0 a plain copy, else the scale
+  // (1/W, torch's mul_out); divide > 0: divide by it instead (batched);
+  // alias: .grad becomes the view (gradient_as_bucket_view)
+  void arm(int mode, const std::vector<int>& sizes, double early, double divide, bool alias) {
     std::lock_guard<std::mutex> lock(st_->mu);
     st_->mode = mode;
     st_->pending = sizes;
     std::fill(st_->marked.begin(), st_->marked.end(), 0);
     st_->early = mode == 1 && early >= 0;
-    if (st_->early && early > 0) {
-      st_->scale = at::scalar_tensor(early, at::TensorOptions().dtype(at::kDouble));
-      st_->scale.unsafeGetTensorImpl()->set_wrapped_number(true);
-    } else {
-      st_->scale = at::Tensor();
-    }
+    st_->alias = alias;
+    st_->scale = st_->early && early > 0 && !(divide > 0) ? wrapped(early) : at::Tensor();
+    st_->divisor = st_->early && divide > 0 ? wrapped(divide) : at::Tensor();
     std::fill(st_->filled.begin(), st_->filled.end(), 0);
     st_->nfilled.assign(sizes.size(), 0);
   }
@@ -490,7 +500,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("remove", &Countdown::remove)
       .def("refresh", &Countdown::refresh)
       .def("set_buckets", &Countdown::set_buckets)
-      .def("arm", &Countdown::arm, pybind11::arg("mode"), pybind11::arg("sizes"), pybind11::arg("early") = -1.0)
+      .def("arm", &Countdown::arm, pybind11::arg("mode"), pybind11::arg("sizes"), pybind11::arg("early") = -1.0,
+           pybind11::arg("divide") = 0.0, pybind11::arg("alias") = true)
       .def("set_mode", &Countdown::set_mode)
       .def("mode", &Countdown::mode)
       .def("marked", &Countdown::marked)

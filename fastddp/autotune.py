@@ -28,10 +28,6 @@ How, step by step (a step = a forward that synchronises and its backward;
             tried (calibrated by the smallest measured - predicted gap, so
             the pruning errs towards trying); a layout replaces the best only
             if it is faster by more than the noise
-    confirm when the best two measured are within the noise of each other:
-            CONFIRM_PAIRS pairs of steps alternating between them, the
-            lower median of the pairs' ratios wins (adjacent steps share the
-            machine's state; trials minutes apart do not)
     settled the best, installed at a step boundary; a log line on rank 0
 
 Every decision is taken from values all-reduced (MAX) over the group, by the
@@ -39,10 +35,9 @@ same deterministic code on every rank: the ranks change buckets at the same
 step, so their collectives stay in lockstep.  Buckets change only between
 steps, through the reducer's rebuild path.
 
-Cost: one all-reduce of ``TRIAL_STEPS`` floats per layout tried (and one of
-``2 * CONFIRM_PAIRS`` for the confirmation), one of a float per parameter
-and ~12 small timed all-reduces once, a device sync per tuning step on CUDA;
-nothing once settled.
+Cost: one all-reduce of ``TRIAL_STEPS`` floats per layout tried, one of a
+float per parameter and ~12 small timed all-reduces once, a device sync per
+tuning step on CUDA; nothing once settled.
 """
 
 from __future__ import annotations
@@ -70,9 +65,8 @@ MAX_TRIAL_STEPS = 9
 """Measured steps per layout at most: a noisy layout is measured in rounds of
 TRIAL_STEPS until its spread is under SPREAD_OK or it has this many."""
 MAX_TUNING_STEPS = 30
-"""Measured steps at most, the trials' and the confirmation's (the probe and
-waits not counted): the trials stop at ``MAX_TUNING_STEPS - 2 *
-CONFIRM_PAIRS`` and tuning then confirms or settles on the best so far."""
+"""Measured steps over all layouts at most (the probe and waits not counted):
+tuning then settles on the best so far."""
 SPREAD_OK = 0.02
 """Relative robust spread (1.4826 MAD / median) of a layout's steps under
 which TRIAL_STEPS of them suffice.  On a shared 2-core machine a 70 ms step
@@ -90,13 +84,6 @@ PRUNE = 0.15
 """Never tried: a calibrated prediction more than 15% above the best measured cost."""
 HOST_PER_BUCKET_S = {"cpu": 30e-6, "cuda": 10e-6}
 """Host cost of one more bucket on the backward thread (pack + issue), for the model."""
-CONFIRM_PAIRS = 4
-"""When the best two layouts measured are within the noise of each other:
-this many pairs of steps alternating between them (A B A B ...), each pair's
-ratio from adjacent steps, the lower median wins.  Trials measured minutes
-apart rank two layouts 2-3% apart by the machine's drift; adjacent steps do
-not (issue: auto kept torch's default 1/25 MiB, 2.5% slower than one 25 MiB
-bucket on ``small``, because the gain was within the noise of separate trials)."""
 MICROBENCH_BYTES = (4096, 256 * 1024, 4 * 1024 * 1024)
 MICROBENCH_REPS = 3
 
@@ -228,7 +215,7 @@ def _ms(t: float) -> float | None:
 
 
 # ------------------------------------------------------------------ the tuner
-_WAIT, _PROBE, _TRIAL, _CONFIRM, _SETTLED = "wait", "probe", "trial", "confirm", "settled"
+_WAIT, _PROBE, _TRIAL, _SETTLED = "wait", "probe", "trial", "settled"
 
 
 class Tuner:
@@ -259,9 +246,6 @@ class Tuner:
         self._times: list = []
         self._open = None              # (t0 or event, steps_reduced at start)
         self._issued = self._end = None
-        self.confirm: dict | None = None  # the alternating comparison of the best two, if any
-        self._pair: tuple = ()
-        self._pair_local: tuple = ([], [])
 
     @property
     def active(self) -> bool:
@@ -330,13 +314,7 @@ class Tuner:
                 self._reduce(self.current)
                 if not self._more(self.current):
                     nxt = self._next()
-                    if nxt is not None:
-                        changed = self._start(r, nxt)
-                    else:
-                        pair = self._close_pair()
-                        changed = self._begin_confirm(r, pair) if pair else self._settle(r, self.best, "")
-        elif self.state == _CONFIRM:
-            changed = self._confirm_step(r, step)
+                    changed = self._settle(r, self.best, "") if nxt is None else self._start(r, nxt)
         if self.state != _SETTLED:
             self._open = (self._now(), r.steps_reduced)
         return changed
@@ -479,8 +457,7 @@ class Tuner:
         return len(lay.samples) < MAX_TRIAL_STEPS and lay.spread > SPREAD_OK and not self._spent()
 
     def _spent(self) -> bool:
-        """The trials' share of MAX_TUNING_STEPS is spent (the confirmation keeps its own)."""
-        return sum(len(l.samples) for l in self.order) >= MAX_TUNING_STEPS - 2 * CONFIRM_PAIRS
+        return sum(len(l.samples) for l in self.order) >= MAX_TUNING_STEPS
 
     def noise(self, ref: Layout) -> float:
         """What a difference of two medians of TRIAL_STEPS steps must exceed:
@@ -524,59 +501,6 @@ class Tuner:
                 todo = [t for t in todo if not _beyond(t, l, best)]
         return min(todo, key=self._calibrated) if todo else None
 
-    # -- confirmation ----------------------------------------------------------
-    def _close_pair(self) -> tuple | None:
-        """The best layout and the closest other one, when their costs are
-        within the noise (the trials cannot order them): else None."""
-        if len(self.order) < 2:
-            return None
-        ranked = sorted(self.order, key=lambda l: l.cost)
-        a = self.best
-        b = ranked[0] if ranked[0] is not a else ranked[1]
-        if abs(b.cost - a.cost) > self.noise(a):
-            return None
-        return a, b
-
-    def _begin_confirm(self, r, pair: tuple) -> bool:
-        a, b = pair
-        if self.current is b:  # start with the installed one: one switch fewer
-            a, b = b, a
-        self.state = _CONFIRM
-        self._pair = (a, b)
-        self._pair_local = ([], [])
-        self.current = a
-        return r.set_bucket_config(a.config)
-
-    def _confirm_step(self, r, step) -> bool:
-        """One step of the alternation ended: record it, switch to the other
-        layout; after CONFIRM_PAIRS of each, the median of the pairs' ratios
-        (MAX over ranks, so every rank decides the same) picks the faster."""
-        a, b = self._pair
-        k = 0 if self.current is a else 1
-        if step is not None:
-            self._pair_local[k].append(step[0])
-        na, nb = (len(x) for x in self._pair_local)
-        if min(na, nb) >= CONFIRM_PAIRS:
-            n = CONFIRM_PAIRS
-            vals = self._max(torch.tensor(self._pair_local[0][:n] + self._pair_local[1][:n],
-                                          dtype=torch.float64)).tolist()
-            ta, tb = vals[:n], vals[n:]
-            ratio = statistics.median(y / x for x, y in zip(ta, tb))
-            pick = b if ratio < 1 else a
-            self.confirm = {"a": a.label(), "b": b.label(), "a_ms": [_ms(t) for t in ta],
-                            "b_ms": [_ms(t) for t in tb], "b_over_a_median": round(ratio, 4),
-                            "picked": pick.label()}
-            self.best = pick
-            why = (f"the best two within noise ({a.label()}, {b.label()}): {n} alternating pairs, "
-                   f"median ratio {ratio:.3f}; ")
-            return self._settle(r, pick, why)
-        # the other layout next (a step that did not count is taken again)
-        nxt = (b if k == 0 else a) if step is not None else self.current
-        if nxt is self.current:
-            return False
-        self.current = nxt
-        return r.set_bucket_config(nxt.config)
-
     def _settle(self, r, pick: Layout, why: str) -> bool:
         changed = pick is not self.current and r.set_bucket_config(pick.config)
         self.current = pick
@@ -587,8 +511,7 @@ class Tuner:
         base = (f"; torch's default (first 1 / rest 25 MiB) {d.cost * 1e3:.2f} ms"
                 if d is not None and d.samples and pick is not d else "")
         noise = self.noise(pick) if pick.samples else float("nan")
-        tail = ("confirmed by alternating steps" if self.confirm is not None else
-                "gain within noise: kept torch's default layout" if pick is d and len(self.order) > 1 else
+        tail = ("gain within noise: kept torch's default layout" if pick is d and len(self.order) > 1 else
                 "best measured")
         self.reason = (f"{why}chose {pick.label()}: {pick.cost * 1e3:.2f} ms per step "
                        f"(forward to gradients reduced, median of the faster half of "
@@ -610,8 +533,7 @@ class Tuner:
                 "chosen": chosen.report() if chosen is not None else None,
                 "current": self.current.report() if self.current is not None else None,
                 "tried": [l.report() for l in self.order],
-                "candidates": len(self.layouts), "model": dict(self.model), "confirm": self.confirm,
-                "reason": self.reason}
+                "candidates": len(self.layouts), "model": dict(self.model), "reason": self.reason}
 
 
 def _beyond(t: Layout, worse: Layout, best: Layout) -> bool:

@@ -279,17 +279,22 @@ class Reducer:
         self._fast_hooks = not (r.track_used or r.static or r.unused or r.collect_order or self.debug)
         if self.native is not None:
             fast = self._fast_hooks and self.ready_probe is None
+            early, divide = self._early_scale() if fast else (-1.0, 0.0)
             self.native.arm(_native.FAST if fast else _native.PY, [b.size for b in self._buckets],
-                            self._early_scale() if fast else -1.0)
+                            early, divide, self.view_mode)
 
-    def _early_scale(self) -> float:
-        """The native hooks' early copy this iteration (gradient_as_bucket_view
-        on the CPU, plain all-reduce or a Python comm hook): each fresh
-        gradient goes into its bucket view as it arrives, as torch's reducer
-        does, instead of living until its bucket's one pack (on a GPU the one
-        fused pack launch is the point; on the CPU the copy of a gradient
-        still in cache, and its memory freed at once, are).  Returns the
-        scale for :meth:`Countdown.arm` (-1: none, 0: a plain copy, else 1/W).
+    def _early_scale(self) -> tuple[float, float]:
+        """The native hooks' early copy this iteration (on the CPU, plain
+        all-reduce or a Python comm hook): each gradient goes into its bucket
+        slot as it arrives, scaled as torch's reducer does (``mul_out`` by
+        1/W; batched_grad_copy's copy-then-divide as one division, the same
+        bits; a comm hook's plain copy), read while still in cache instead
+        of by the bucket's one pack after the last gradient; with
+        gradient_as_bucket_view the fresh gradient is then freed (``.grad``
+        becomes the view), as torch's.  On a GPU the one fused pack launch
+        is the point and nothing is copied early.  Returns ``(early,
+        divide)`` for :meth:`Countdown.arm` (early -1: none, 0: a plain copy,
+        else the scale 1/W; divide > 0: divide by it instead).
         Buckets of small tensors keep the one pack: there a copy per tensor
         costs more than it saves (world 1, ``small``, 600 tensors of 16 KiB:
         0.95-0.98x torch's view path with early copies, 0.89 without)."""
@@ -298,15 +303,17 @@ class Reducer:
             self._early_any = any(v is not None for v in self._early_views)
             self.native.set_views(self._early_views)
         if not self._early_any or self._fwd_work is not None:
-            return -1.0  # join's divisor is known only after its forward all-reduce
+            return -1.0, 0.0  # join's divisor is known only after its forward all-reduce
         d = self._dense
         if type(d) is reduction.AllReduce and d.scaling is reduction.Scaling.MUL:
-            return 1.0 / self.world
-        return 0.0  # batched_grad_copy (the bucket is divided once, whole) / a comm hook (undivided)
+            return 1.0 / self.world, 0.0
+        if type(d) is reduction.AllReduce and d.scaling is reduction.Scaling.DIV:
+            return 0.0, float(self.world)
+        return 0.0, 0.0  # a comm hook: the bucket undivided
 
     def _find_early_views(self) -> list:
         d = self._dense
-        if not (self.view_mode and type(d) in (reduction.AllReduce, reduction.PythonHook)):
+        if type(d) not in (reduction.AllReduce, reduction.PythonHook):
             return [None] * len(self.params)
         ok = {b.index for b in self._buckets
               if not b.sparse and not b.complex and b.flat.device.type == "cpu"
@@ -314,7 +321,7 @@ class Reducer:
         views: list = [None] * len(self.params)
         for b in self._buckets:
             if b.index in ok:
-                for i, p, v in zip(b.indices, b.params, b.grad_views):
+                for i, p, v in zip(b.indices, b.params, b.views):  # (= grad_views: not complex)
                     views[i] = v if v.dtype == p.dtype else None
         return views
 

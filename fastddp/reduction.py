@@ -99,11 +99,9 @@ def fill_flat(r, bucket, grads, scaling: Scaling, health=None) -> None:
     done = bucket.prefilled
     if done:
         bucket.prefilled = 0
-        if done == bucket.size:  # every grad went into its view as it arrived (scaled by MUL)
+        if done == bucket.size:  # every grad went into its slot as it arrived, scaled
             if health is not None:
                 _flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
-            if scaling is Scaling.DIV:
-                bucket.flat.div_(W)  # torch's batched_grad_copy: copies, then one division
             return
         _fill_flat_mixed(r, bucket, grads, scaling, W, r.early_filled(bucket))
         if health is not None:
@@ -133,7 +131,7 @@ def fill_flat(r, bucket, grads, scaling: Scaling, health=None) -> None:
 def _fill_flat_mixed(r, bucket, grads, scaling: Scaling, W: int, filled=()) -> None:
     """Some grads missing or already aliased: torch's per-parameter rules.
     ``filled``: per bucket position, the grad went into its view as it
-    arrived (the native early copy: scaled by MUL, plain otherwise)."""
+    arrived (the native early copy), already scaled."""
     view_mode, batched, release = r.view_mode, scaling is Scaling.DIV, r.comm.release
     deferred_src, deferred_dst, deferred = [], [], []
     for k, (p, g, v, gv) in enumerate(zip(bucket.params, grads, bucket.views, bucket.grad_views)):
@@ -170,7 +168,10 @@ def _fill_flat_mixed(r, bucket, grads, scaling: Scaling, W: int, filled=()) -> N
                 for p, g, gv in deferred:
                     release(g)
                     p.grad = gv
-        bucket.flat.div_(W)
+        if filled:  # the early copies are divided already: the others alone (same bits)
+            torch._foreach_div_([v for k, v in enumerate(bucket.views) if not filled[k]], W)
+        else:
+            bucket.flat.div_(W)
 
 
 def unpack_grads(r, bucket, src: torch.Tensor, track_unused: bool) -> None:

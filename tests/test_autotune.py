@@ -389,81 +389,16 @@ def test_search_never_tries_a_layout_known_to_be_bad(monkeypatch):
     assert not tried & {(l.first_mb, l.rest_mb) for l in never}
 
 
-def _is_default(plan) -> bool:
-    default = _FakeReducer().plan_for(planner.BucketConfig())
-    return [b.param_indices for b in plan.buckets] == [b.param_indices for b in default.buckets]
-
-
-def test_equal_layouts_keep_torchs_default(monkeypatch):
+def test_gain_within_noise_keeps_torchs_default(monkeypatch):
     base = _landscape(4e-3, 1e-3 / 2**20)
     default_cost = base(_FakeReducer().plan_for(planner.BucketConfig()))
-    # every layout costs the same: the alternation cannot prefer another one
-    t, r, truth = _drive(monkeypatch, lambda plan: default_cost)
+    # every other layout 0.5% faster than the default: below the 1% noise floor
+    t, r, truth = _drive(monkeypatch, lambda plan: default_cost * (
+        1.0 if [b.param_indices for b in plan.buckets] == [b.param_indices for b in _FakeReducer().plan_for(
+            planner.BucketConfig()).buckets] else 0.995))
     rep = t.report()
     assert rep["chosen"]["torch_args"] == {"bucket_cap_mb": None}, rep["reason"]
-    assert rep["confirm"] is not None and rep["confirm"]["b_over_a_median"] == 1.0, rep["confirm"]
-
-
-def test_gain_within_noise_is_confirmed_by_alternating_steps(monkeypatch):
-    """Every other layout 0.5% faster than torch's default: within the 1%
-    noise floor of separate trials, so the best two are compared on
-    alternating steps (CONFIRM_PAIRS pairs) and the faster one is kept."""
-    base = _landscape(4e-3, 1e-3 / 2**20)
-    default_cost = base(_FakeReducer().plan_for(planner.BucketConfig()))
-    t, r, truth = _drive(monkeypatch, lambda plan: default_cost * (1.0 if _is_default(plan) else 0.995))
-    rep = t.report()
-    assert rep["chosen"]["torch_args"] != {"bucket_cap_mb": None}, rep["reason"]
-    c = rep["confirm"]
-    assert c is not None and len(c["a_ms"]) == len(c["b_ms"]) == autotune.CONFIRM_PAIRS, c
-    assert "alternating pairs" in rep["reason"] and "confirmed" in rep["reason"], rep["reason"]
-    assert rep["settled_at_step"] <= 40, rep
-
-
-def test_a_small_gain_hidden_by_noise_is_found_by_the_alternation(monkeypatch):
-    """One layout 2.5% faster than torch's default, steps with 2% noise and
-    one-sided spikes (a shared machine): the noise threshold of separate trials
-    (~3%) hides the gain, so without the alternation the default is kept (the
-    ``small`` model on the local link: auto 1.025x one 25 MiB bucket).  With
-    it, on 40 fixed seeds, the faster layout is kept in most runs and a miss
-    costs at most the 2.5%."""
-    import random
-
-    base = _landscape(4e-3, 1e-3 / 2**20)
-    default_cost = base(_FakeReducer().plan_for(planner.BucketConfig()))
-    fast_key = None
-
-    def run(seed):
-        rng = random.Random(seed)
-
-        def cost(plan):
-            nonlocal fast_key
-            key = [b.param_indices for b in plan.buckets]
-            if fast_key is None and not _is_default(plan):
-                fast_key = key  # the first other layout tried is the faster one
-            gain = 0.975 if key == fast_key else (1.0 if _is_default(plan) else 1.01)
-            spike = rng.uniform(0.1, 0.3) if rng.random() < 0.15 else 0.0
-            return default_cost * gain * (1.0 + rng.gauss(0, 0.02) + spike)
-
-        t, r, _ = _drive(monkeypatch, cost, steps=150)
-        rep = t.report()
-        assert rep["state"] == "settled", rep
-        chosen = r.plan_for(t.current.config)
-        return [b.param_indices for b in chosen.buckets] == fast_key, rep
-
-    found = []
-    for seed in range(40):
-        fast_key = None
-        hit, rep = run(seed)
-        found.append(hit)
-    assert sum(found) >= 28, f"{sum(found)} of 40 runs kept the faster layout"
-    monkeypatch.setattr(autotune, "CONFIRM_PAIRS", 10**6)  # no end to the alternation: never settles ...
-    monkeypatch.setattr(autotune.Tuner, "_close_pair", lambda self: None)  # ... so: without it
-    without = []
-    for seed in range(40):
-        fast_key = None
-        hit, rep = run(seed)
-        without.append(hit)
-    assert sum(without) < sum(found), (sum(without), sum(found))
+    assert "within noise" in rep["reason"]
 
 
 def _compile_body(rank, world_size):

@@ -206,7 +206,7 @@ def _grads_body(rank, world_size, native):
     import fastddp.reducer
     from fastddp import DistributedDataParallel as DDP
     threshold, fastddp.reducer.EARLY_COPY_MIN_NUMEL = fastddp.reducer.EARLY_COPY_MIN_NUMEL, 0
-    try:  # the view configurations copy early (the model's tensors are tiny)
+    try:  # every plain configuration copies early (the model's tensors are tiny)
         return _grads_steps(rank, native)
     finally:
         fastddp.reducer.EARLY_COPY_MIN_NUMEL = threshold
@@ -220,7 +220,8 @@ def _grads_steps(rank, native):
         out = []
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         view = {"gradient_as_bucket_view": True}
-        for kw in ({}, {"batched_grad_copy": True}, view, {**view, "batched_grad_copy": True},
+        for kw in ({}, {"batched_grad_copy": True}, {"hook": default_hooks.allreduce_hook},
+                   view, {**view, "batched_grad_copy": True},
                    {**view, "bucket_cap_mb": 0.0005}, {**view, "hook": default_hooks.allreduce_hook},
                    {"find_unused_parameters": True}, {"static_graph": True}, {"bucket_cap_mb": 0.0005}):
             kw = dict(kw)
@@ -249,6 +250,43 @@ def _grads_steps(rank, native):
             dist.barrier()
             del ddp
         return out
+
+
+def _early_vs_torch_body(rank, world_size):
+    """Every path that copies early (threshold 0) against torch's own DDP, same
+    process group, fresh grads each step (zero_grad(set_to_none=True))."""
+    import fastddp.reducer
+    from fastddp import DistributedDataParallel as DDP
+    from tests._dist import torch_ddp_class
+    threshold, fastddp.reducer.EARLY_COPY_MIN_NUMEL = fastddp.reducer.EARLY_COPY_MIN_NUMEL, 0
+    try:
+        out = []
+        view = {"gradient_as_bucket_view": True}
+        for kw in ({}, {"batched_grad_copy": True}, view, {**view, "batched_grad_copy": True}):
+            ours, theirs = DDP(_model(), **kw), torch_ddp_class()(_model(), **kw)
+            for step in range(3):
+                g = torch.Generator().manual_seed(rank * 100 + step)
+                x = torch.randn(4, 8, generator=g)
+                for d in (ours, theirs):
+                    for p in d.parameters():
+                        p.grad = None
+                    d(x).sum().backward()
+                out.append((kw, step, all(torch.equal(a.grad, b.grad)
+                                          for a, b in zip(ours.parameters(), theirs.parameters())),
+                            ours.reducer.native is None or set(ours.reducer.native.filled_marks()) == {1}
+                            or step == 0))
+        return out
+    finally:
+        fastddp.reducer.EARLY_COPY_MIN_NUMEL = threshold
+
+
+def test_early_copies_equal_torchs_gradients(world2):
+    if OFF:
+        pytest.skip("FASTDDP_NATIVE=0")
+    for res in world2.run(_early_vs_torch_body):
+        for kw, step, equal, early in res:
+            assert equal, f"{kw} step {step}: not bit-equal to torch's DDP"
+            assert early, f"{kw} step {step}: the early copy did not run"
 
 
 def test_native_and_python_hooks_give_the_same_gradients(world2):
@@ -306,6 +344,14 @@ def test_countdown_early_copy_into_views():
     lin(x).sum().backward()
     assert ev == [(0, 0)] and ps[1].grad is not views[1]
 
+    ev.clear()  # divide (batched_grad_copy) and alias=False (not gradient_as_bucket_view)
+    for p in ps:
+        p.grad = None
+    cd.arm(_native.FAST, [2], 0.0, 4.0, False)
+    lin(x).sum().backward()
+    assert ev == [(0, 2)] and ps[0].grad is not views[0]  # .grad stays the fresh gradient
+    assert torch.equal(views[0], ref.weight.grad / 4) and torch.equal(ps[0].grad, ref.weight.grad)
+
     ev.clear()  # a view of another dtype (or None): never copied early
     cd.set_views([views[0].double(), None])
     for p in ps:
@@ -317,12 +363,13 @@ def test_countdown_early_copy_into_views():
 
 
 @pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
-def test_view_mode_copies_each_grad_as_it_arrives():
-    """gradient_as_bucket_view on the CPU with fresh grads (zero_grad(set_to_none=True)):
-    the native hooks copy each grad into its bucket view as it arrives, as torch's
-    reducer does, so the fresh tensors are freed during backward (not kept until the
-    bucket's pack); the reduced grads equal the Python hooks' (test above) and torch's
-    (tests/test_parity.py)."""
+def test_each_grad_is_copied_as_it_arrives():
+    """On the CPU, buckets of large tensors: the native hooks copy each grad into its
+    bucket slot as it arrives, as torch's reducer does (read while in cache, not by one
+    pack after the last gradient); with gradient_as_bucket_view and fresh grads
+    (zero_grad(set_to_none=True)) .grad becomes the view, so the fresh tensors are freed
+    during backward.  Buckets of small tensors keep the one pack.  The reduced grads
+    equal the Python hooks' (test above) and torch's (tests/test_parity.py)."""
     import fastddp.reducer
     from fastddp import DistributedDataParallel as DDP
 
@@ -344,10 +391,13 @@ def test_view_mode_copies_each_grad_as_it_arrives():
         for _ in range(2):
             small(torch.randn(4, 8)).sum().backward()
         assert not small.reducer._early_any and set(small.reducer.native.filled_marks()) == {0}
-        plain = DDP(wide())  # not view mode: nothing early (the grads stay .grad)
-        plain(torch.randn(4, 256)).sum().backward()
-        plain(torch.randn(4, 256)).sum().backward()
-        assert not plain.reducer._early_any and set(plain.reducer.native.filled_marks()) == {0}
+        plain = DDP(wide())  # not view mode: copied early too, but .grad stays its own tensor
+        for _ in range(3):
+            plain(torch.randn(4, 256)).sum().backward()
+        assert plain.reducer._early_any and set(plain.reducer.native.filled_marks()) == {1}
+        flats = [b.flat for b in plain.reducer.buckets]
+        assert not any(p.grad.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+                       for p in plain.parameters() for f in flats)
         assert fastddp.reducer.EARLY_COPY_MIN_NUMEL == 16384
         del ddp, small, plain, r
 
