@@ -401,6 +401,34 @@ def test_gain_within_noise_keeps_torchs_default(monkeypatch):
     assert "within noise" in rep["reason"]
 
 
+def test_noise_shrinks_with_the_steps_measured(monkeypatch):
+    """The threshold a gain must beat scales with sqrt(1/n_a + 1/n_b), the steps
+    each layout was measured on: small at 1 Gbit/s measured torch's default and
+    first 0.5 / rest 0.5 MiB on 9 noisy steps each (65.1 / 58.6 ms, steps spread
+    ~9%); with the count fixed at 3 the 10% gain was "within noise" and auto kept
+    the default, 1.067x the best fixed cap.  Counted, it is taken."""
+    monkeypatch.setattr(autotune.Tuner, "_microbench", lambda self, r: (1e-4, 1e-9))
+    r = _FakeReducer()
+    t = autotune.Tuner(r)
+    default = autotune.Layout(1, 25, planner.BucketConfig(), key=("d",))
+    other = autotune.Layout(0.5, 0.5, planner.BucketConfig(bucket_cap_mb=0.5), key=("o",))
+    default.samples = [100.7, 62.5, 63.9, 67.8, 77.4, 65.1, 69.1, 72.8, 73.9]  # ms, as measured
+    other.samples = [56.6, 59.6, 67.6, 56.9, 70.1, 78.4, 70.9, 58.6, 65.9]
+    third = autotune.Layout(0.25, 5, planner.BucketConfig(bucket_cap_mb_list=(0.25, 5)), key=("t",))
+    third.samples = [77.8, 79.5, 70.6, 83.7, 70.2, 71.7, 95.6, 72.5, 68.3]
+    t.order, t.best = [default, other, third], default  # the three trials of that run, in order
+    gain = default.cost - other.cost
+    assert 6.0 < gain < 7.0
+    counted = t.noise(default, other)
+    fixed3 = t.noise(default)  # another layout measured on TRIAL_STEPS only
+    assert counted < gain < fixed3, (counted, gain, fixed3)
+    assert t._final_best() is other  # taken once every trial is in
+    short = autotune.Layout(0.5, 0.5, planner.BucketConfig(bucket_cap_mb=0.5), key=("s",))
+    short.samples = other.samples[:3]
+    assert t.noise(default, short) > counted  # fewer steps: a larger gain needed
+    assert t.noise(default, other) >= autotune.REL_NOISE * default.cost
+
+
 def _compile_body(rank, world_size):
     import torch._dynamo
 

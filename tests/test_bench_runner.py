@@ -506,8 +506,12 @@ def test_half_width_and_budget_options(capsys):
     assert cfg.mode == "adaptive" and cfg.stop_rule() == R.StopRule(0.02, 30.0)
     assert BenchConfig(steps=5).mode == "fixed" and BenchConfig(quick=True, steps=5).mode == "quick"
     assert BenchConfig().stop_rule().budget_s == R.DEFAULT_BUDGET_S
+    args = build_parser().parse_args(["--precision", "1.5"])
+    assert args.precision == 1.5 and args.half_width == 3.0
+    fine = BenchConfig(half_width=0.03, precision=0.015, budget_s=30.0)
+    assert fine.stop_rule() == R.StopRule(0.015, 30.0)  # the rounds' goal; the margin stays 3%
     for argv, word in ((["--half-width", "0"], "--half-width"), (["--half-width", "120"], "--half-width"),
-                       (["--budget", "-1"], "--budget")):
+                       (["--precision", "0"], "--precision"), (["--budget", "-1"], "--budget")):
         with pytest.raises(SystemExit) as e:
             main(argv + ["--models", "tiny"])
         assert e.value.code == 2 and word in capsys.readouterr().err

@@ -242,6 +242,25 @@ def test_stop_rule_precision_then_the_report_agrees():
     assert c.verdict == "faster" and c.ratio_ci[0] < 0.97 < c.ratio_ci[1]
 
 
+def test_precision_finer_than_the_margin_decides_equal():
+    """A pair 1% slower than its peer: measured to the margin (±3%) its interval
+    straddles 1 and reaches past 1.03 -- undecided, or slower one run in a few;
+    measured to ±1.5% (``--precision 1.5``) with the same ±3% margin it is
+    equal, and the report says which goal the rounds ran to."""
+    data = rounds(4000, {"local": 60.0, "torch": 100.0, "fastddp": 101.0}, seed=21, own_sd=0.12)
+    coarse = _feed(data, R.StopRule(half_width=0.03, budget_s=10_000))
+    fine = _feed(data, R.StopRule(half_width=0.015, budget_s=10_000))
+    assert coarse[0] == fine[0] == "precision" and fine[1] > 2 * coarse[1]
+    c = R.derive(R.Section(None, coarse[3], half_width=0.03)).comparisons[0]
+    assert c.verdict != "equal", c
+    sec = R.derive(R.Section(None, fine[3], half_width=0.03, precision=0.015))
+    (f,) = sec.comparisons
+    assert f.verdict == "equal" and f.half_width <= 0.015 and 0.98 < f.ratio < 1.03, f
+    assert sec.goal == 0.015 and R.Section(None, [], half_width=0.03).goal == 0.03
+    back = R.from_json(R.to_json(R.Report({}, [sec]))).sections[0]
+    assert back.precision == 0.015 and back.half_width == 0.03
+
+
 def test_stop_rule_waits_for_min_rounds():
     exact = {"local": [50.0] * 100, "torch": [100.0] * 100, "fastddp": [90.0] * 100}
     reason, n, _, _ = _feed(exact, R.StopRule())
