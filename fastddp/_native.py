@@ -79,9 +79,10 @@ struct State {
   PyObject* on_bucket = nullptr;
   PyObject* on_hook = nullptr;
   std::vector<PyObject*> ca_hooks;
-  // gradient_as_bucket_view on the CPU: each fresh gradient is copied into
-  // its bucket view as it arrives (torch's mark_variable_ready_dense), so it
-  // is freed at once and read while still in cache; FAST iterations only
+  // the early copy (CPU buckets of large tensors, FAST iterations only):
+  // each gradient goes into its bucket slot as it arrives, scaled (torch's
+  // mark_variable_ready_dense), read while still in cache; with
+  // gradient_as_bucket_view .grad becomes the slot and the fresh tensor is freed
   std::vector<at::Tensor> vars;   // the parameters
   std::vector<at::Tensor> dst;    // per parameter: its bucket view (undefined: never)
   bool early = false;             // this iteration copies early

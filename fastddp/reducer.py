@@ -49,9 +49,9 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 EARLY_COPY_MIN_NUMEL = 16384
-"""gradient_as_bucket_view on the CPU: a bucket whose tensors hold at least
-this many elements on average (64 KiB of fp32) copies each fresh gradient
-into its view as it arrives (see :meth:`Reducer._early_scale`)."""
+"""On the CPU, a bucket whose tensors hold at least this many elements on
+average (64 KiB of fp32) has each gradient copied into it as it arrives
+(see :meth:`Reducer._early_scale`); smaller ones keep the one pack."""
 
 
 @dataclass(frozen=True)

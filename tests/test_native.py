@@ -257,13 +257,13 @@ def _early_vs_torch_body(rank, world_size):
     process group, fresh grads each step (zero_grad(set_to_none=True))."""
     import fastddp.reducer
     from fastddp import DistributedDataParallel as DDP
-    from tests._dist import torch_ddp_class
+    from tests._dist import torch_reference  # (torch 2.11 has no batched_grad_copy: emulated bit for bit)
     threshold, fastddp.reducer.EARLY_COPY_MIN_NUMEL = fastddp.reducer.EARLY_COPY_MIN_NUMEL, 0
     try:
         out = []
         view = {"gradient_as_bucket_view": True}
         for kw in ({}, {"batched_grad_copy": True}, view, {**view, "batched_grad_copy": True}):
-            ours, theirs = DDP(_model(), **kw), torch_ddp_class()(_model(), **kw)
+            ours, theirs = DDP(_model(), **kw), torch_reference(_model(), **kw)
             for step in range(3):
                 g = torch.Generator().manual_seed(rank * 100 + step)
                 x = torch.randn(4, 8, generator=g)
