@@ -97,13 +97,10 @@ def fill_flat(r, bucket, grads, scaling: Scaling, health=None) -> None:
     ``health``: the bucket's check_finite flag, set by that same launch."""
     W = r.divide_factor()
     done = bucket.prefilled
-    if done:
+    if done:  # the native early copy put (some of) the grads in their slots, scaled
         bucket.prefilled = 0
-        if done == bucket.size:  # every grad went into its slot as it arrived, scaled
-            if health is not None:
-                _flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
-            return
-        _fill_flat_mixed(r, bucket, grads, scaling, W, r.early_filled(bucket))
+        if done < bucket.size:
+            _fill_flat_mixed(r, bucket, grads, scaling, W, r.early_filled(bucket))
         if health is not None:
             _flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
         return
