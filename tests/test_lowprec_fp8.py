@@ -476,3 +476,46 @@ def test_chunked_phases_match_reference_pipeline(world2, chunk_bytes):
     from tests.test_lowprec import _with_chunk_bytes
 
     assert world2.run(_with_chunk_bytes, chunk_bytes, _pipeline, {}, 32, 3, "default", True) == [[], []]
+
+
+def _calls_per_phase(rank, world):
+    """One fp8 step with the buckets chunked: the collective calls each phase
+    issued, and what the buckets' chunking predicts for one call per chunk."""
+    import fastddp
+    import fastddp.groups as G
+    import fastddp.hooks as fh
+
+    m = fastddp.DistributedDataParallel(make_model("deep"), bucket_cap_mb=0.001)
+    m.register_comm_hook(fh.FP8CompressionState(block_size=32), fh.fp8_compress_hook)
+    calls = {"a2a": 0, "ag": 0}
+    a2a, ag = G.all_to_all_single, G.all_gather_into_tensor
+
+    def count(kind, fn):
+        def wrapped(*a, **k):
+            calls[kind] += 1
+            return fn(*a, **k)
+        return wrapped
+    G.all_to_all_single, G.all_gather_into_tensor = count("a2a", a2a), count("ag", ag)
+    try:
+        x, y = make_batch("deep", rank, 0)
+        loss_fn(m(x), y).backward()
+    finally:
+        G.all_to_all_single, G.all_gather_into_tensor = a2a, ag
+    bufs = list(m.reducer.buckets[0].reduction.bufs.values())
+    chunked = sum(len(d["chunks"]) for d in bufs if len(d["chunks"]) > 1)
+    single = sum(2 for d in bufs if len(d["chunks"]) == 1)  # values and scales: two calls
+    return calls, chunked, single
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+def test_chunked_phases_send_values_and_scales_in_one_call(world2):
+    """A chunked bucket's fp8 bytes and its scales travel in ONE call per
+    chunk and phase (on gloo over TCP the scales' separate small call kept
+    two chunks from ever being in flight together): the calls issued are one
+    per chunk (two per one-piece bucket), and the grads are still the
+    reference pipeline's (test_chunked_phases_match_reference_pipeline)."""
+    from tests.test_lowprec import _with_chunk_bytes
+
+    for calls, chunked, single in world2.run(_with_chunk_bytes, 100, _calls_per_phase):
+        assert chunked > 0, "no bucket was chunked"
+        assert calls == {"a2a": chunked + single, "ag": chunked + single}, (calls, chunked, single)
