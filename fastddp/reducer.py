@@ -150,7 +150,7 @@ class Reducer:
     def register_comm_hook(self, hook: Callable, state: Any, group_ok: bool) -> None:
         """Install a comm hook; fastddp's tagged hooks run as fused paths."""
         self._dense, self._sparse_mode = reduction.choose(hook, state, self.opts.batched_grad_copy, group_ok)
-        self._early_views = None  # the bucket mode changed
+        self._early_views, self._early_any = None, False  # the bucket mode changed: found again at the next arm
         self.comm_hook, self.comm_hook_state = hook, state
         for b in self._buckets:
             b.reduction = self._sparse_mode if b.sparse else self._dense
