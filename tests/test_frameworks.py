@@ -114,6 +114,42 @@ def _reduction_trail(n: int = 8):
     return trail
 
 
+def _record_steps(script_globals: dict, n: int = 4):
+    """Wrap the script's ``step_model``: for its last ``n`` steps of a DDP
+    model, whether the step synchronised, each parameter's grad increment and
+    the increment recomputed locally from the step's own batch (a plain copy
+    of the module).  A no_sync step whose increment is the local one is right
+    whatever the check after it says (the data are drawn fresh each run: two
+    ranks' local grads can agree to allclose's tolerance, ~1e-4 of runs).
+    Test-only instrumentation for the open bug's record."""
+    import collections
+    import copy
+
+    import torch.nn.functional as F
+
+    steps = collections.deque(maxlen=n)
+    step_model = script_globals["step_model"]
+
+    def recorded(model, input, target, accelerator, do_backward=True):
+        inner = getattr(model, "module", None)
+        if inner is None:
+            return step_model(model, input, target, accelerator, do_backward)
+        before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        local = copy.deepcopy(inner)
+        local.zero_grad(set_to_none=True)
+        synced = bool(model.require_backward_grad_sync)
+        step_model(model, input, target, accelerator, do_backward)
+        out = local(input)
+        loss = F.mse_loss(out, target.to(out.device))
+        (loss / accelerator.gradient_accumulation_steps).backward()
+        inc = [float((p.grad - (0 if b is None else b)).flatten()[0]) for p, b in zip(model.parameters(), before)]
+        want = [float(q.grad.flatten()[0]) for q in local.parameters()]
+        steps.append({"synced": synced, "increment": inc, "local": want,
+                      "increment_is_local": inc == want})
+    script_globals["step_model"] = recorded
+    return steps
+
+
 def _accelerate_worker(args: argparse.Namespace) -> None:
     import runpy
 
@@ -143,15 +179,18 @@ def _accelerate_worker(args: argparse.Namespace) -> None:
 
     # test_sync.py: its main() as shipped (it destroys the process group at the end).
     trail = _reduction_trail() if args.impl == "fastddp" else None
+    sync = runpy.run_path(str(scripts / "test_sync.py"), run_name="accelerate_test_sync")
+    steps = _record_steps(sync["main"].__globals__)
     try:
-        runpy.run_path(str(scripts / "test_sync.py"), run_name="__main__")
+        sync["main"]()
         results["test_sync.main"] = "passed"
     except Exception as e:  # noqa: BLE001
         detail = " | ".join(str(e).splitlines())[:600]  # the grads it compared: which check, how far
         where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__)[-3:]))
         env = {k: v for k, v in os.environ.items() if k.startswith(("FASTDDP", "TRITON", "OMP", "GLOO", "TORCH"))}
         seen = "" if trail is None else f"; last reductions {list(trail)}"
-        results["test_sync.main"] = f"failed: {type(e).__name__}: {detail} [at {where}; env {env}{seen}]"
+        results["test_sync.main"] = (f"failed: {type(e).__name__}: {detail} [at {where}; env {env}{seen}; "
+                                     f"last DDP steps {list(steps)}]")
         traceback.print_exc()
         if PartialState().use_distributed:
             PartialState().destroy_process_group()
