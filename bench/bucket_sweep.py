@@ -7,7 +7,9 @@ speed; writes ``reports/<machine>/<date>-bucket-sweep.md`` (+ chart, json).
 Each speed is one ``fastddp-bench`` run (``none``: the plain local link;
 ``netns:RATE``: two ranks in network namespaces over a veth pair shaped to
 RATE Gbit/s; ``sim:GBPS``: the simulated wire) with the rows ``fastddp-capN``
-and ``fastddp-auto`` and ``--warmup`` rounds (default 30) so that auto's
+and ``fastddp-auto``.  auto tunes first, its steps back to back and alone
+(as a training loop runs it; ``bench.runner._tune_alone``), then every row
+has the same ``--warmup`` rounds (default 3) and timed rounds, so auto's
 tuning steps are not timed.  Per model and speed the verdicts are the issue's:
 
 * auto within 3% of the best fixed cap: the 90% interval of auto / best lies
@@ -226,7 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speeds", nargs="+", default=["none", "netns:1"],
                     help="none (the local link), netns:RATE (Gbit/s, real shaped link; root), sim:GBPS")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per model and speed (bench --budget)")
-    ap.add_argument("--warmup", type=int, default=30, help="untimed rounds: auto tunes in them")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed rounds of every row (auto has tuned alone before them)")
     ap.add_argument("--out", default="reports")
     ap.add_argument("--from-json", nargs="*", default=None, metavar="SPEED=PATH",
                     help="analyse existing bench reports instead of running (a later report of the "

@@ -64,6 +64,12 @@ __all__ = ["BenchConfig", "run", "worker", "under_torchrun"]
 
 DEFAULT_WARMUP = 3
 QUICK_WARMUP = 1
+TUNE_ALONE_MAX = 120
+"""Steps at most that a wrapper tuning its buckets (``bucket_cap_mb="auto"``)
+runs alone, back to back, before the warm-up rounds: as a training loop
+runs it.  Inside the rotated rounds each of its trial steps would follow
+the other wrappers' steps (their models, cold caches), which spread its
+steps by 15% on the 2-core VM and hid 5-7% between layouts."""
 TRACE_STEPS = 3
 
 
@@ -260,6 +266,8 @@ class _Entry:
     row: R.Row
     """Its samples: every rank appends the same merged sample per round."""
     counter: object = None
+    tuned_alone: int = 0
+    """Steps it ran alone to tune its buckets before the rounds (:func:`_tune_alone`)."""
 
 
 def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float, float]:
@@ -549,6 +557,18 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
                 e.row.exposed_ms.append(exposed)
 
 
+def _tune_alone(ctx: _Ctx, spec: ModelSpec, e: _Entry) -> None:
+    """A wrapper that tunes its buckets: its steps back to back, alone
+    (untimed), until the tuner settles (every rank at the same step: its
+    decisions come from values reduced over the ranks) or TUNE_ALONE_MAX."""
+    tuner = getattr(getattr(e.module, "reducer", None), "tuner", None)
+    steps = 0
+    while tuner is not None and tuner.active and e.row.ok and steps < TUNE_ALONE_MAX:
+        _round(ctx, spec, [e], steps, timed=False)
+        steps += 1
+    e.tuned_alone = steps
+
+
 _STOPS = (None, "precision", "budget")
 
 
@@ -581,6 +601,8 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
     rule = ctx.cfg.stop_rule()
     budget = rule.model_budget(ctx.models_done, ctx.used_s)
     stopper = R.Stopper(rule, budget) if ctx.lead and fixed is None else None
+    for e in entries:
+        _tune_alone(ctx, spec, e)
     for i in range(warmup - 1):
         _round(ctx, spec, entries, i, timed=False)
         progress.tick(time.perf_counter() - t0, 0, None)
@@ -603,7 +625,7 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
     for e in entries:
         tuner = getattr(getattr(e.module, "reducer", None), "tuner", None)
         if tuner is not None:
-            e.row.autotune = tuner.report()
+            e.row.autotune = {**tuner.report(), "tuned_alone_steps": e.tuned_alone}
     t_post = time.perf_counter()
     for e in entries:
         if e.row.ok:

@@ -291,7 +291,7 @@ def _fastddp_cap(model, process_group, options, cap_mb: float | str):
 
     ddp, _ = _fastddp(model, process_group, dataclasses.replace(options, bucket_cap_mb=cap_mb))
     if cap_mb == "auto":
-        return ddp, "bucket_cap_mb='auto' (tuning steps count unless --warmup >= 30)"
+        return ddp, "bucket_cap_mb='auto' (tuned alone, back to back, before the rounds)"
     return ddp, f"bucket_cap_mb={cap_mb:g}"
 
 

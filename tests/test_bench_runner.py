@@ -561,3 +561,23 @@ def test_gpu_kernels_lowprec_rows_bit_exact_on_cpu():
     meta.update(device="cpu", date="2026-12-01", torch="t", triton="t", cuda=None, python="3",
                 block=1, num_warps=1, truncated=False)
     assert "| fp8 quantize+ef |" in G.to_markdown({"meta": meta, "rows": rows, "block_sweep": []})
+
+
+def test_auto_tunes_alone_before_the_rounds(tmp_path):
+    """``fastddp-auto`` runs its tuning steps back to back, alone, before the
+    rotated rounds (as a training loop runs it; inside the rounds each trial
+    step would follow the other wrappers' steps): it has settled before the
+    first round, and the fixed-cap row ran no such steps."""
+    from fastddp.bench.__main__ import main
+
+    rc = main(["--models", "tiny", "--wrappers", "fastddp-cap25", "fastddp-auto", "--steps", "2",
+               "--warmup", "1", "--out", str(tmp_path), "--label", "alone", "--no-progress", "--no-charts"])
+    assert rc == 0
+    rep = R.from_json(next(tmp_path.glob("*/*-alone.json")).read_text())
+    rows = {r.wrapper: r for s in rep.sections for r in s.rows}
+    tune = rows["fastddp-auto"].autotune
+    assert tune["state"] == "settled", tune["state"]
+    assert 0 < tune["tuned_alone_steps"] < 120
+    assert tune["settled_at_step"] <= tune["tuned_alone_steps"] + 1, tune  # before any round
+    assert rows["fastddp-cap25"].autotune is None
+    assert len(rows["fastddp-auto"].step_ms) == 2  # the rounds are the timed ones, as for every row
