@@ -154,7 +154,7 @@ def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
         cells.append("-" if chose is None else ", ".join(f"{k}={v}" for k, v in chose.items()) +
                      f" ({r['auto_buckets']} buckets)")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Tuning cost (auto's own first steps, excluded from the rounds above by the warm-up):", "",
+    lines += ["", "Tuning cost (auto's own first steps, run alone before the rounds above and not timed):", "",
               "| speed | model | layouts tried | settled at step | slowest trial step ms | settled step ms | x |",
               "|---|---|---:|---:|---:|---:|---:|"]
     for r in (r for r in results if "best" in r):
