@@ -17,7 +17,8 @@ How, step by step (a step = a forward that synchronises and its backward;
             4 MiB timed once (latency alpha, time per byte beta, MAX over
             ranks); each grid layout's exposed communication predicted by a
             serial-wire replay of the timeline (:func:`predict`)
-    trials  torch's default first, then the model's best, then hill-climbing
+    trials  torch's default first, then the model's best, then (CPU ranks on
+            a copy-speed link, unless pruned) the fewest buckets, then hill-climbing
             on the rest cap (and the first cap) around the best measured:
             TRIAL_STEPS steps each, TRIAL_STEPS more (up to MAX_TRIAL_STEPS)
             while a layout's steps spread by more than SPREAD_OK; cost = the
@@ -28,7 +29,10 @@ How, step by step (a step = a forward that synchronises and its backward;
             tried (calibrated by the smallest measured - predicted gap, so
             the pruning errs towards trying); a layout replaces the best only
             if it is faster by more than the noise
-    settled the best, installed at a step boundary; a log line on rank 0
+    settled the best; where no layout beat the incumbent by the noise, on
+            the CPU the link picks among those within it (copy speed: the
+            fewest buckets; a wire: the model's pick); installed at a step
+            boundary; a log line on rank 0
 
 Every decision is taken from values all-reduced (MAX) over the group, by the
 same deterministic code on every rank: the ranks change buckets at the same
@@ -78,6 +82,10 @@ REST_CAPS_MB = (0.5, 1, 2, 5, 10, 25, 50, 100)
 """The rest-cap grid (MiB); torch's default is 25."""
 FIRST_CAPS_MB = (0.25, 1)
 """First-cap candidates besides ``first == rest`` (torch's default first bucket is 1 MiB)."""
+COPY_SPEED_GBPS = 0.5
+"""An all-reduce microbenchmark at this rate or more (GB/s) means the link
+moves bytes at copy speed (shared memory, loopback; a 1 Gbit/s wire measures
+~0.12): there a CPU collective costs CPU time (:meth:`Tuner._by_link`)."""
 REL_NOISE = 0.01
 """A layout must beat the best by more than 1% (or the measured spread) to replace it."""
 PRUNE = 0.15
@@ -243,6 +251,7 @@ class Tuner:
         self.default: Layout | None = None
         self.model: dict = {}
         self.probing = False
+        self.tie_rule = ""             # how _final_best chose among layouts within noise
         self._times: list = []
         self._open = None              # (t0 or event, steps_reduced at start)
         self._issued = self._end = None
@@ -462,11 +471,53 @@ class Tuner:
     def _final_best(self) -> Layout:
         """The best once every trial is in: the fastest layout measured, if
         it beats the incumbent by the noise as known now (the spread pooled
-        over all trials, each layout's own step count); else the incumbent."""
+        over all trials, each layout's own step count).  Else the trials
+        could not separate the incumbent from the layouts measured within its
+        noise, and on the CPU the link decides among those ties
+        (:meth:`_by_link`); on CUDA the incumbent stays."""
+        self.tie_rule = ""
         low = min(self.order, key=lambda l: l.cost)
         if low is not self.best and low.cost < self.best.cost - self.noise(self.best, low):
             self.best = low
+            return self.best
+        if self.device.type == "cpu":
+            ties = [l for l in self.order if l is self.best or l.cost < self.best.cost + self.noise(self.best, l)]
+            pick = self._by_link(ties)
+            if pick is not self.best:
+                self.best = pick
         return self.best
+
+    def _copy_speed(self) -> bool:
+        """CPU ranks on a link at copy speed (the microbenchmark at
+        COPY_SPEED_GBPS or more; None: no size dependence measured, a tiny
+        model): a collective costs CPU time there, and the model, which
+        assumes communication overlaps backward, favours too many buckets,
+        so the fewest-buckets layout is tried third, after torch's default
+        and the model's best (unless the calibrated model prunes it)."""
+        gbps = self.model.get("beta_gbps")
+        return self.device.type == "cpu" and (gbps is None or gbps >= COPY_SPEED_GBPS)
+
+    def _by_link(self, ties: list) -> Layout:
+        """Among layouts the steps cannot tell apart (CPU ranks: steps spread
+        15-25% step to step on a 2-core VM, so 30 tuning steps cannot resolve
+        3-7%), what the link says: at copy speed (the all-reduce microbenchmark
+        at COPY_SPEED_GBPS or more: shared memory, loopback) a collective costs
+        CPU time that ranks sharing the cores cannot overlap, so the fewest
+        buckets (measured: one bucket 3-5% faster than torch's default on
+        ``small`` and the transformer locally); on a slower wire, overlap pays
+        and the model's pick (``small`` at 1 Gbit/s: 0.5-1 MiB buckets 7%
+        faster than the default)."""
+        gbps = self.model.get("beta_gbps")
+        rate = "unmeasured" if gbps is None else f"{gbps:g} GB/s"
+        if self._copy_speed():
+            pick = min(ties, key=lambda l: (l.buckets, l.cost))
+            rule = f"the link runs at copy speed ({rate}): the fewest buckets"
+        else:
+            pick = min(ties, key=lambda l: (l.predicted_s, l.cost))
+            rule = f"the link is a wire ({rate}): the model's pick"
+        if len(ties) > 1:
+            self.tie_rule = f"{len(ties)} layouts within noise of each other; {rule}"
+        return pick
 
     def noise(self, ref: Layout, other: Layout | None = None) -> float:
         """What a difference of the costs of ``ref`` and ``other`` must exceed:
@@ -495,10 +546,15 @@ class Tuner:
         measured = {id(l) for l in self.order}
         if len(self.order) >= MAX_LAYOUTS or self._spent():
             return None
-        if len(self.order) == 1:  # after torch's default: the model's best
-            first = min(self.layouts, key=lambda l: l.predicted_s)
-            if id(first) not in measured:
-                return first
+        if len(self.order) <= 2:  # after torch's default: the model's best, then (copy speed) the fewest buckets
+            early = [min(self.layouts, key=lambda l: l.predicted_s)]
+            if self._copy_speed() and len(self.order) == 2:  # unless the calibrated model knows it to be bad
+                fewest = min(self.layouts, key=lambda l: (l.buckets, l.predicted_s))
+                if self._calibrated(fewest) <= self.best.cost * (1 + PRUNE):
+                    early.append(fewest)
+            for lay in early:
+                if id(lay) not in measured:
+                    return lay
         best = self.best
         limit = best.cost * (1 + PRUNE)
         # neighbours of the best: the next rest caps either side (the model's
@@ -527,7 +583,8 @@ class Tuner:
         base = (f"; torch's default (first 1 / rest 25 MiB) {d.cost * 1e3:.2f} ms"
                 if d is not None and d.samples and pick is not d else "")
         noise = self.noise(pick) if pick.samples else float("nan")
-        tail = ("gain within noise: kept torch's default layout" if pick is d and len(self.order) > 1 else
+        tail = (f"gain within noise, chosen by the link: {self.tie_rule}" if self.tie_rule and pick is not d else
+                "gain within noise: kept torch's default layout" if pick is d and len(self.order) > 1 else
                 "best measured")
         self.reason = (f"{why}chose {pick.label()}: {pick.cost * 1e3:.2f} ms per step "
                        f"(forward to gradients reduced, median of the faster half of "

@@ -370,8 +370,25 @@ def test_search_finds_the_minimum_the_model_misjudges(monkeypatch):
     assert truth[chosen] <= 1.03 * min(truth.values()), (chosen, truth)
     assert len(rep["tried"]) <= autotune.MAX_LAYOUTS
     assert rep["tried"][0]["torch_args"] == {"bucket_cap_mb": None}
+    # a 1 GB/s link on the CPU is at copy speed: the model's best, then the fewest buckets
+    fewest = min(t.layouts, key=lambda l: (l.buckets, l.predicted_s))
     model_best = min(t.layouts, key=lambda l: l.predicted_s)
     assert (rep["tried"][1]["first_mb"], rep["tried"][1]["rest_mb"]) == (model_best.first_mb, model_best.rest_mb)
+    assert (rep["tried"][2]["first_mb"], rep["tried"][2]["rest_mb"]) == (fewest.first_mb, fewest.rest_mb)
+
+
+def test_on_a_wire_the_models_best_comes_second(monkeypatch):
+    """Over a slower wire (0.1 GB/s) the model's best is the second trial and
+    the fewest-buckets layout has no place of its own (at copy speed it is
+    the third trial)."""
+    t, r, truth = _drive(monkeypatch, _landscape(4e-3, 1e-3 / 2**20), beta=1e-8)
+    rep = t.report()
+    model_best = min(t.layouts, key=lambda l: l.predicted_s)
+    assert (rep["tried"][1]["first_mb"], rep["tried"][1]["rest_mb"]) == (model_best.first_mb, model_best.rest_mb)
+    t2, _, _ = _drive(monkeypatch, _landscape(4e-3, 1e-3 / 2**20), beta=1e-9)
+    third = [(l["first_mb"], l["rest_mb"]) for l in t2.report()["tried"][2:3]]
+    fewest = min(t2.layouts, key=lambda l: (l.buckets, l.predicted_s))
+    assert third == [(fewest.first_mb, fewest.rest_mb)]  # at copy speed it is
 
 
 def test_search_never_tries_a_layout_known_to_be_bad(monkeypatch):
@@ -389,16 +406,65 @@ def test_search_never_tries_a_layout_known_to_be_bad(monkeypatch):
     assert not tried & {(l.first_mb, l.rest_mb) for l in never}
 
 
-def test_gain_within_noise_keeps_torchs_default(monkeypatch):
-    base = _landscape(4e-3, 1e-3 / 2**20)
-    default_cost = base(_FakeReducer().plan_for(planner.BucketConfig()))
-    # every other layout 0.5% faster than the default: below the 1% noise floor
-    t, r, truth = _drive(monkeypatch, lambda plan: default_cost * (
-        1.0 if [b.param_indices for b in plan.buckets] == [b.param_indices for b in _FakeReducer().plan_for(
-            planner.BucketConfig()).buckets] else 0.995))
+def _ties_run(monkeypatch, beta):
+    """Every layout 0.5% faster than torch's default: within the 1% noise floor."""
+    default_key = [b.param_indices for b in _FakeReducer().plan_for(planner.BucketConfig()).buckets]
+    cost = _landscape(4e-3, 1e-3 / 2**20)(_FakeReducer().plan_for(planner.BucketConfig()))
+    return _drive(monkeypatch, lambda plan: cost * (
+        1.0 if [b.param_indices for b in plan.buckets] == default_key else 0.995), beta=beta)
+
+
+def test_ties_at_copy_speed_take_the_fewest_buckets(monkeypatch):
+    """No layout beats torch's default by the noise, and the link moves bytes
+    at copy speed (1 GB/s, loopback-like): among the layouts within noise the
+    fewest buckets (a CPU collective there costs CPU time the ranks cannot
+    overlap), never one measured outside the noise."""
+    t, r, truth = _ties_run(monkeypatch, beta=1e-9)
     rep = t.report()
-    assert rep["chosen"]["torch_args"] == {"bucket_cap_mb": None}, rep["reason"]
-    assert "within noise" in rep["reason"]
+    ties = [l for l in t.order]  # all within 0.5% of each other
+    assert rep["chosen"]["buckets"] == min(l.buckets for l in ties), rep["reason"]
+    assert rep["chosen"]["buckets"] < t.default.buckets or t.default.buckets == 1
+    assert "copy speed" in rep["reason"] and "fewest buckets" in rep["reason"], rep["reason"]
+
+
+def test_ties_on_a_wire_take_the_models_pick(monkeypatch):
+    """The same ties over a wire (0.1 GB/s): the model's pick among them."""
+    t, r, truth = _ties_run(monkeypatch, beta=1e-8)
+    rep = t.report()
+    want = min(t.order, key=lambda l: (l.predicted_s, l.cost))
+    assert (rep["chosen"]["first_mb"], rep["chosen"]["rest_mb"]) == (want.first_mb, want.rest_mb), rep["reason"]
+    assert "model's pick" in rep["reason"], rep["reason"]
+
+
+def _tuner_with(order_costs, device="cpu", gbps=1.0):
+    t = autotune.Tuner(_FakeReducer())
+    t.device = torch.device(device)
+    t.model = {"beta_gbps": gbps}
+    lays = []
+    for k, (first, rest, buckets, samples) in enumerate(order_costs):
+        cfg = planner.BucketConfig() if k == 0 else planner.BucketConfig(bucket_cap_mb_list=(first, rest))
+        lay = autotune.Layout(first, rest, cfg, key=(k,), buckets=buckets, predicted_s=float(k))
+        lay.samples = list(samples)
+        lays.append(lay)
+    t.order, t.best = lays, lays[0]
+    return t, lays
+
+
+def test_ties_never_take_a_layout_outside_the_noise():
+    """A one-bucket layout measured clearly slower than the incumbent is not
+    a tie: copy speed or not, it is never picked."""
+    t, (default, one) = _tuner_with([(1, 25, 2, [10.0, 10.1, 10.0]), (25, 25, 1, [13.0, 13.1, 13.0])])
+    assert t._final_best() is default and t.tie_rule == ""
+
+
+def test_ties_on_cuda_keep_torchs_default():
+    """On CUDA (steps stable: the trials separate what matters) a gain within
+    noise keeps torch's default, as before."""
+    t, (default, one) = _tuner_with([(1, 25, 2, [10.0, 10.1, 10.0]), (25, 25, 1, [9.99, 10.0, 10.05])],
+                                    device="cuda")
+    assert t._final_best() is default
+    t, (default, one) = _tuner_with([(1, 25, 2, [10.0, 10.1, 10.0]), (25, 25, 1, [9.99, 10.0, 10.05])])
+    assert t._final_best() is one and "fewest buckets" in t.tie_rule  # the same on the CPU
 
 
 def test_noise_shrinks_with_the_steps_measured(monkeypatch):
