@@ -67,9 +67,9 @@ QUICK_WARMUP = 1
 TUNE_ALONE_MAX = 120
 """Steps at most that a wrapper tuning its buckets (``bucket_cap_mb="auto"``)
 runs alone, back to back, before the warm-up rounds: as a training loop
-runs it.  Inside the rotated rounds each of its trial steps would follow
-the other wrappers' steps (their models, cold caches), which spread its
-steps by 15% on the 2-core VM and hid 5-7% between layouts."""
+runs it, rather than one trial step per rotated round after the other
+wrappers' steps.  (Measured on the 2-core VM: its steps spread as much
+alone, 15-25% step to step; 2026-12-02-bucket-sweep-alone.md.)"""
 TRACE_STEPS = 3
 
 
@@ -557,11 +557,16 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
                 e.row.exposed_ms.append(exposed)
 
 
+def _tuner(e: _Entry):
+    """The wrapper's bucket tuner (``bucket_cap_mb="auto"``), else None."""
+    return getattr(getattr(e.module, "reducer", None), "tuner", None)
+
+
 def _tune_alone(ctx: _Ctx, spec: ModelSpec, e: _Entry) -> None:
     """A wrapper that tunes its buckets: its steps back to back, alone
     (untimed), until the tuner settles (every rank at the same step: its
     decisions come from values reduced over the ranks) or TUNE_ALONE_MAX."""
-    tuner = getattr(getattr(e.module, "reducer", None), "tuner", None)
+    tuner = _tuner(e)
     steps = 0
     while tuner is not None and tuner.active and e.row.ok and steps < TUNE_ALONE_MAX:
         _round(ctx, spec, [e], steps, timed=False)
@@ -623,7 +628,7 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
         progress.tick(now - t0, rounds, stopper.widest if stopper else None)
 
     for e in entries:
-        tuner = getattr(getattr(e.module, "reducer", None), "tuner", None)
+        tuner = _tuner(e)
         if tuner is not None:
             e.row.autotune = {**tuner.report(), "tuned_alone_steps": e.tuned_alone}
     t_post = time.perf_counter()

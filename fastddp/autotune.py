@@ -482,9 +482,7 @@ class Tuner:
             return self.best
         if self.device.type == "cpu":
             ties = [l for l in self.order if l is self.best or l.cost < self.best.cost + self.noise(self.best, l)]
-            pick = self._by_link(ties)
-            if pick is not self.best:
-                self.best = pick
+            self.best = self._by_link(ties)
         return self.best
 
     def _copy_speed(self) -> bool:

@@ -853,22 +853,26 @@ class BlockFp8(_ResidualBook, Reduction):
         d["recv"] = torch.empty_like(d["wire"])
 
     @staticmethod
-    def _to_wire(d: dict, W: int) -> None:
+    def _wire_pairs(d: dict, W: int):
+        """(piece of the wire, piece of the shard-major buffer) for every chunk
+        and rank row: its fp8 bytes, then its scales' bytes; the two
+        directions of staging copy along these pairs."""
         q = d["q"].view(W, -1)
         s = d["s"].view(torch.uint8).view(W, -1)
         for ((a, b), (sa, sb)), o, p in zip(zip(d["chunks"], d["s_chunks"]), d["w_off"], d["w_piece"]):
             v = d["wire"][o:o + W * p].view(W, p)
-            v[:, :b - a].copy_(q[:, a:b])
-            v[:, b - a:].copy_(s[:, 4 * sa:4 * sb])
+            yield v[:, :b - a], q[:, a:b]
+            yield v[:, b - a:], s[:, 4 * sa:4 * sb]
 
-    @staticmethod
-    def _from_wire(d: dict, W: int) -> None:
-        q = d["q"].view(W, -1)
-        s = d["s"].view(torch.uint8).view(W, -1)
-        for ((a, b), (sa, sb)), o, p in zip(zip(d["chunks"], d["s_chunks"]), d["w_off"], d["w_piece"]):
-            v = d["wire"][o:o + W * p].view(W, p)
-            q[:, a:b].copy_(v[:, :b - a])
-            s[:, 4 * sa:4 * sb].copy_(v[:, b - a:])
+    @classmethod
+    def _to_wire(cls, d: dict, W: int) -> None:
+        for wire, buf in cls._wire_pairs(d, W):
+            wire.copy_(buf)
+
+    @classmethod
+    def _from_wire(cls, d: dict, W: int) -> None:
+        for wire, buf in cls._wire_pairs(d, W):
+            buf.copy_(wire)
 
     # -------------------------------------------------------------- unpack
     def unpack(self, r, bucket, result, track_unused: bool) -> None:
