@@ -42,10 +42,10 @@ def _cap_name(c: float) -> str:
     return f"fastddp-cap{c:g}"
 
 
-def run_speed(speed: str, models: list[str], budget: float, warmup: int, out: Path) -> Path:
-    """One bench run for ``speed``; returns its json report."""
+def run_speed(speed: str, models: list[str], budget: float, warmup: int, out: Path, tag: str = "") -> Path:
+    """One bench run for ``speed`` (``tag``: appended to its label); returns its json report."""
     wrappers = [_cap_name(c) for c in SWEEP_CAPS_MB] + ["fastddp-auto"]
-    label = "bucket-sweep-" + re.sub(r"[^a-z0-9]+", "-", speed.lower()).strip("-")
+    label = "bucket-sweep-" + re.sub(r"[^a-z0-9]+", "-", speed.lower()).strip("-") + (f"-{tag}" if tag else "")
     cmd = [sys.executable, "-m", "bench", "--models", *models, "--wrappers", *wrappers,
            "--budget", str(budget), "--warmup", str(warmup), "--label", label, "--out", str(out),
            "--no-progress", "--no-charts"]
@@ -77,49 +77,156 @@ def _verdict(ci, limit: float) -> str:
     return "undecided"
 
 
-def analyse(speed: str, report: R.Report) -> list[dict]:
-    """Per model: every cap's step time, auto / each cap, the verdicts."""
-    out = []
-    for sec in report.sections:
-        by_model: dict[str, dict[str, R.Row]] = {}
-        for row in sec.rows:
-            if row.ok:
-                by_model.setdefault(row.model, {})[row.wrapper] = row
-        for model, rows in by_model.items():
-            auto = rows.get("fastddp-auto")
-            caps = {c: rows[_cap_name(c)] for c in SWEEP_CAPS_MB if _cap_name(c) in rows}
-            default = rows.get("fastddp")  # bucket_cap_mb=None: torch's default layout (1 MiB first bucket)
-            if auto is None or not (caps or default):
+#: two-sided 90% Student t quantiles by degrees of freedom (runs - 1)
+_T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+
+
+def _layout_key(row: R.Row, cap):
+    """Rows with the same buckets ran the same program; without the record
+    (reports before it) every cap is its own layout."""
+    return tuple(map(tuple, row.buckets)) if row.buckets else ("cap", cap)
+
+
+def _pooled(rows: list[R.Row]) -> list[float]:
+    """Per round, the mean of rows that ran the same buckets."""
+    n = min(len(r.step_ms) for r in rows)
+    return [math.fsum(r.step_ms[i] for r in rows) / len(rows) for i in range(n)]
+
+
+def _geo(xs) -> float:
+    return math.exp(math.fsum(math.log(x) for x in xs) / len(xs))
+
+
+def _across(ratios: list[float]):
+    """Geometric mean of per-run ratios and its 90% t interval (None for one run)."""
+    logs = [math.log(q) for q in ratios]
+    k, m = len(logs), math.fsum(logs) / len(logs)
+    if k < 2:
+        return math.exp(m), None
+    sd = math.sqrt(math.fsum((x - m) ** 2 for x in logs) / (k - 1))
+    h = _T90.get(k - 1, 1.645) * sd / math.sqrt(k)
+    return math.exp(m), (math.exp(m - h), math.exp(m + h))
+
+
+def _versus(auto_runs: list[R.Row], group_runs: list[list[R.Row]], model: str, peer: str):
+    """auto / a layout (its rows pooled): one run, the paired bootstrap over
+    rounds; several runs (fresh processes, so fresh memory placement), the t
+    interval over the runs' ratios of trimmed means."""
+    if len(auto_runs) == 1:
+        v = R.compare(auto_runs[0].step_ms, _pooled(group_runs[0]), model=model, wrapper="fastddp-auto", peer=peer)
+        return {"ratio": v.ratio, "ci": v.ratio_ci, "per_run": [v.ratio]}
+    per = [R.trimmed_mean(a.step_ms) / R.trimmed_mean(_pooled(g)) for a, g in zip(auto_runs, group_runs)]
+    ratio, ci = _across(per)
+    return {"ratio": ratio, "ci": ci, "per_run": per}
+
+
+def _row_floor(groups: dict, caps_runs: list[dict]) -> tuple[float | None, int]:
+    """The spread of rows that ran the same buckets in the same run: the
+    robust relative sd of each row's trimmed mean about its layout's mean
+    (pooled over layouts and runs; None without such rows).  The bootstrap
+    over rounds does not see it: a row keeps its memory placement."""
+    devs, dof = [], 0
+    for caps in caps_runs:
+        for members in groups.values():
+            if len(members) < 2:
                 continue
-            tune = auto.autotune or {}
-            tried = [t for lay in tune.get("tried", []) for t in lay.get("step_ms", []) if t is not None]
-            chosen = tune.get("chosen") or tune.get("current") or {}
-            res = {"speed": speed, "bandwidth_gbps": sec.bandwidth_gbps, "model": model,
-                   "auto_state": tune.get("state"), "auto_settled_at_step": tune.get("settled_at_step"),
-                   "auto_chose": chosen.get("torch_args"), "auto_buckets": chosen.get("buckets"),
-                   "tuning_slowest_step_ms": max(tried) if tried else None,
-                   "tuning_layouts_tried": len(tune.get("tried", []))}
-            if caps:
-                mean = {c: R.trimmed_mean(r.step_ms) for c, r in caps.items()}
-                best = min(mean, key=mean.get)
-                vs = {c: R.compare(auto.step_ms, r.step_ms, model=model, wrapper="fastddp-auto",
-                                   peer=_cap_name(c)) for c, r in caps.items()}
-                res.update({
-                    "rounds": min(len(auto.step_ms), *(len(r.step_ms) for r in caps.values())),
-                    "step_ms": {**{f"{c:g}": mean[c] for c in caps}, "auto": R.trimmed_mean(auto.step_ms)},
-                    "p20_p80": {**{f"{c:g}": (r.step.p20, r.step.p80) for c, r in caps.items()},
-                                "auto": (auto.step.p20, auto.step.p80)},  # quantiles from derive()
-                    "auto_vs": {f"{c:g}": {"ratio": v.ratio, "ci": v.ratio_ci} for c, v in vs.items()},
-                    "best": best, "within_3pct_of_best": _verdict(vs[best].ratio_ci, 1.0 + WITHIN),
-                    "better_than_25": "n/a (25 is the best)" if best == 25 else (
-                        _verdict(vs[25].ratio_ci, 1.0) if 25 in vs else "n/a (no cap 25 row)")})
-            if default is not None:
-                v = R.compare(auto.step_ms, default.step_ms, model=model, wrapper="fastddp-auto", peer="fastddp")
-                res["auto_vs_default"] = {"ratio": v.ratio, "ci": v.ratio_ci, "rounds": v.rounds,
-                                          "verdict": R.decide(v.ratio_ci, WITHIN),
-                                          "default_ms": R.trimmed_mean(default.step_ms),
-                                          "auto_ms": R.trimmed_mean(auto.step_ms)}
-            out.append(res)
+            logs = [math.log(R.trimmed_mean(caps[c].step_ms)) for c in members]
+            m = math.fsum(logs) / len(logs)
+            devs += [(x - m) ** 2 for x in logs]
+            dof += len(logs) - 1
+    return (math.sqrt(math.fsum(devs) / dof) if dof else None), dof
+
+
+def analyse(speed: str, report: R.Report) -> list[dict]:
+    """One run (see :func:`analyse_runs`)."""
+    return analyse_runs(speed, [report])
+
+
+def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -> list[dict]:
+    """Per model: every cap's step time, auto against the best layout and
+    against cap 25's, the verdicts.  ``reports``: runs of the same rows in
+    fresh processes (``--repeats``).  Caps that gave the same buckets (in
+    every run) are one layout, their rows pooled per round: the best fixed
+    setting is the best layout, not the luckiest of several rows running one
+    program.  ``only``: that model's rows."""
+    per_model: dict[str, list] = {}
+    for rep in reports:
+        for sec in rep.sections:
+            by_model: dict[str, dict[str, R.Row]] = {}
+            for row in sec.rows:
+                if row.ok and (only is None or row.model == only):
+                    by_model.setdefault(row.model, {})[row.wrapper] = row
+            for model, rows in by_model.items():
+                per_model.setdefault(model, []).append((sec.bandwidth_gbps, rows))
+    out = []
+    for model, runs in per_model.items():
+        runs = [(bw, rows) for bw, rows in runs if "fastddp-auto" in rows]
+        if not runs:
+            continue
+        autos = [rows["fastddp-auto"] for _, rows in runs]
+        caps_runs = [{c: rows[_cap_name(c)] for c in SWEEP_CAPS_MB if _cap_name(c) in rows} for _, rows in runs]
+        defaults = [rows.get("fastddp") for _, rows in runs]  # bucket_cap_mb=None: torch's default layout
+        tunes = [a.autotune or {} for a in autos]
+        tried = [t for tune in tunes for lay in tune.get("tried", []) for t in lay.get("step_ms", []) if t is not None]
+        chosen = [tune.get("chosen") or tune.get("current") or {} for tune in tunes]
+        res = {"speed": speed, "bandwidth_gbps": runs[0][0], "model": model, "runs": len(runs),
+               "auto_state": tunes[0].get("state"),
+               "auto_settled_at_step": max((t.get("settled_at_step") or 0) for t in tunes) if tunes else None,
+               "auto_chose": chosen[0].get("torch_args"), "auto_buckets": chosen[0].get("buckets"),
+               "auto_chose_per_run": [c.get("torch_args") for c in chosen],
+               "tuning_slowest_step_ms": max(tried) if tried else None,
+               "tuning_layouts_tried": max(len(t.get("tried", [])) for t in tunes)}
+        common = set.intersection(*(set(c) for c in caps_runs)) if all(caps_runs) else set()
+        caps = [c for c in SWEEP_CAPS_MB if c in common]
+        if caps:
+            groups: dict = {}
+            for c in caps:
+                groups.setdefault(tuple(_layout_key(cr[c], c) for cr in caps_runs), []).append(c)
+            mean = {c: _geo([R.trimmed_mean(cr[c].step_ms) for cr in caps_runs]) for c in caps}
+            gmean = {k: _geo([R.trimmed_mean(_pooled([cr[c] for c in m])) for cr in caps_runs])
+                     for k, m in groups.items()}
+            best_key = min(gmean, key=gmean.get)
+            best = min(groups[best_key], key=mean.get)
+            key25 = next((k for k, m in groups.items() if 25 in m), None)
+            vs_best = _versus(autos, [[cr[c] for c in groups[best_key]] for cr in caps_runs], model, f"layout {best:g}")
+            vs25 = (_versus(autos, [[cr[c] for c in groups[key25]] for cr in caps_runs], model, "layout 25")
+                    if key25 is not None else None)
+            # auto against the fixed rows that ran its very buckets (the same program): the row floor seen from auto
+            same = []
+            for a, cr in zip(autos, caps_runs):
+                m = [c for c in caps if a.buckets and cr[c].buckets == a.buckets]
+                if m:
+                    same.append(R.trimmed_mean(a.step_ms) / R.trimmed_mean(_pooled([cr[c] for c in m])))
+            floor, floor_dof = _row_floor(groups, caps_runs)
+            single = len(runs) == 1
+            res.update({
+                "rounds": min(len(r.step_ms) for r in autos + [cr[c] for cr in caps_runs for c in caps]),
+                "step_ms": {**{f"{c:g}": mean[c] for c in caps}, "auto": _geo([R.trimmed_mean(a.step_ms) for a in autos])},
+                "p20_p80": ({**{f"{c:g}": (caps_runs[0][c].step.p20, caps_runs[0][c].step.p80) for c in caps},
+                             "auto": (autos[0].step.p20, autos[0].step.p80)} if single else
+                            {**{f"{c:g}": (min(R.trimmed_mean(cr[c].step_ms) for cr in caps_runs),
+                                           max(R.trimmed_mean(cr[c].step_ms) for cr in caps_runs)) for c in caps},
+                             "auto": (min(R.trimmed_mean(a.step_ms) for a in autos),
+                                      max(R.trimmed_mean(a.step_ms) for a in autos))}),
+                "layouts": [{"caps": [f"{c:g}" for c in m], "ms": gmean[k],
+                             "buckets": len(caps_runs[0][m[0]].buckets) if caps_runs[0][m[0]].buckets else None}
+                            for k, m in groups.items()],
+                "best": best, "best_caps": [f"{c:g}" for c in groups[best_key]],
+                "auto_vs_best": vs_best, "auto_vs_25": vs25,
+                "auto_vs_same_buckets": {"ratio": _geo(same), "runs": len(same)} if same else None,
+                "row_floor": floor, "row_floor_dof": floor_dof,
+                "within_3pct_of_best": _verdict(vs_best["ci"], 1.0 + WITHIN),
+                "better_than_25": ("n/a (no cap 25 row)" if vs25 is None else
+                                   "n/a (25's layout is the best)" if key25 == best_key else
+                                   _verdict(vs25["ci"], 1.0))})
+        if defaults[0] is not None and len(runs) == 1:
+            auto, default = autos[0], defaults[0]
+            v = R.compare(auto.step_ms, default.step_ms, model=model, wrapper="fastddp-auto", peer="fastddp")
+            res["auto_vs_default"] = {"ratio": v.ratio, "ci": v.ratio_ci, "rounds": v.rounds,
+                                      "verdict": R.decide(v.ratio_ci, WITHIN),
+                                      "default_ms": R.trimmed_mean(default.step_ms),
+                                      "auto_ms": R.trimmed_mean(auto.step_ms)}
+        out.append(res)
     return out
 
 
@@ -127,46 +234,64 @@ def _ci(ci) -> str:
     return "-" if ci is None else f"{ci[0]:.3f}..{ci[1]:.3f}"
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
     caps = [f"{c:g}" for c in SWEEP_CAPS_MB]
+    swept = [r for r in results if "best" in r]
     lines = ["# Bucket sweep: fixed bucket_cap_mb against \"auto\"", "",
              "How to read it: every setting runs one step per round, in rotated order, on the same "
              "ranks; a round's time is the slowest rank's. Step times are trimmed means over rounds "
-             "(ms); `auto / best` is the paired ratio of auto's step to the best fixed cap's, with "
-             "its 90% bootstrap interval. Verdicts: auto within 3% of the best (interval below "
-             "1.03), and faster than the default 25 where 25 is not the best (interval below 1).", "",
+             "(ms; over several runs, their geometric mean). Caps that gave the same buckets ran the "
+             "same program: they are one layout, their rows pooled per round, and `best` is the best "
+             "layout (named by its smallest row). `auto / best`: auto's step over that layout's, with "
+             "its 90% interval: for one run the paired bootstrap over rounds, for several runs (fresh "
+             "processes) the t interval over the runs' ratios, which also holds the spread of rows "
+             "that keep one memory placement for a whole run (`row floor`: the relative sd of rows "
+             "that ran the same buckets in the same run; the bootstrap over rounds cannot see it). "
+             "Verdicts: auto within 3% of the best (interval below 1.03), and faster than cap 25's "
+             "layout where that is not the best (interval below 1).", "",
              f"Machine: {meta.get('device')}, {meta.get('cores')}; world {meta.get('world_size')} "
              f"({meta.get('backend')}); torch {meta.get('torch')}; git `{meta.get('git')}`; "
              f"load {meta.get('load')}.", "",
              "Runs: " + "; ".join(f"{k}: `{v}`" for k, v in runs.items()), "",
-             "| speed | model | rounds | " + " | ".join(f"cap {c}" for c in caps) +
-             " | auto | best | auto / best | 90% | within 3% | auto / 25 | 90% | better than 25 | auto chose |",
-             "|---|---|---:|" + "---:|" * len(caps) + "---:|---:|---:|---:|---|---:|---:|---|---|"]
-    for r in (r for r in results if "best" in r):
-        b = f"{r['best']:g}"
-        cells = [r["speed"], r["model"], str(r["rounds"])]
+             "| speed | model | runs x rounds | " + " | ".join(f"cap {c}" for c in caps) +
+             " | auto | best | auto / best | 90% | within 3% | auto / 25 | 90% | better than 25 | auto chose "
+             "| auto / same buckets | row floor |",
+             "|---|---|---:|" + "---:|" * len(caps) + "---:|---:|---:|---:|---|---:|---:|---|---|---:|---:|"]
+    for r in swept:
+        cells = [r["speed"], r["model"], f"{r['runs']} x {r['rounds']}"]
         cells += [f"{r['step_ms'][c]:.1f}" if c in r["step_ms"] else "-" for c in caps]
-        cells += [f"{r['step_ms']['auto']:.1f}", b, f"{r['auto_vs'][b]['ratio']:.3f}",
-                  _ci(r["auto_vs"][b]["ci"]), r["within_3pct_of_best"]]
-        v25 = r["auto_vs"].get("25")
+        vb, v25 = r["auto_vs_best"], r["auto_vs_25"]
+        cells += [f"{r['step_ms']['auto']:.1f}", "/".join(r["best_caps"]), f"{vb['ratio']:.3f}",
+                  _ci(vb["ci"]), r["within_3pct_of_best"]]
         cells += [f"{v25['ratio']:.3f}" if v25 else "-", _ci(v25["ci"]) if v25 else "-", r["better_than_25"]]
-        chose = r["auto_chose"]
-        cells.append("-" if chose is None else ", ".join(f"{k}={v}" for k, v in chose.items()) +
-                     f" ({r['auto_buckets']} buckets)")
+        chose = [c for c in r.get("auto_chose_per_run") or [r["auto_chose"]] if c is not None]
+        cells.append("-" if not chose else "; ".join(", ".join(f"{k}={v}" for k, v in c.items()) for c in chose) +
+                     ("" if r["runs"] > 1 else f" ({r['auto_buckets']} buckets)"))
+        same = r["auto_vs_same_buckets"]
+        cells += [f"{same['ratio']:.3f} ({same['runs']} run{'s' if same['runs'] > 1 else ''})" if same else "-",
+                  _pct(r["row_floor"])]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Layouts (caps that gave the same buckets; buckets; step ms):", ""]
+    for r in swept:
+        lines.append(f"- {r['speed']} / {r['model']}: " + "; ".join(
+            f"{', '.join(l['caps'])}: {l['buckets'] if l['buckets'] is not None else '?'} buckets, {l['ms']:.1f}"
+            for l in r["layouts"]))
     lines += ["", "Tuning cost (auto's own first steps, run alone before the rounds above and not timed):", "",
               "| speed | model | layouts tried | settled at step | slowest trial step ms | settled step ms | x |",
               "|---|---|---:|---:|---:|---:|---:|"]
-    for r in (r for r in results if "best" in r):
+    for r in swept:
         slow, settled = r["tuning_slowest_step_ms"], r["step_ms"]["auto"]
         x = "-" if slow is None else f"{slow / settled:.2f}"
         lines.append(f"| {r['speed']} | {r['model']} | {r['tuning_layouts_tried']} | "
                      f"{r['auto_settled_at_step'] if r['auto_settled_at_step'] is not None else '-'} | "
                      f"{'-' if slow is None else f'{slow:.1f}'} | {settled:.1f} | {x} |")
-    swept = [r for r in results if "best" in r]
     met = sum(r["within_3pct_of_best"] == "met" for r in swept)
     lines += ["", f"auto within 3% of the best fixed cap: {met} of {len(swept)} (model, speed) pairs; "
-              f"better than an explicit 25 where 25 is not the best: "
+              f"better than an explicit 25 where 25's layout is not the best: "
               f"{sum(r['better_than_25'] == 'met' for r in swept)} of "
               f"{sum(not r['better_than_25'].startswith('n/a') for r in swept)}.", ""]
     vd = [r for r in results if "auto_vs_default" in r]
@@ -205,13 +330,13 @@ def plot(results: list[dict], path: Path) -> bool:
         vals = [r["step_ms"][k] for k in names]
         lo = [v - r["p20_p80"][k][0] for k, v in zip(names, vals)]
         hi = [r["p20_p80"][k][1] - v for k, v in zip(names, vals)]
-        colors = ["#d62728" if k == "auto" else ("#2ca02c" if k == f"{r['best']:g}" else "#1f77b4")
+        colors = ["#d62728" if k == "auto" else ("#2ca02c" if k in r["best_caps"] else "#1f77b4")
                   for k in names]
         ax.bar(range(len(names)), vals, yerr=[[max(0, x) for x in lo], [max(0, x) for x in hi]],
                color=colors, capsize=3)
         ax.set_xticks(range(len(names)), [k if k == "auto" else f"{k} MiB" for k in names], fontsize=8)
         ax.set_ylabel("step ms (trimmed mean, p20-p80)")
-        ratio = r["auto_vs"][f"{r['best']:g}"]["ratio"]
+        ratio = r["auto_vs_best"]["ratio"]
         ax.set_title(f"{r['model']} @ {r['speed']}: auto / best {ratio:.3f}", fontsize=9)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
@@ -231,10 +356,18 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3,
                     help="untimed rounds of every row (auto has tuned alone before them)")
     ap.add_argument("--out", default="reports")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="bench runs per speed, each in fresh processes (fresh memory placement); "
+                         "verdicts from the spread of their ratios")
     ap.add_argument("--from-json", nargs="*", default=None, metavar="SPEED=PATH",
                     help="analyse existing bench reports instead of running (a later report of the "
-                         "same speed and model replaces an earlier one's rows)")
+                         "same speed and model replaces an earlier one's rows, or with --as-repeats "
+                         "joins them as another run)")
+    ap.add_argument("--as-repeats", action="store_true",
+                    help="with --from-json: reports of the same speed and model are repeated runs")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     out = Path(args.out)
     paths: list[tuple[str, Path]] = []
     if args.from_json:
@@ -243,15 +376,22 @@ def main(argv=None) -> int:
             paths.append((speed, Path(p)))
     else:
         for speed in args.speeds:
-            paths.append((speed, run_speed(speed, args.models, args.budget, args.warmup, out)))
-    merged: dict[tuple[str, str], dict] = {}  # a later run of the same model and speed replaces an earlier
+            for k in range(args.repeats):
+                tag = f"r{k + 1}" if args.repeats > 1 else ""
+                paths.append((speed, run_speed(speed, args.models, args.budget, args.warmup, out, tag)))
+    combine = args.as_repeats or args.repeats > 1
+    grouped: dict[tuple[str, str], list[R.Report]] = {}  # (speed, model) -> its runs
     meta, runs = {}, {}
     for speed, p in paths:
         rep = R.from_json(p.read_text())
         meta = meta or rep.meta
         runs.setdefault(speed, []).append(str(p))
-        for r in analyse(speed, rep):
-            merged.setdefault((speed, r["model"]), {}).update(r)
+        for model in dict.fromkeys(row.model for sec in rep.sections for row in sec.rows):
+            if combine:
+                grouped.setdefault((speed, model), []).append(rep)
+            else:
+                grouped[(speed, model)] = [rep]
+    merged = {key: r for key, reps in grouped.items() for r in analyse_runs(key[0], reps, only=key[1])}
     results = list(merged.values())
     runs = {k: ", ".join(v) for k, v in runs.items()}
     folder = paths[0][1].parent

@@ -336,6 +336,10 @@ class Row:
     """``bucket_cap_mb="auto"`` rows: the tuner's report after the timed
     rounds (``stats()["autotune"]``: layouts tried with their step times,
     the one chosen, when it settled)."""
+    buckets: list[list[int]] | None = None
+    """fastddp rows: the parameter indices of each bucket after the timed
+    rounds.  Rows with equal lists ran the same buckets (the bucket sweep
+    pools them: ``bucket_cap_mb`` 1, 5 and 10 can give one layout)."""
     # derived by derive()
     step: Quantiles | None = None
     exposed: Quantiles | None = None

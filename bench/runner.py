@@ -562,6 +562,12 @@ def _tuner(e: _Entry):
     return getattr(getattr(e.module, "reducer", None), "tuner", None)
 
 
+def _buckets(e: _Entry) -> list[list[int]] | None:
+    """The wrapper's buckets as parameter indices (fastddp's reducer), else None."""
+    plan = getattr(getattr(e.module, "reducer", None), "plan", None)
+    return None if plan is None else [list(b.param_indices) for b in plan.buckets]
+
+
 def _tune_alone(ctx: _Ctx, spec: ModelSpec, e: _Entry) -> None:
     """A wrapper that tunes its buckets: its steps back to back, alone
     (untimed), until the tuner settles (every rank at the same step: its
@@ -631,6 +637,7 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
         tuner = _tuner(e)
         if tuner is not None:
             e.row.autotune = {**tuner.report(), "tuned_alone_steps": e.tuned_alone}
+        e.row.buckets = _buckets(e)
     t_post = time.perf_counter()
     for e in entries:
         if e.row.ok:

@@ -581,3 +581,8 @@ def test_auto_tunes_alone_before_the_rounds(tmp_path):
     assert tune["settled_at_step"] <= tune["tuned_alone_steps"] + 1, tune  # before any round
     assert rows["fastddp-cap25"].autotune is None
     assert len(rows["fastddp-auto"].step_ms) == 2  # the rounds are the timed ones, as for every row
+    # every fastddp row records its buckets (the sweep pools caps that gave the same ones)
+    auto_buckets = rows["fastddp-auto"].buckets
+    assert rows["fastddp-cap25"].buckets and auto_buckets
+    assert sorted(i for b in auto_buckets for i in b) == list(range(sum(len(b) for b in auto_buckets)))
+    assert len(auto_buckets) == tune["chosen"]["buckets"]

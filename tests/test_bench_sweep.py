@@ -87,3 +87,83 @@ def test_auto_against_torchs_default_layout():
     assert 0.78 < v["ratio"] < 0.82 and v["verdict"] == "faster"
     md = S.to_markdown([res], {"device": "test"}, {"netns:1": "x.json"})
     assert "auto / default" in md and "faster" in md
+
+
+# ---------------------------------------------------------------- layouts and repeated runs
+A, B, C = [[5, 4], [3, 2], [1, 0]], [[5, 4, 3, 2], [1, 0]], [[5, 4, 3, 2, 1, 0]]
+LAYOUT = {"1": A, "5": A, "10": A, "25": B, "50": B, "100": C}
+
+
+def _laid_out(rows, auto_buckets=None):
+    for r in rows:
+        cap = r.wrapper.removeprefix("fastddp-cap")
+        r.buckets = auto_buckets if r.wrapper == "fastddp-auto" else LAYOUT[cap]
+    return rows
+
+
+def test_caps_with_the_same_buckets_are_one_layout():
+    """Rows that ran one program differ by their row alone (memory placement):
+    caps 1, 5 and 10 give the same buckets here and measured 100 / 104 / 97.
+    Per cap, auto (101, the same buckets) would be 1.04x "the best" (the
+    luckiest row); pooled, the best layout is ~100.3 and auto is within 1%."""
+    means = {"1": 100.0, "5": 104.0, "10": 97.0, "25": 110.0, "50": 111.0, "100": 120.0, "auto": 101.0}
+    (res,) = S.analyse("none", _report(_laid_out(_rows("m", means, rounds=120), auto_buckets=A)))
+    assert res["best_caps"] == ["1", "5", "10"] and res["best"] == 10
+    assert 1.00 < res["auto_vs_best"]["ratio"] < 1.015
+    assert res["within_3pct_of_best"] == "met"
+    assert 1.00 < res["auto_vs_same_buckets"]["ratio"] < 1.015
+    assert 0.02 < res["row_floor"] < 0.05  # the spread of 100/104/97 and 110/111
+    assert res["better_than_25"] == "met"
+    assert [l["buckets"] for l in res["layouts"]] == [3, 2, 1]
+    md = S.to_markdown([res], {"device": "test"}, {"none": "x.json"})
+    assert "| 1/5/10 |" in md and "1, 5, 10: 3 buckets" in md
+
+
+def test_reports_without_buckets_keep_one_layout_per_cap():
+    means = {"1": 100.0, "5": 104.0, "10": 97.0, "25": 110.0, "50": 111.0, "100": 120.0, "auto": 101.0}
+    (res,) = S.analyse("none", _report(_rows("m", means, rounds=120)))
+    assert res["best_caps"] == ["10"] and res["row_floor"] is None
+    assert res["within_3pct_of_best"] == "missed"  # 101 / 97
+
+
+def test_25_sharing_the_best_layout_is_not_a_target():
+    means = {"1": 120.0, "5": 120.0, "10": 120.0, "25": 100.0, "50": 101.0, "100": 130.0, "auto": 100.5}
+    (res,) = S.analyse("none", _report(_laid_out(_rows("m", means), auto_buckets=B)))
+    assert res["best_caps"] == ["25", "50"] and res["better_than_25"].startswith("n/a (25's layout")
+
+
+def _runs(auto_per_run: list[float], seed0: int = 0):
+    reps = []
+    for k, a in enumerate(auto_per_run):
+        means = {"1": 100.0, "5": 100.0, "10": 100.0, "25": 110.0, "50": 110.0, "100": 120.0, "auto": a}
+        reps.append(_report(_laid_out(_rows("m", means, rounds=40, seed=seed0 + k), auto_buckets=A)))
+    return reps
+
+
+def test_repeated_runs_give_a_t_interval_over_the_runs():
+    """Several runs (fresh processes): the ratio is the geometric mean of the
+    runs' ratios, the interval Student's t over them -- so a run-to-run
+    spread of 4% is not hidden behind a tight bootstrap of one run."""
+    (tight,) = S.analyse_runs("none", _runs([100.5, 101.0, 100.2, 100.8]))
+    assert tight["runs"] == 4 and tight["within_3pct_of_best"] == "met"
+    assert tight["auto_vs_best"]["ci"][0] < tight["auto_vs_best"]["ratio"] < tight["auto_vs_best"]["ci"][1]
+    assert len(tight["auto_vs_best"]["per_run"]) == 4
+    (loose,) = S.analyse_runs("none", _runs([97.0, 105.0, 99.0, 106.0]))
+    assert loose["within_3pct_of_best"] == "undecided"
+    (off,) = S.analyse_runs("none", _runs([106.0, 107.0, 105.5]))
+    assert off["within_3pct_of_best"] == "missed"
+
+
+def test_main_joins_reports_as_repeats(tmp_path):
+    paths = []
+    for k, rep in enumerate(_runs([100.5, 101.0, 100.2])):
+        p = tmp_path / "m" / f"run{k}.json"
+        p.parent.mkdir(exist_ok=True)
+        p.write_text(R.to_json(rep))
+        paths.append(f"none={p}")
+    assert S.main(["--from-json", *paths, "--as-repeats"]) == 0
+    md = next((tmp_path / "m").glob("*-bucket-sweep.md")).read_text()
+    assert "| none | m | 3 x 40 |" in md, md
+    assert S.main(["--from-json", *paths]) == 0  # without: the last report replaces the earlier ones
+    md = next((tmp_path / "m").glob("*-bucket-sweep.md")).read_text()
+    assert "| none | m | 1 x 40 |" in md, md
