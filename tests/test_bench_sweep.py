@@ -167,3 +167,17 @@ def test_main_joins_reports_as_repeats(tmp_path):
     assert S.main(["--from-json", *paths]) == 0  # without: the last report replaces the earlier ones
     md = next((tmp_path / "m").glob("*-bucket-sweep.md")).read_text()
     assert "| none | m | 1 x 40 |" in md, md
+
+
+def test_beating_25_is_a_target_only_where_25_is_measurably_slower():
+    """Where cap 25's layout is within noise of the best, auto cannot be
+    measurably faster than it: n/a, not missed; 4% slower is a target."""
+    near = {"1": 100.0, "5": 100.0, "10": 100.0, "25": 100.1, "50": 100.1, "100": 120.0, "auto": 100.2}
+    (res,) = S.analyse("none", _report(_laid_out(_rows("m", near, noise=0.08), auto_buckets=B)))
+    assert res["best_caps"] == ["1", "5", "10"]
+    assert res["layout25_vs_best"]["ci"][0] <= 1.0
+    assert res["better_than_25"] == "n/a (25's layout within noise of the best)"
+    far = {**near, "25": 104.0, "50": 104.0, "auto": 104.0}
+    (res,) = S.analyse("none", _report(_laid_out(_rows("m", far, noise=0.03), auto_buckets=B)))
+    assert res["layout25_vs_best"]["ci"][0] > 1.0
+    assert res["better_than_25"] in ("missed", "undecided")  # auto ran 25's buckets: ~1.0 of them
