@@ -586,3 +586,41 @@ def test_auto_tunes_alone_before_the_rounds(tmp_path):
     assert rows["fastddp-cap25"].buckets and auto_buckets
     assert sorted(i for b in auto_buckets for i in b) == list(range(sum(len(b) for b in auto_buckets)))
     assert len(auto_buckets) == tune["chosen"]["buckets"]
+
+
+def test_block_rounds_average_all_but_the_first_step(tmp_path, monkeypatch):
+    """``--block N``: each wrapper runs N steps in a row per round (a barrier
+    before each); its sample is the mean of all but the first, the steady
+    state of steps back to back.  Scripted step times: (10, 20, 30) per
+    wrapper and round -> 25; block 1 keeps the one step."""
+    import types
+
+    from fastddp.bench import runner
+    from tests._dist import single_rank_group
+
+    calls = []
+
+    def fake_step(ctx, spec, e, batch):
+        calls.append(e.name)
+        k = sum(1 for c in calls if c == e.name)
+        return (10.0 * ((k - 1) % 3 + 1), 1.0 * k, 2.0 * k)
+
+    monkeypatch.setattr(runner, "_step", fake_step)
+    spec = types.SimpleNamespace(make_batch=lambda gen, device: None)
+    barriers = []
+    with single_rank_group(tmp_path):
+        for block, want in ((3, 25.0), (1, 10.0)):
+            calls.clear()
+            ctx = types.SimpleNamespace(cfg=runner.BenchConfig(block=block, seed=0), rank=0, world=1,
+                                        cuda=False, device=torch.device("cpu"),
+                                        barrier=lambda: barriers.append(1))
+            entries = [types.SimpleNamespace(name=n, row=R.Row("m", n)) for n in ("a", "b")]
+            runner._round(ctx, spec, entries, 0, timed=True)
+            assert calls == ["a"] * block + ["b"] * block
+            for e in entries:
+                assert e.row.step_ms == [want], (block, e.row.step_ms)
+            runner._round(ctx, spec, entries, 1, timed=True, block=1)  # tune-alone's override
+            assert calls[-2:] == ["b", "a"]  # rotated, one step each
+    assert len(barriers) == 3 * 2 + 2 + 1 * 2 + 2
+    with pytest.raises(ValueError, match="--block must be >= 1"):
+        runner.BenchConfig(models=("tiny",), block=0).validate()
