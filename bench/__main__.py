@@ -73,10 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="a fixed number of timed rounds per model instead of the "
                                              "precision goal and budget")
     p.add_argument("--warmup", type=int, help="warm-up rounds per model, >= 1 (default 3, quick 1)")
-    p.add_argument("--block", type=int, default=1,
-                   help="consecutive steps of a wrapper per round, its sample the mean of all but the "
-                        "first: steps back to back, as training runs them (default 1: each step right "
-                        "after another wrapper's)")
     p.add_argument("--bucket-cap-mb", type=float, help="bucket_cap_mb for both DDPs (default: theirs, 25)")
     p.add_argument("--out", default="reports", help="report folder (default: reports/)")
     p.add_argument("--quick", action="store_true",
@@ -119,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(
         models=_names(args.models) or DEFAULT_MODELS,
         wrappers=_names(args.wrappers),
-        world=args.world, steps=args.steps, warmup=args.warmup, block=args.block,
+        world=args.world, steps=args.steps, warmup=args.warmup,
         half_width=args.half_width / 100, budget_s=args.budget,
         precision=None if args.precision is None else args.precision / 100,
         bucket_cap_mb=args.bucket_cap_mb, out=args.out, label=args.label, quick=args.quick,

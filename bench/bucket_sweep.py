@@ -12,19 +12,10 @@ and ``fastddp-auto``.  auto tunes first, its steps back to back and alone
 has the same ``--warmup`` rounds (default 3) and timed rounds, so auto's
 tuning steps are not timed.  Per model and speed the verdicts are the issue's:
 
-* auto within 3% of the best fixed layout (caps that gave the same buckets
-  pooled): the 90% interval of auto / best lies below 1.03 (``met``), above
-  it (``missed``), else ``undecided``;
-* where cap 25's layout is measurably slower than the best: auto / cap 25's
-  layout's interval lies below 1 (``met``), else ``missed`` / ``undecided``.
-
-Rows run ``--block`` steps in a row per round (default 4; the sample is the
-mean of all but the first), the steady state of steps back to back as
-training runs them.  ``--repeats K`` runs the bench K times in fresh
-processes: a row keeps its memory placement for a whole run, and rows of one
-program were measured up to 4% apart in one run, so one run's bootstrap over
-rounds understates the uncertainty; with K runs the interval is Student's t
-over the runs' ratios.
+* auto within 3% of the best fixed cap: the 90% interval of auto / best lies
+  below 1.03 (``met``), above it (``missed``), else ``undecided``;
+* where the default 25 is not the best: auto / cap25's interval lies below 1
+  (``met``), else ``missed`` / ``undecided``.
 
 The tuning's cost is read from the auto row's tuner report: the slowest step
 of any layout it tried against the settled row's median step.
@@ -51,13 +42,12 @@ def _cap_name(c: float) -> str:
     return f"fastddp-cap{c:g}"
 
 
-def run_speed(speed: str, models: list[str], budget: float, warmup: int, out: Path, tag: str = "",
-              block: int = 1) -> Path:
+def run_speed(speed: str, models: list[str], budget: float, warmup: int, out: Path, tag: str = "") -> Path:
     """One bench run for ``speed`` (``tag``: appended to its label); returns its json report."""
     wrappers = [_cap_name(c) for c in SWEEP_CAPS_MB] + ["fastddp-auto"]
     label = "bucket-sweep-" + re.sub(r"[^a-z0-9]+", "-", speed.lower()).strip("-") + (f"-{tag}" if tag else "")
     cmd = [sys.executable, "-m", "bench", "--models", *models, "--wrappers", *wrappers,
-           "--budget", str(budget), "--warmup", str(warmup), "--block", str(block), "--label", label, "--out", str(out),
+           "--budget", str(budget), "--warmup", str(warmup), "--label", label, "--out", str(out),
            "--no-progress", "--no-charts"]
     if speed.startswith("netns:"):
         cmd += ["--link", speed]
@@ -260,11 +250,8 @@ def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
     caps = [f"{c:g}" for c in SWEEP_CAPS_MB]
     swept = [r for r in results if "best" in r]
     lines = ["# Bucket sweep: fixed bucket_cap_mb against \"auto\"", "",
-             "How to read it: every setting runs its steps in rotated order on the same ranks, "
-             "`block` steps in a row per round (its sample the mean of all but the first: steps back "
-             "to back, as training runs them and as auto measures its trials; block 1: each step "
-             "right after another setting's); a round's time is the slowest rank's. Step times are "
-             "trimmed means over rounds "
+             "How to read it: every setting runs one step per round, in rotated order, on the same "
+             "ranks; a round's time is the slowest rank's. Step times are trimmed means over rounds "
              "(ms; over several runs, their geometric mean). Caps that gave the same buckets ran the "
              "same program: they are one layout, their rows pooled per round, and `best` is the best "
              "layout (named by its smallest row). `auto / best`: auto's step over that layout's, with "
@@ -277,7 +264,7 @@ def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
              "own interval against the best above 1; else `n/a`).", "",
              f"Machine: {meta.get('device')}, {meta.get('cores')}; world {meta.get('world_size')} "
              f"({meta.get('backend')}); torch {meta.get('torch')}; git `{meta.get('git')}`; "
-             f"block {meta.get('block', 1)}; load {meta.get('load')}.", "",
+             f"load {meta.get('load')}.", "",
              "Runs: " + "; ".join(f"{k}: `{v}`" for k, v in runs.items()), "",
              "| speed | model | runs x rounds | " + " | ".join(f"cap {c}" for c in caps) +
              " | auto | best | auto / best | 90% | within 3% | auto / 25 | 90% | better than 25 | auto chose "
@@ -378,9 +365,6 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3,
                     help="untimed rounds of every row (auto has tuned alone before them)")
     ap.add_argument("--out", default="reports")
-    ap.add_argument("--block", type=int, default=4,
-                    help="consecutive steps of a row per round (bench --block): steps back to back, as "
-                         "training runs them and as auto measured its trials")
     ap.add_argument("--repeats", type=int, default=1,
                     help="bench runs per speed, each in fresh processes (fresh memory placement); "
                          "verdicts from the spread of their ratios")
@@ -403,8 +387,7 @@ def main(argv=None) -> int:
         for speed in args.speeds:
             for k in range(args.repeats):
                 tag = f"r{k + 1}" if args.repeats > 1 else ""
-                paths.append((speed, run_speed(speed, args.models, args.budget, args.warmup, out, tag,
-                                               args.block)))
+                paths.append((speed, run_speed(speed, args.models, args.budget, args.warmup, out, tag)))
     combine = args.as_repeats or args.repeats > 1
     grouped: dict[tuple[str, str], list[R.Report]] = {}  # (speed, model) -> its runs
     meta, runs = {}, {}

@@ -87,12 +87,6 @@ class BenchConfig:
     until the stop rule says so (``quick``: the model's ``quick_steps``)."""
     warmup: int | None = None
     """Warm-up rounds per model (>= 1); None: 3, or 1 with ``quick``."""
-    block: int = 1
-    """Consecutive steps of a wrapper per round (>= 1); the round's sample is
-    the mean of all but the first.  1: each step right after another
-    wrapper's (its model and buckets out of the caches).  More: the steady
-    state of steps back to back, as a training loop runs them and as
-    ``bucket_cap_mb="auto"`` measures its trials (the bucket sweep uses 4)."""
     half_width: float = R.DEFAULT_HALF_WIDTH
     """Precision goal: rounds go on until every compared pair's 90% interval
     of the step-time ratio is within this half-width (0.03: ±3%); also the
@@ -161,8 +155,6 @@ class BenchConfig:
 
     def validate(self) -> None:
         zoo, reg = model_zoo(), registry()
-        if self.block < 1:
-            raise ValueError(f"--block must be >= 1, got {self.block}")
         bad = [m for m in self.models if m not in zoo]
         if bad:
             raise ValueError(f"unknown model(s) {', '.join(bad)}; known: {', '.join(zoo)}")
@@ -529,12 +521,9 @@ def _all_gather(ctx: _Ctx, t: torch.Tensor) -> list[torch.Tensor]:
     return [o.cpu() for o in out]
 
 
-def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed: bool,
-           block: int | None = None) -> None:
-    """``block`` steps (default ``cfg.block``) of every live wrapper in turn
-    on the same batch, order rotated by ``index``; a barrier (untimed)
-    before each step; a wrapper's sample is the mean of its steps but the
-    first (one step: that step).  Then one all_gather
+def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed: bool) -> None:
+    """One step of every live wrapper on the same batch, order rotated by
+    ``index``; a barrier (untimed) before each step.  Then one all_gather
     brings every rank's (step ms, exposed ms, CPU ms, failed) to every rank;
     :func:`report.merge_ranks` makes the round's sample per wrapper (the
     slowest rank's step), appended to its row when ``timed``.  A wrapper
@@ -546,15 +535,10 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
     k = index % len(live)
     times: dict[int, tuple[float, float, float]] = {}
     errors: dict[int, BaseException] = {}
-    block = ctx.cfg.block if block is None else block
     for e in live[k:] + live[:k]:
+        ctx.barrier()
         try:
-            got = []
-            for _ in range(block):
-                ctx.barrier()
-                got.append(_step(ctx, spec, e, batch))
-            keep = got[1:] or got
-            times[id(e)] = tuple(math.fsum(t[j] for t in keep) / len(keep) for j in range(3))
+            times[id(e)] = _step(ctx, spec, e, batch)
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
             errors[id(e)] = exc
     mine = torch.tensor([[*times.get(id(e), (0.0, -1.0, 0.0)), 1.0 if id(e) in errors else 0.0]
@@ -591,7 +575,7 @@ def _tune_alone(ctx: _Ctx, spec: ModelSpec, e: _Entry) -> None:
     tuner = _tuner(e)
     steps = 0
     while tuner is not None and tuner.active and e.row.ok and steps < TUNE_ALONE_MAX:
-        _round(ctx, spec, [e], steps, timed=False, block=1)
+        _round(ctx, spec, [e], steps, timed=False)
         steps += 1
     e.tuned_alone = steps
 
@@ -791,7 +775,6 @@ def _meta(ctx: _Ctx, names: tuple[str, ...], elapsed: float, sections: list[R.Se
         "precision": f"{cfg.stop_rule().half_width * 100:g}%",
         "budget_s": cfg.stop_rule().budget_s if cfg.mode == "adaptive" else None,
         "warmup": cfg.warmup_steps(),
-        "block": cfg.block,
         "bucket_cap_mb": cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else "default (25)",
         "simulate_bandwidth_gbps": [b for b in cfg.bandwidths if b is not None] or None,
         "quick": cfg.quick,
