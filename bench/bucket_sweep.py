@@ -12,10 +12,16 @@ and ``fastddp-auto``.  auto tunes first, its steps back to back and alone
 has the same ``--warmup`` rounds (default 3) and timed rounds, so auto's
 tuning steps are not timed.  Per model and speed the verdicts are the issue's:
 
-* auto within 3% of the best fixed cap: the 90% interval of auto / best lies
-  below 1.03 (``met``), above it (``missed``), else ``undecided``;
-* where the default 25 is not the best: auto / cap25's interval lies below 1
-  (``met``), else ``missed`` / ``undecided``.
+* auto within 3% of the best fixed layout (caps that gave the same buckets
+  pooled): the 90% interval of auto / best lies below 1.03 (``met``), above
+  it (``missed``), else ``undecided``;
+* where cap 25's layout is measurably slower than the best: auto / cap 25's
+  layout's interval lies below 1 (``met``), else ``missed`` / ``undecided``.
+
+``--repeats K`` runs the bench K times in fresh processes: a row keeps its
+memory placement for a whole run, and rows of one program were measured up
+to 4% apart in one run, so one run's bootstrap over rounds understates the
+uncertainty; with K runs the interval is Student's t over the runs' ratios.
 
 The tuning's cost is read from the auto row's tuner report: the slowest step
 of any layout it tried against the settled row's median step.
