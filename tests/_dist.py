@@ -461,3 +461,15 @@ class single_rank_group:
             time.sleep(0.05)
             dist.destroy_process_group()
         return False
+
+
+def backward_with_sync_triggered(ddp, loss) -> None:
+    """``loss.backward()`` reduced although its forward ran under
+    ``no_sync()``, the way ``Accelerator.trigger_sync_in_backward`` forces it:
+    ``require_backward_grad_sync = True`` and ``reducer.prepare_for_backward([])``."""
+    ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
+    ddp.reducer.prepare_for_backward([])
+    try:
+        loss.backward()
+    finally:
+        ddp.require_backward_grad_sync = ddp.require_forward_param_sync = False

@@ -195,7 +195,7 @@ def _accelerate_sync_body(rank, world_size, multiple_fwd):
     ``test_distributed_sync_multiple_fwd``).  fastddp's grads equal torch's DDP's."""
     import copy
 
-    from tests._dist import torch_ddp_class
+    from tests._dist import backward_with_sync_triggered, torch_ddp_class
 
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
@@ -212,12 +212,7 @@ def _accelerate_sync_body(rank, world_size, multiple_fwd):
                 if step < 2:
                     loss.backward()
                 else:
-                    ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
-                    ddp.reducer.prepare_for_backward([])
-                    try:
-                        loss.backward()
-                    finally:
-                        ddp.require_backward_grad_sync = ddp.require_forward_param_sync = False
+                    backward_with_sync_triggered(ddp, loss)
                 seen.append([p.grad.clone() for p in ddp.parameters()])
         else:
             for step in range(4):

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests._dist import STAND_IN, ddp_class, fastddp_only, world2  # noqa: F401 - fixture
+from tests._dist import STAND_IN, backward_with_sync_triggered, ddp_class, fastddp_only, world2  # noqa: F401
 
 SEEDS = int(os.environ.get("FASTDDP_LATE_SEEDS", "2"))
 """Runs of each scenario (each with its own random delays); raise it to stress."""
@@ -290,12 +290,7 @@ def _scenario_body(rank, world_size, name, native, seed):
                             oracle.backward(k + j, sync=False)
                             bad += _check(ddp, oracle, rank, f"{where}.{j}", rtol)
                         else:
-                            ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
-                            ddp.reducer.prepare_for_backward([])
-                            try:
-                                loss.backward()
-                            finally:
-                                ddp.require_backward_grad_sync = ddp.require_forward_param_sync = False
+                            backward_with_sync_triggered(ddp, loss)
                             oracle.backward(k + j, sync=True)
                     k += 2
                 bad += _check(ddp, oracle, rank, where, rtol)
