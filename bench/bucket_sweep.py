@@ -127,17 +127,18 @@ def _versus(a_runs: list[list[R.Row]], b_runs: list[list[R.Row]], model: str, wh
     return {"ratio": ratio, "ci": ci, "per_run": per}
 
 
-def _row_floor(groups: dict, caps_runs: list[dict]) -> tuple[float | None, int]:
+def _row_floor(groups: dict, tm_runs: list[dict]) -> tuple[float | None, int]:
     """The spread of rows that ran the same buckets in the same run: the
     robust relative sd of each row's trimmed mean about its layout's mean
     (pooled over layouts and runs; None without such rows).  The bootstrap
-    over rounds does not see it: a row keeps its memory placement."""
+    over rounds does not see it: a row keeps its memory placement.
+    ``tm_runs``: per run, each cap's trimmed mean."""
     devs, dof = [], 0
-    for caps in caps_runs:
+    for tm in tm_runs:
         for members in groups.values():
             if len(members) < 2:
                 continue
-            logs = [math.log(R.trimmed_mean(caps[c].step_ms)) for c in members]
+            logs = [math.log(tm[c]) for c in members]
             m = math.fsum(logs) / len(logs)
             devs += [(x - m) ** 2 for x in logs]
             dof += len(logs) - 1
@@ -189,7 +190,9 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
             groups: dict = {}
             for c in caps:
                 groups.setdefault(tuple(_layout_key(cr[c], c) for cr in caps_runs), []).append(c)
-            mean = {c: _geo([R.trimmed_mean(cr[c].step_ms) for cr in caps_runs]) for c in caps}
+            tm_runs = [{c: R.trimmed_mean(cr[c].step_ms) for c in caps} for cr in caps_runs]  # per run, per cap
+            auto_tm = [R.trimmed_mean(a.step_ms) for a in autos]
+            mean = {c: _geo([tm[c] for tm in tm_runs]) for c in caps}
             gmean = {k: _geo([R.trimmed_mean(_pooled([cr[c] for c in m])) for cr in caps_runs])
                      for k, m in groups.items()}
             best_key = min(gmean, key=gmean.get)
@@ -204,21 +207,19 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
                      if key25 is not None and key25 != best_key else None)
             # auto against the fixed rows that ran its very buckets (the same program): the row floor seen from auto
             same = []
-            for a, cr in zip(autos, caps_runs):
+            for a, a_tm, cr in zip(autos, auto_tm, caps_runs):
                 m = [c for c in caps if a.buckets and cr[c].buckets == a.buckets]
                 if m:
-                    same.append(R.trimmed_mean(a.step_ms) / R.trimmed_mean(_pooled([cr[c] for c in m])))
-            floor, floor_dof = _row_floor(groups, caps_runs)
+                    same.append(a_tm / R.trimmed_mean(_pooled([cr[c] for c in m])))
+            floor, floor_dof = _row_floor(groups, tm_runs)
             single = len(runs) == 1
             res.update({
                 "rounds": min(len(r.step_ms) for r in autos + [cr[c] for cr in caps_runs for c in caps]),
-                "step_ms": {**{f"{c:g}": mean[c] for c in caps}, "auto": _geo([R.trimmed_mean(a.step_ms) for a in autos])},
+                "step_ms": {**{f"{c:g}": mean[c] for c in caps}, "auto": _geo(auto_tm)},
                 "p20_p80": ({**{f"{c:g}": (caps_runs[0][c].step.p20, caps_runs[0][c].step.p80) for c in caps},
                              "auto": (autos[0].step.p20, autos[0].step.p80)} if single else
-                            {**{f"{c:g}": (min(R.trimmed_mean(cr[c].step_ms) for cr in caps_runs),
-                                           max(R.trimmed_mean(cr[c].step_ms) for cr in caps_runs)) for c in caps},
-                             "auto": (min(R.trimmed_mean(a.step_ms) for a in autos),
-                                      max(R.trimmed_mean(a.step_ms) for a in autos))}),
+                            {**{f"{c:g}": (min(tm[c] for tm in tm_runs), max(tm[c] for tm in tm_runs)) for c in caps},
+                             "auto": (min(auto_tm), max(auto_tm))}),
                 "layouts": [{"caps": [f"{c:g}" for c in m], "ms": gmean[k],
                              "buckets": len(caps_runs[0][m[0]].buckets) if caps_runs[0][m[0]].buckets else None}
                             for k, m in groups.items()],

@@ -557,14 +557,19 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
                 e.row.exposed_ms.append(exposed)
 
 
+def _reducer_attr(e: _Entry, name: str):
+    """``name`` of the wrapper's fastddp reducer, else None (other wrappers)."""
+    return getattr(getattr(e.module, "reducer", None), name, None)
+
+
 def _tuner(e: _Entry):
     """The wrapper's bucket tuner (``bucket_cap_mb="auto"``), else None."""
-    return getattr(getattr(e.module, "reducer", None), "tuner", None)
+    return _reducer_attr(e, "tuner")
 
 
 def _buckets(e: _Entry) -> list[list[int]] | None:
     """The wrapper's buckets as parameter indices (fastddp's reducer), else None."""
-    plan = getattr(getattr(e.module, "reducer", None), "plan", None)
+    plan = _reducer_attr(e, "plan")
     return None if plan is None else [list(b.param_indices) for b in plan.buckets]
 
 
