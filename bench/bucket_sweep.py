@@ -6,8 +6,10 @@ speed; writes ``reports/<machine>/<date>-bucket-sweep.md`` (+ chart, json).
 
 Each speed is one ``fastddp-bench`` run (``none``: the plain local link;
 ``netns:RATE``: two ranks in network namespaces over a veth pair shaped to
-RATE Gbit/s; ``sim:GBPS``: the simulated wire) with the rows ``fastddp-capN``
-and ``fastddp-auto``.  auto tunes first, its steps back to back and alone
+RATE Gbit/s; ``sim:GBPS``: the simulated wire) with the rows ``fastddp-capN``,
+``fastddp`` (torch's default, ``bucket_cap_mb=None``: 25 MiB with a 1 MiB first
+bucket, a layout of its own where an explicit 25 puts 25 MiB in the first
+bucket) and ``fastddp-auto``.  auto tunes first, its steps back to back and alone
 (as a training loop runs it; ``bench.runner._tune_alone``), then every row
 has the same ``--warmup`` rounds (default 3) and timed rounds, so auto's
 tuning steps are not timed.  Per model and speed the verdicts are the issue's:
@@ -16,7 +18,8 @@ tuning steps are not timed.  Per model and speed the verdicts are the issue's:
   pooled): the 90% interval of auto / best lies below 1.03 (``met``), above
   it (``missed``), else ``undecided``;
 * where cap 25's layout is measurably slower than the best: auto / cap 25's
-  layout's interval lies below 1 (``met``), else ``missed`` / ``undecided``.
+  layout's interval lies below 1 (``met``), else ``missed`` / ``undecided``;
+  the same against torch's default's layout (reports that ran its row).
 
 ``--repeats K`` runs the bench K times in fresh processes: a row keeps its
 memory placement for a whole run, and rows of one program were measured up
@@ -44,13 +47,24 @@ from .wrappers import SWEEP_CAPS_MB
 WITHIN = 0.03
 
 
-def _cap_name(c: float) -> str:
-    return f"fastddp-cap{c:g}"
+DEFAULT = "default"
+"""The setting torch gives without ``bucket_cap_mb`` (25 MiB, first bucket 1
+MiB): the ``fastddp`` row.  An explicit ``bucket_cap_mb=25`` makes the first
+bucket 25 MiB too (torch's rule), so cap 25 is another layout where the first
+bucket matters."""
+
+
+def _cap_name(c) -> str:
+    return "fastddp" if c == DEFAULT else f"fastddp-cap{c:g}"
+
+
+def _name(c) -> str:
+    return DEFAULT if c == DEFAULT else f"{c:g}"
 
 
 def run_speed(speed: str, models: list[str], budget: float, warmup: int, out: Path, tag: str = "") -> Path:
     """One bench run for ``speed`` (``tag``: appended to its label); returns its json report."""
-    wrappers = [_cap_name(c) for c in SWEEP_CAPS_MB] + ["fastddp-auto"]
+    wrappers = [_cap_name(c) for c in SWEEP_CAPS_MB] + [_cap_name(DEFAULT), "fastddp-auto"]
     label = "bucket-sweep-" + re.sub(r"[^a-z0-9]+", "-", speed.lower()).strip("-") + (f"-{tag}" if tag else "")
     cmd = [sys.executable, "-m", "bench", "--models", *models, "--wrappers", *wrappers,
            "--budget", str(budget), "--warmup", str(warmup), "--label", label, "--out", str(out),
@@ -172,7 +186,8 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
         if not runs:
             continue
         autos = [rows["fastddp-auto"] for _, rows in runs]
-        caps_runs = [{c: rows[_cap_name(c)] for c in SWEEP_CAPS_MB if _cap_name(c) in rows} for _, rows in runs]
+        settings = (*SWEEP_CAPS_MB, DEFAULT)
+        caps_runs = [{c: rows[_cap_name(c)] for c in settings if _cap_name(c) in rows} for _, rows in runs]
         defaults = [rows.get("fastddp") for _, rows in runs]  # bucket_cap_mb=None: torch's default layout
         tunes = [a.autotune or {} for a in autos]
         tried = [t for tune in tunes for lay in tune.get("tried", []) for t in lay.get("step_ms", []) if t is not None]
@@ -185,8 +200,8 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
                "tuning_slowest_step_ms": max(tried) if tried else None,
                "tuning_layouts_tried": max(len(t.get("tried", [])) for t in tunes)}
         common = set.intersection(*(set(c) for c in caps_runs)) if all(caps_runs) else set()
-        caps = [c for c in SWEEP_CAPS_MB if c in common]
-        if caps:
+        caps = [c for c in settings if c in common]
+        if any(c != DEFAULT for c in caps):
             groups: dict = {}
             for c in caps:
                 groups.setdefault(tuple(_layout_key(cr[c], c) for cr in caps_runs), []).append(c)
@@ -200,11 +215,16 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
             key25 = next((k for k, m in groups.items() if 25 in m), None)
             rows_of = lambda key: [[cr[c] for c in groups[key]] for cr in caps_runs]  # noqa: E731
             auto_rows = [[a] for a in autos]
-            vs_best = _versus(auto_rows, rows_of(best_key), model, "fastddp-auto", f"layout {best:g}")
+            vs_best = _versus(auto_rows, rows_of(best_key), model, "fastddp-auto", f"layout {_name(best)}")
             vs25 = _versus(auto_rows, rows_of(key25), model, "fastddp-auto", "layout 25") if key25 is not None else None
             # is 25's layout measurably slower than the best?  Only then is beating it a target
-            gap25 = (_versus(rows_of(key25), rows_of(best_key), model, "layout 25", f"layout {best:g}")
+            gap25 = (_versus(rows_of(key25), rows_of(best_key), model, "layout 25", f"layout {_name(best)}")
                      if key25 is not None and key25 != best_key else None)
+            # the same for torch's default (bucket_cap_mb=None), where the sweep ran it
+            keyd = next((k for k, m in groups.items() if DEFAULT in m), None)
+            vsd = _versus(auto_rows, rows_of(keyd), model, "fastddp-auto", "layout default") if keyd else None
+            gapd = (_versus(rows_of(keyd), rows_of(best_key), model, "layout default", f"layout {_name(best)}")
+                    if keyd is not None and keyd != best_key else None)
             # auto against the fixed rows that ran its very buckets (the same program): the row floor seen from auto
             same = []
             for a, a_tm, cr in zip(autos, auto_tm, caps_runs):
@@ -215,15 +235,15 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
             single = len(runs) == 1
             res.update({
                 "rounds": min(len(r.step_ms) for r in autos + [cr[c] for cr in caps_runs for c in caps]),
-                "step_ms": {**{f"{c:g}": mean[c] for c in caps}, "auto": _geo(auto_tm)},
-                "p20_p80": ({**{f"{c:g}": (caps_runs[0][c].step.p20, caps_runs[0][c].step.p80) for c in caps},
+                "step_ms": {**{_name(c): mean[c] for c in caps}, "auto": _geo(auto_tm)},
+                "p20_p80": ({**{_name(c): (caps_runs[0][c].step.p20, caps_runs[0][c].step.p80) for c in caps},
                              "auto": (autos[0].step.p20, autos[0].step.p80)} if single else
-                            {**{f"{c:g}": (min(tm[c] for tm in tm_runs), max(tm[c] for tm in tm_runs)) for c in caps},
+                            {**{_name(c): (min(tm[c] for tm in tm_runs), max(tm[c] for tm in tm_runs)) for c in caps},
                              "auto": (min(auto_tm), max(auto_tm))}),
-                "layouts": [{"caps": [f"{c:g}" for c in m], "ms": gmean[k],
+                "layouts": [{"caps": [_name(c) for c in m], "ms": gmean[k],
                              "buckets": len(caps_runs[0][m[0]].buckets) if caps_runs[0][m[0]].buckets else None}
                             for k, m in groups.items()],
-                "best": best, "best_caps": [f"{c:g}" for c in groups[best_key]],
+                "best": best, "best_caps": [_name(c) for c in groups[best_key]],
                 "auto_vs_best": vs_best, "auto_vs_25": vs25,
                 "auto_vs_same_buckets": {"ratio": _geo(same), "runs": len(same)} if same else None,
                 "row_floor": floor, "row_floor_dof": floor_dof,
@@ -233,8 +253,14 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
                                    "n/a (25's layout is the best)" if key25 == best_key else
                                    "n/a (25's layout within noise of the best)"
                                    if gap25["ci"] is None or gap25["ci"][0] <= 1.0 else
-                                   _verdict(vs25["ci"], 1.0))})
-        if defaults[0] is not None and len(runs) == 1:
+                                   _verdict(vs25["ci"], 1.0)),
+                "auto_vs_default_layout": vsd, "default_layout_vs_best": gapd,
+                "better_than_default": (None if vsd is None else
+                                        "n/a (the default's layout is the best)" if keyd == best_key else
+                                        "n/a (the default's layout within noise of the best)"
+                                        if gapd["ci"] is None or gapd["ci"][0] <= 1.0 else
+                                        _verdict(vsd["ci"], 1.0))})
+        if defaults[0] is not None and len(runs) == 1 and "best" not in res:
             auto, default = autos[0], defaults[0]
             v = R.compare(auto.step_ms, default.step_ms, model=model, wrapper="fastddp-auto", peer="fastddp")
             res["auto_vs_default"] = {"ratio": v.ratio, "ci": v.ratio_ci, "rounds": v.rounds,
@@ -254,8 +280,9 @@ def _pct(x) -> str:
 
 
 def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
-    caps = [f"{c:g}" for c in SWEEP_CAPS_MB]
     swept = [r for r in results if "best" in r]
+    with_default = any(r.get("auto_vs_default_layout") for r in swept)
+    caps = [f"{c:g}" for c in SWEEP_CAPS_MB] + ([DEFAULT] if with_default else [])
     lines = ["# Bucket sweep: fixed bucket_cap_mb against \"auto\"", "",
              "How to read it: every setting runs one step per round, in rotated order, on the same "
              "ranks; a round's time is the slowest rank's. Step times are trimmed means over rounds "
@@ -268,15 +295,19 @@ def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
              "that ran the same buckets in the same run; the bootstrap over rounds cannot see it). "
              "Verdicts: auto within 3% of the best (interval below 1.03), and faster than cap 25's "
              "layout (interval below 1) where that layout is measurably slower than the best (its "
-             "own interval against the best above 1; else `n/a`).", "",
+             "own interval against the best above 1; else `n/a`)" +
+             ("; the same against torch's default (`default`: `bucket_cap_mb=None`, 25 MiB with a 1 MiB "
+              "first bucket; an explicit 25 makes the first bucket 25 MiB too)." if with_default else "."), "",
              f"Machine: {meta.get('device')}, {meta.get('cores')}; world {meta.get('world_size')} "
              f"({meta.get('backend')}); torch {meta.get('torch')}; git `{meta.get('git')}`; "
              f"load {meta.get('load')}.", "",
              "Runs: " + "; ".join(f"{k}: `{v}`" for k, v in runs.items()), "",
-             "| speed | model | runs x rounds | " + " | ".join(f"cap {c}" for c in caps) +
-             " | auto | best | auto / best | 90% | within 3% | auto / 25 | 90% | better than 25 | auto chose "
-             "| auto / same buckets | row floor |",
-             "|---|---|---:|" + "---:|" * len(caps) + "---:|---:|---:|---:|---|---:|---:|---|---|---:|---:|"]
+             "| speed | model | runs x rounds | " + " | ".join(c if c == DEFAULT else f"cap {c}" for c in caps) +
+             " | auto | best | auto / best | 90% | within 3% | auto / 25 | 90% | better than 25 | " +
+             ("auto / default | 90% | better than default | " if with_default else "") +
+             "auto chose | auto / same buckets | row floor |",
+             "|---|---|---:|" + "---:|" * len(caps) + "---:|---:|---:|---:|---|---:|---:|---|" +
+             ("---:|---:|---|" if with_default else "") + "---|---:|---:|"]
     for r in swept:
         cells = [r["speed"], r["model"], f"{r['runs']} x {r['rounds']}"]
         cells += [f"{r['step_ms'][c]:.1f}" if c in r["step_ms"] else "-" for c in caps]
@@ -284,6 +315,9 @@ def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
         cells += [f"{r['step_ms']['auto']:.1f}", "/".join(r["best_caps"]), f"{vb['ratio']:.3f}",
                   _ci(vb["ci"]), r["within_3pct_of_best"]]
         cells += [f"{v25['ratio']:.3f}" if v25 else "-", _ci(v25["ci"]) if v25 else "-", r["better_than_25"]]
+        if with_default:
+            vd = r.get("auto_vs_default_layout")
+            cells += ([f"{vd['ratio']:.3f}", _ci(vd["ci"]), r["better_than_default"]] if vd else ["-", "-", "-"])
         chose = [c for c in r.get("auto_chose_per_run") or [r["auto_chose"]] if c is not None]
         cells.append("-" if not chose else "; ".join(", ".join(f"{k}={v}" for k, v in c.items()) for c in chose) +
                      ("" if r["runs"] > 1 else f" ({r['auto_buckets']} buckets)"))
@@ -309,7 +343,11 @@ def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
     lines += ["", f"auto within 3% of the best fixed cap: {met} of {len(swept)} (model, speed) pairs; "
               f"better than an explicit 25 where 25's layout is not the best: "
               f"{sum(r['better_than_25'] == 'met' for r in swept)} of "
-              f"{sum(not r['better_than_25'].startswith('n/a') for r in swept)}.", ""]
+              f"{sum(not r['better_than_25'].startswith('n/a') for r in swept)}" +
+              (f"; better than torch's default where its layout is not the best: "
+               f"{sum(r.get('better_than_default') == 'met' for r in swept)} of "
+               f"{sum(bool(r.get('better_than_default')) and not r['better_than_default'].startswith('n/a') for r in swept)}"
+               if with_default else "") + ".", ""]
     vd = [r for r in results if "auto_vs_default" in r]
     if vd:
         lines += ["An explicit `bucket_cap_mb=N` makes the first bucket N MiB too (torch's rule); torch's "
@@ -350,7 +388,7 @@ def plot(results: list[dict], path: Path) -> bool:
                   for k in names]
         ax.bar(range(len(names)), vals, yerr=[[max(0, x) for x in lo], [max(0, x) for x in hi]],
                color=colors, capsize=3)
-        ax.set_xticks(range(len(names)), [k if k == "auto" else f"{k} MiB" for k in names], fontsize=8)
+        ax.set_xticks(range(len(names)), [k if k in ("auto", DEFAULT) else f"{k} MiB" for k in names], fontsize=8)
         ax.set_ylabel("step ms (trimmed mean, p20-p80)")
         ratio = r["auto_vs_best"]["ratio"]
         ax.set_title(f"{r['model']} @ {r['speed']}: auto / best {ratio:.3f}", fontsize=9)

@@ -14,7 +14,7 @@ def _rows(model: str, means: dict[str, float], rounds: int = 60, noise: float = 
     shared = [rng.gauss(0, noise) for _ in range(rounds)]  # a round's load hits every setting
     rows = []
     for name, mean in means.items():
-        wrapper = "fastddp-auto" if name == "auto" else f"fastddp-cap{name}"
+        wrapper = {"auto": "fastddp-auto", "default": "fastddp"}.get(name, f"fastddp-cap{name}")
         row = R.Row(model, wrapper, family="fastddp",
                     step_ms=[mean * (1 + s + rng.gauss(0, noise / 4)) for s in shared])
         if name == "auto":
@@ -94,10 +94,11 @@ A, B, C = [[5, 4], [3, 2], [1, 0]], [[5, 4, 3, 2], [1, 0]], [[5, 4, 3, 2, 1, 0]]
 LAYOUT = {"1": A, "5": A, "10": A, "25": B, "50": B, "100": C}
 
 
-def _laid_out(rows, auto_buckets=None):
+def _laid_out(rows, auto_buckets=None, default_buckets=None):
     for r in rows:
         cap = r.wrapper.removeprefix("fastddp-cap")
-        r.buckets = auto_buckets if r.wrapper == "fastddp-auto" else LAYOUT[cap]
+        r.buckets = (auto_buckets if r.wrapper == "fastddp-auto" else
+                     default_buckets if r.wrapper == "fastddp" else LAYOUT[cap])
     return rows
 
 
@@ -181,3 +182,48 @@ def test_beating_25_is_a_target_only_where_25_is_measurably_slower():
     (res,) = S.analyse("none", _report(_laid_out(_rows("m", far, noise=0.03), auto_buckets=B)))
     assert res["layout25_vs_best"]["ci"][0] > 1.0
     assert res["better_than_25"] in ("missed", "undecided")  # auto ran 25's buckets: ~1.0 of them
+
+
+# ---------------------------------------------------------------- torch's default as a setting
+D = [[5, 4], [3, 2, 1, 0]]  # a 1 MiB first bucket, then the rest: a layout no explicit cap gives
+
+
+def test_torchs_default_is_a_setting_of_its_own_and_beating_it_is_a_target():
+    """``bucket_cap_mb=None`` (the ``fastddp`` row) is not ``bucket_cap_mb=25``:
+    its first bucket is 1 MiB.  It is one more fixed setting (pooled with caps
+    of the same buckets, a candidate for the best), and where its layout is
+    measurably slower than the best, auto must beat it."""
+    means = {"1": 100.0, "5": 100.0, "10": 100.0, "25": 110.0, "50": 110.0, "100": 120.0,
+             "default": 108.0, "auto": 100.5}
+    (res,) = S.analyse("netns:1", _report(_laid_out(_rows("m", means, rounds=80), auto_buckets=A,
+                                                     default_buckets=D)))
+    assert res["best_caps"] == ["1", "5", "10"]
+    assert "default" in res["step_ms"] and any(l["caps"] == ["default"] for l in res["layouts"])
+    assert 0.91 < res["auto_vs_default_layout"]["ratio"] < 0.95
+    assert res["default_layout_vs_best"]["ci"][0] > 1.0
+    assert res["better_than_default"] == "met"
+    md = S.to_markdown([res], {"device": "test"}, {"netns:1": "x.json"})
+    assert "| cap 100 | default | auto |" in md and "| better than default |" in md
+    assert "better than torch's default where its layout is not the best: 1 of 1" in md
+    stuck = dict(means, auto=108.0)  # auto stayed on the default's buckets
+    (res,) = S.analyse("netns:1", _report(_laid_out(_rows("m", stuck, rounds=80), auto_buckets=D,
+                                                     default_buckets=D)))
+    assert res["better_than_default"] in ("missed", "undecided")
+    assert res["within_3pct_of_best"] == "missed"
+
+
+def test_torchs_default_sharing_the_best_layout_is_not_a_target():
+    """mlp25m: torch's default gives the same 3 buckets as caps 1, 5 and 10."""
+    means = {"1": 100.0, "5": 100.0, "10": 100.0, "25": 103.0, "50": 103.0, "100": 105.0,
+             "default": 100.0, "auto": 101.0}
+    (res,) = S.analyse("none", _report(_laid_out(_rows("m", means), auto_buckets=B, default_buckets=A)))
+    assert res["best_caps"] == ["1", "5", "10", "default"]
+    assert res["better_than_default"] == "n/a (the default's layout is the best)"
+    assert res["default_layout_vs_best"] is None
+
+
+def test_without_a_default_row_nothing_is_said_of_it():
+    (res,) = S.analyse("none", _report(_laid_out(_rows("m", {**CAPS, "auto": 100.5}))))
+    assert res["better_than_default"] is None and res["auto_vs_default_layout"] is None
+    md = S.to_markdown([res], {"device": "test"}, {"none": "x.json"})
+    assert "| cap 100 | auto |" in md and "better than default" not in md
