@@ -54,6 +54,10 @@ bucket 25 MiB too (torch's rule), so cap 25 is another layout where the first
 bucket matters."""
 
 
+SETTINGS = (*SWEEP_CAPS_MB, DEFAULT)
+"""Every fixed setting the sweep runs (the analysis takes those a report has)."""
+
+
 def _cap_name(c) -> str:
     return "fastddp" if c == DEFAULT else f"fastddp-cap{c:g}"
 
@@ -186,8 +190,7 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
         if not runs:
             continue
         autos = [rows["fastddp-auto"] for _, rows in runs]
-        settings = (*SWEEP_CAPS_MB, DEFAULT)
-        caps_runs = [{c: rows[_cap_name(c)] for c in settings if _cap_name(c) in rows} for _, rows in runs]
+        caps_runs = [{c: rows[_cap_name(c)] for c in SETTINGS if _cap_name(c) in rows} for _, rows in runs]
         defaults = [rows.get("fastddp") for _, rows in runs]  # bucket_cap_mb=None: torch's default layout
         tunes = [a.autotune or {} for a in autos]
         tried = [t for tune in tunes for lay in tune.get("tried", []) for t in lay.get("step_ms", []) if t is not None]
@@ -200,7 +203,7 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
                "tuning_slowest_step_ms": max(tried) if tried else None,
                "tuning_layouts_tried": max(len(t.get("tried", [])) for t in tunes)}
         common = set.intersection(*(set(c) for c in caps_runs)) if all(caps_runs) else set()
-        caps = [c for c in settings if c in common]
+        caps = [c for c in SETTINGS if c in common]
         if any(c != DEFAULT for c in caps):
             groups: dict = {}
             for c in caps:
@@ -212,19 +215,29 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
                      for k, m in groups.items()}
             best_key = min(gmean, key=gmean.get)
             best = min(groups[best_key], key=mean.get)
-            key25 = next((k for k, m in groups.items() if 25 in m), None)
             rows_of = lambda key: [[cr[c] for c in groups[key]] for cr in caps_runs]  # noqa: E731
             auto_rows = [[a] for a in autos]
-            vs_best = _versus(auto_rows, rows_of(best_key), model, "fastddp-auto", f"layout {_name(best)}")
-            vs25 = _versus(auto_rows, rows_of(key25), model, "fastddp-auto", "layout 25") if key25 is not None else None
-            # is 25's layout measurably slower than the best?  Only then is beating it a target
-            gap25 = (_versus(rows_of(key25), rows_of(best_key), model, "layout 25", f"layout {_name(best)}")
-                     if key25 is not None and key25 != best_key else None)
-            # the same for torch's default (bucket_cap_mb=None), where the sweep ran it
-            keyd = next((k for k, m in groups.items() if DEFAULT in m), None)
-            vsd = _versus(auto_rows, rows_of(keyd), model, "fastddp-auto", "layout default") if keyd else None
-            gapd = (_versus(rows_of(keyd), rows_of(best_key), model, "layout default", f"layout {_name(best)}")
-                    if keyd is not None and keyd != best_key else None)
+            best_label = f"layout {_name(best)}"
+            vs_best = _versus(auto_rows, rows_of(best_key), model, "fastddp-auto", best_label)
+
+            def target(setting, whose: str):
+                """auto against ``setting``'s layout, that layout against the
+                best, and the verdict: beating it is a target only where it is
+                measurably slower than the best.  (None, None, None) where the
+                sweep did not run ``setting``."""
+                key = next((k for k, m in groups.items() if setting in m), None)
+                if key is None:
+                    return None, None, None
+                label = f"layout {_name(setting)}"
+                vs = _versus(auto_rows, rows_of(key), model, "fastddp-auto", label)
+                gap = _versus(rows_of(key), rows_of(best_key), model, label, best_label) if key != best_key else None
+                verdict = (f"n/a ({whose} layout is the best)" if gap is None else
+                           f"n/a ({whose} layout within noise of the best)"
+                           if gap["ci"] is None or gap["ci"][0] <= 1.0 else _verdict(vs["ci"], 1.0))
+                return vs, gap, verdict
+
+            vs25, gap25, beat25 = target(25, "25's")
+            vsd, gapd, beatd = target(DEFAULT, "the default's")  # torch's bucket_cap_mb=None, where it ran
             # auto against the fixed rows that ran its very buckets (the same program): the row floor seen from auto
             same = []
             for a, a_tm, cr in zip(autos, auto_tm, caps_runs):
@@ -249,17 +262,9 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
                 "row_floor": floor, "row_floor_dof": floor_dof,
                 "within_3pct_of_best": _verdict(vs_best["ci"], 1.0 + WITHIN),
                 "layout25_vs_best": gap25,
-                "better_than_25": ("n/a (no cap 25 row)" if vs25 is None else
-                                   "n/a (25's layout is the best)" if key25 == best_key else
-                                   "n/a (25's layout within noise of the best)"
-                                   if gap25["ci"] is None or gap25["ci"][0] <= 1.0 else
-                                   _verdict(vs25["ci"], 1.0)),
+                "better_than_25": beat25 or "n/a (no cap 25 row)",
                 "auto_vs_default_layout": vsd, "default_layout_vs_best": gapd,
-                "better_than_default": (None if vsd is None else
-                                        "n/a (the default's layout is the best)" if keyd == best_key else
-                                        "n/a (the default's layout within noise of the best)"
-                                        if gapd["ci"] is None or gapd["ci"][0] <= 1.0 else
-                                        _verdict(vsd["ci"], 1.0))})
+                "better_than_default": beatd})
         if defaults[0] is not None and len(runs) == 1 and "best" not in res:
             auto, default = autos[0], defaults[0]
             v = R.compare(auto.step_ms, default.step_ms, model=model, wrapper="fastddp-auto", peer="fastddp")
