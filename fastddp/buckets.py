@@ -68,6 +68,10 @@ class Bucket:
             self.hook_layout = self.layout
         self.flat_layout = kernels.Layout([self.flat.shape])  # the flat bucket as one tensor
 
+    def reset(self) -> None:
+        """A new (or abandoned) iteration: every gradient pending, nothing in flight."""
+        self.pending, self.work, self.sparse_grad = self.size, None, None
+
     def adopt_grads(self) -> None:
         """gradient_as_bucket_view after a rebuild (torch's initialize_bucket_views):
         live grads move into this bucket and become views of it."""

@@ -20,7 +20,7 @@ from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
 from .surface import TorchSurface
 from .verify import ModuleWatch
-from .reducer import Reducer, ReducerOptions
+from .reducer import Collaborators, Reducer, ReducerOptions
 
 __all__ = ["DistributedDataParallel"]
 
@@ -209,18 +209,19 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         sparse = self._sparse_params if len(self._sparse_params) == len(parameters) else None
         if sparse and any(sparse) and self._mp is not None:
             raise ValueError("fastddp: mixed_precision does not support modules with sparse gradients")
-        self.reducer = Reducer(parameters, names, self.process_group, opts, sparse=sparse,
-                               debug=_debug_enabled())
+        self._watch = ModuleWatch(self.module, parameters, names, self.parameters_to_ignore,
+                                  groups.rank(self.process_group), check_dtype=self._mp is None)
+        co = Collaborators(module_watch=self._watch)
         if self._mp is not None:
-            self.reducer.mixed_precision_hook = self._mp.restore_bucket
-            self.reducer.after_finalize = self._mp.restore_all
+            refuse = None
             if self._mp.param_dtype is not None:
-                self.reducer.refuse_extra_backward = lambda: (
-                    "with mixed_precision(param_dtype=...): the first backward's end put the "
-                    "full-precision parameters back and freed the low-precision copies its graph saved")
-        self._watch = self.reducer.module_watch = ModuleWatch(
-            self.module, parameters, names, self.parameters_to_ignore, groups.rank(self.process_group),
-            check_dtype=self._mp is None)
+                def refuse():
+                    return ("with mixed_precision(param_dtype=...): the first backward's end put the "
+                            "full-precision parameters back and freed the low-precision copies its graph saved")
+            co = Collaborators(pre_unpack=self._mp.restore_bucket, after_finalize=self._mp.restore_all,
+                               refuse_extra_backward=refuse, module_watch=self._watch)
+        self.reducer = Reducer(parameters, names, self.process_group, opts, sparse=sparse,
+                               debug=_debug_enabled(), collaborators=co)
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (torch's private API, public in spirit)."""

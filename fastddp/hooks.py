@@ -15,6 +15,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .reduction.kinds import Kind
+
 __all__ = ["GradBucket"]
 
 
@@ -80,6 +82,13 @@ class GradBucket:
 # --------------------------------------------------------------------------
 
 
+def _check_chunk_bytes(value, owner: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{owner}: chunk_bytes={value!r} must be None or a whole number of bytes >= 0 "
+                         "(0: one collective call per phase)")
+    return value
+
+
 class CompressionState:
     """State for fastddp's fused compression hooks.
 
@@ -88,11 +97,16 @@ class CompressionState:
     ``r <- x - decompress(compress(x))`` of ``x = g / W + r`` and add it to
     the next step's gradient, inside the same pack launch.  Compression
     error then accumulates into later steps instead of being lost.
+    ``chunk_bytes``: the two-phase reductions (``bf16_fp32acc_hook``) move a
+    big bucket in collective calls of about this many bytes each way (None:
+    FASTDDP_CHUNK_BYTES, else 1 MiB on the CPU and one call on CUDA; 0: one
+    call per phase).
     """
 
-    def __init__(self, process_group=None, error_feedback: bool = False):
+    def __init__(self, process_group=None, error_feedback: bool = False, chunk_bytes: int | None = None):
         self.process_group = process_group
         self.error_feedback = bool(error_feedback)
+        self.chunk_bytes = _check_chunk_bytes(chunk_bytes, type(self).__name__)
 
     def __repr__(self) -> str:
         return f"CompressionState(error_feedback={self.error_feedback})"
@@ -107,11 +121,12 @@ class FP8CompressionState(CompressionState):
     step's gradient, inside the quantize launch.  ``exempt``: which
     parameters travel in fp32 instead: None (default) exempts 1-D parameters
     (norm weights, biases: few bytes, most sensitive), or a callable
-    ``param -> bool``, or a collection of parameters (empty: none)."""
+    ``param -> bool``, or a collection of parameters (empty: none).
+    ``chunk_bytes``: as :class:`CompressionState`'s."""
 
     def __init__(self, process_group=None, block_size: int = 256, error_feedback: bool = True,
-                 exempt=None):
-        super().__init__(process_group, error_feedback)
+                 exempt=None, chunk_bytes: int | None = None):
+        super().__init__(process_group, error_feedback, chunk_bytes)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or not 16 <= block_size <= 4096 \
                 or block_size & (block_size - 1):
             raise ValueError(f"FP8CompressionState: block_size={block_size!r} must be a power of two "
@@ -174,7 +189,7 @@ def _world(group) -> int:
     return (group if group is not None else dist.group.WORLD).size()
 
 
-def _tag(fn, kind: str, dtype: torch.dtype | None):
+def _tag(fn, kind: Kind, dtype: torch.dtype | None):
     fn._fastddp_fused = (kind, dtype)
     return fn
 
@@ -317,7 +332,7 @@ def _compress_wrapper(dtype: torch.dtype, hook, name: str):
     wrapper_hook.__name__ = name
     wrapper_hook.__qualname__ = name
     if _is_plain_allreduce(hook):
-        _tag(wrapper_hook, "compress", dtype)
+        _tag(wrapper_hook, Kind.COMPRESS, dtype)
     return wrapper_hook
 
 
@@ -333,12 +348,12 @@ def bf16_compress_wrapper(hook):
     return _compress_wrapper(torch.bfloat16, hook, "bf16_compress_wrapper_hook")
 
 
-_tag(allreduce_hook, "allreduce", None)
-_tag(fp16_compress_hook, "compress", torch.float16)
-_tag(bf16_compress_hook, "compress", torch.bfloat16)
-_tag(noop_hook, "noop", None)
-_tag(bf16_fp32acc_hook, "fp32acc", torch.bfloat16)
-_tag(fp8_compress_hook, "fp8", torch.float8_e4m3fn)
+_tag(allreduce_hook, Kind.ALLREDUCE, None)
+_tag(fp16_compress_hook, Kind.COMPRESS, torch.float16)
+_tag(bf16_compress_hook, Kind.COMPRESS, torch.bfloat16)
+_tag(noop_hook, Kind.NOOP, None)
+_tag(bf16_fp32acc_hook, Kind.FP32ACC, torch.bfloat16)
+_tag(fp8_compress_hook, Kind.FP8, torch.float8_e4m3fn)
 
 __all__ += ["FP8CompressionState", "fp8_compress_hook", "CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
             "noop_hook", "bf16_fp32acc_hook", "allgather_then_aggregate_hook", "fp16_compress_wrapper",

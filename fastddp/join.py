@@ -80,7 +80,7 @@ def shadow_backward(reducer) -> None:
     issues its own collective: plain, fused 16-bit wire, or the hook)."""
     comm = reducer.comm
     with comm.comm_context(), torch.no_grad():
-        for p in [b.reduction.shadow(reducer, b) for b in reducer.buckets]:
+        for p in [b.reduction.shadow(reducer.ctx, b) for b in reducer.buckets]:
             comm.wait(p)
         if reducer.health is not None:
             reducer.health.shadow(reducer)  # the check_finite flags' all-gather

@@ -434,7 +434,7 @@ def _chunk_counts(rank, world, chunk_bytes):
         x, y = make_batch("mlp", rank, 0)
         loss_fn(m(x), y).backward()
         red = m.reducer.buckets[0].reduction
-        return [len(red.chunks[b.index][1]) for b in m.reducer.buckets]
+        return [red.pieces(b.index) for b in m.reducer.buckets]
     return _with_chunk_bytes(rank, world, chunk_bytes, body)
 
 

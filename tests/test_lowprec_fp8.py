@@ -303,8 +303,8 @@ def _pipeline(rank, world, opts, block=32, steps=3, exempt="default", chunked=Fa
                 bad.append((step, i, "residual"))
         local.load_state_dict(m.module.state_dict())
     if chunked:  # the phases did run in pieces
-        bufs = m.reducer.buckets[0].reduction.bufs.values()
-        if not any(len(d["chunks"]) > 1 for d in bufs):
+        red = m.reducer.buckets[0].reduction
+        if not any(red.pieces(b.index) > 1 for b in m.reducer.buckets):
             bad.append("no bucket was chunked")
     return bad
 
@@ -501,9 +501,10 @@ def _calls_per_phase(rank, world):
         loss_fn(m(x), y).backward()
     finally:
         G.all_to_all_single, G.all_gather_into_tensor = a2a, ag
-    bufs = list(m.reducer.buckets[0].reduction.bufs.values())
-    chunked = sum(len(d["chunks"]) for d in bufs if len(d["chunks"]) > 1)
-    single = sum(2 for d in bufs if len(d["chunks"]) == 1)  # values and scales: two calls
+    red = m.reducer.buckets[0].reduction
+    pieces = [red.pieces(b.index) for b in m.reducer.buckets]
+    chunked = sum(n for n in pieces if n > 1)
+    single = sum(2 for n in pieces if n == 1)  # values and scales: two calls
     return calls, chunked, single
 
 

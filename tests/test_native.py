@@ -137,7 +137,7 @@ def test_reducer_modes_follow_the_iteration():
     with single_rank_group():
         ddp = DDP(_model(), bucket_cap_mb=0.0005)
         r = ddp.reducer
-        assert r.native is not None and r._hook_handles == []
+        assert r.native is not None and r.arming.handles == []
         for step in range(3):
             out = ddp(torch.randn(4, 8))
             if step >= 1:  # after the rebuild's ready order is learnt: the countdown alone
@@ -205,11 +205,11 @@ def _grads_body(rank, world_size, native):
 
     import fastddp.reducer
     from fastddp import DistributedDataParallel as DDP
-    threshold, fastddp.reducer.EARLY_COPY_MIN_NUMEL = fastddp.reducer.EARLY_COPY_MIN_NUMEL, 0
+    threshold, fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL = fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL, 0
     try:  # every plain configuration copies early (the model's tensors are tiny)
         return _grads_steps(rank, native)
     finally:
-        fastddp.reducer.EARLY_COPY_MIN_NUMEL = threshold
+        fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL = threshold
 
 
 def _grads_steps(rank, native):
@@ -258,7 +258,7 @@ def _early_vs_torch_body(rank, world_size):
     import fastddp.reducer
     from fastddp import DistributedDataParallel as DDP
     from tests._dist import torch_reference  # (torch 2.11 has no batched_grad_copy: emulated bit for bit)
-    threshold, fastddp.reducer.EARLY_COPY_MIN_NUMEL = fastddp.reducer.EARLY_COPY_MIN_NUMEL, 0
+    threshold, fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL = fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL, 0
     try:
         out = []
         view = {"gradient_as_bucket_view": True}
@@ -277,7 +277,7 @@ def _early_vs_torch_body(rank, world_size):
                             or step == 0))
         return out
     finally:
-        fastddp.reducer.EARLY_COPY_MIN_NUMEL = threshold
+        fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL = threshold
 
 
 def test_early_copies_equal_torchs_gradients(world2):
@@ -384,21 +384,21 @@ def test_each_grad_is_copied_as_it_arrives():
             for p in ddp.parameters():
                 p.grad = None
             ddp(torch.randn(4, 256)).sum().backward()
-        assert r._early_any and r.native.filled_marks() == b"\x01" * len(r.params)
+        assert r.arming.early_any and r.native.filled_marks() == b"\x01" * len(r.params)
         views = [v for b in r.buckets for v in b.grad_views]
         assert all(any(p.grad is v for v in views) for p in ddp.parameters())
         small = DDP(_model(), gradient_as_bucket_view=True)  # tensors of < 1 KiB: the one pack
         for _ in range(2):
             small(torch.randn(4, 8)).sum().backward()
-        assert not small.reducer._early_any and set(small.reducer.native.filled_marks()) == {0}
+        assert not small.reducer.arming.early_any and set(small.reducer.native.filled_marks()) == {0}
         plain = DDP(wide())  # not view mode: copied early too, but .grad stays its own tensor
         for _ in range(3):
             plain(torch.randn(4, 256)).sum().backward()
-        assert plain.reducer._early_any and set(plain.reducer.native.filled_marks()) == {1}
+        assert plain.reducer.arming.early_any and set(plain.reducer.native.filled_marks()) == {1}
         flats = [b.flat for b in plain.reducer.buckets]
         assert not any(p.grad.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
                        for p in plain.parameters() for f in flats)
-        assert fastddp.reducer.EARLY_COPY_MIN_NUMEL == 16384
+        assert fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL == 16384
         del ddp, small, plain, r
 
 
@@ -415,7 +415,7 @@ def test_a_failed_build_falls_back_with_a_clear_warning(monkeypatch):
     with _native_env(None), single_rank_group():
         with pytest.warns(RuntimeWarning, match="could not be built .*c\\+\\+: command not found.*Python hooks"):
             ddp = DDP(_model())
-        assert ddp.reducer.native is None and len(ddp.reducer._hook_handles) == 6
+        assert ddp.reducer.native is None and len(ddp.reducer.arming.handles) == 6
         ddp(torch.randn(4, 8)).sum().backward()  # the Python hooks reduce
         assert all(p.grad is not None for p in ddp.parameters())
         with _native_env("require"), pytest.raises(RuntimeError, match="could not be built"):
@@ -453,7 +453,7 @@ def test_off_by_environment():
     from fastddp import DistributedDataParallel as DDP
     with _native_env("0"), single_rank_group():
         ddp = DDP(_model())
-        assert ddp.reducer.native is None and len(ddp.reducer._hook_handles) == 6
+        assert ddp.reducer.native is None and len(ddp.reducer.arming.handles) == 6
         ddp(torch.randn(4, 8)).sum().backward()
         del ddp
 

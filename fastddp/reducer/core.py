@@ -1,0 +1,343 @@
+"""The reducer's core: plan install and rebuild, in-order issue, finalize, abort.
+
+It reproduces torch 2.13's C++ ``Reducer`` (``torch/csrc/distributed/c10d/
+reducer.cpp``) rule for rule where the rules decide gradients, and replaces its
+per-parameter work with one fused ``pack`` and one fused ``unpack`` per bucket.
+Which parameters count as ready is :mod:`fastddp.readiness`'s business, which
+hooks run :mod:`.arming`'s, how a bucket is packed, reduced and unpacked its
+mode's (:mod:`fastddp.reduction`, which sees the step's
+:class:`~fastddp.reduction.StepContext`, never this class).  Per step::
+
+    forward   prepare_for_backward(): arm the hooks, reset countdowns, walk the
+              graph for unused params (find_unused_parameters)
+    backward  hook(p) -> mark_ready(i) -> bucket b's countdown hits 0 ->
+              mode.pack (ONE launch) -> buckets issued strictly in index order
+              (every rank issues the same collectives in the same order) ->
+              mode.issue (async)
+    end       engine callback finalize(): wait(b) -> mode.unpack (ONE launch
+              into .grad; none while the grads are views of the bucket)
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import autotune, compile as _compile, groups, planner, profiling, reduction
+from ..buckets import Bucket
+from ..comm import Comm
+from ..health import HealthCheck
+from ..readiness import Readiness
+from .arming import Arming
+from .divisor import Divisor
+from .options import Collaborators, ReducerOptions
+from .plans import BucketPlans
+from .rearm import SecondBackward
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class Reducer(BucketPlans):
+    """Bucketed, overlapped gradient averaging for one DDP module (``debug``: see README)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group,
+                 options: ReducerOptions, sparse: Sequence[bool] | None = None, debug: bool = False,
+                 collaborators: Collaborators = Collaborators()):
+        if not params:
+            raise RuntimeError("fastddp: the reducer needs at least one parameter that requires grad")
+        self.params, self.names, self.opts, self.pg = list(params), list(names), options, process_group
+        self.world, self.rank = groups.size(process_group), groups.rank(process_group)
+        self.device = self.params[0].device
+        self.sparse = tuple(bool(x) for x in sparse) if sparse else (False,) * len(self.params)
+        self.debug, self.co = bool(debug), collaborators
+        self.comm = Comm(process_group, self.device)
+        self._lock = threading.Lock()
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.comm_hook: Callable | None = None
+        self.comm_hook_state: Any = None
+        self._dense, self._sparse_mode = reduction.choose(None, None, options.batched_grad_copy, True, self.device)
+        self.ready = Readiness(self.names, process_group, self.device, static=options.static_graph,
+                               find_unused=options.find_unused_parameters, should_rebuild=self._should_rebuild,
+                               on_first_hook=(lambda: _queue_callback(self._debug_check)) if debug else None)
+        self.num_iterations = self.steps_reduced = 0
+        self.exposed_comm_s: collections.deque = collections.deque(maxlen=32)
+        self._next_bucket, self._has_rebuilt, self._t_all_issued = 0, False, 0.0
+        self.divisor = Divisor(self.world)
+        self._buckets: list[Bucket] = []
+        self.health = HealthCheck(options.check_finite, self.device) if options.check_finite else None
+        self.rebuild_order: list[int] | None = None  # rank 0's ready order of the one rebuild
+        self._forward_syncs, self._probe = False, None
+        me = weakref.ref(self)  # the hooks hold these: no cycle back to the reducer
+        self.arming = Arming(self.params, lambda i: me()._hook_body(i), lambda b: me()._native_bucket_ready(b),
+                             lambda i: me()._native_marked_twice(i))
+        self.ctx = reduction.StepContext.of(self.comm, self.world, self.rank, options.gradient_as_bucket_view,
+                                            self.names, self._index_of, self.divisor.get,
+                                            self.ready.globally_unused, self.arming.early_filled,
+                                            collaborators.pre_unpack)
+        self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
+        self.tuner = autotune.Tuner(self) if options.auto_bucket_cap else None
+        self.second = SecondBackward(self)
+
+    # ------------------------------------------------------- public surface
+    view_mode = property(lambda self: self.opts.gradient_as_bucket_view)
+    comm_stream = property(lambda self: self.comm.comm_stream, doc="The CUDA side stream of packs and collectives.")
+    has_comm_hook = property(lambda self: self.comm_hook is not None)
+    native = property(lambda self: self.arming.native, doc="The native countdown (None: Python hooks).")
+    mode = property(lambda self: self._dense, doc="The dense buckets' mode (fastddp.reduction).")
+
+    @property
+    def fused_path(self) -> tuple | None:
+        """(kind, wire dtype) of a fastddp hook run as its fused path, else None."""
+        d = self._dense
+        return (d.kind.value, d.wire_dtype) if d.fused else None
+
+    @property
+    def wire_itemsize(self) -> int | None:
+        """Bytes per element on the wire where the mode or mixed precision fixes it."""
+        dtype = self._dense.wire_dtype if self._dense.fused and self._dense.wire_dtype is not None \
+            else self.opts.reduce_dtype
+        return None if dtype is None else torch.empty((), dtype=dtype).element_size()
+
+    def name(self, p) -> str:
+        return self.ctx.name(p)
+
+    def register_comm_hook(self, hook: Callable, state: Any, group_ok: bool) -> None:
+        """Install a comm hook; fastddp's tagged hooks run as fused paths."""
+        self._dense, self._sparse_mode = reduction.choose(hook, state, self.opts.batched_grad_copy, group_ok,
+                                                          self.device)
+        self.arming.forget_views()  # the bucket mode changed: found again at the next arm
+        self.comm_hook, self.comm_hook_state = hook, state
+        for b in self._buckets:
+            b.reduction = self._sparse_mode if b.sparse else self._dense
+
+    def error_feedback_residual(self, index: int) -> torch.Tensor | None:
+        """Parameter ``index``'s error-feedback residual (compressed modes), shaped like its bucket slot."""
+        b, pos = self.plan.locate(index)
+        res = self._dense.residual_of(b) if isinstance(self._dense, reduction.ResidualBook) else None
+        return None if res is None else self._buckets[b].layout.views(res)[pos]
+
+    def stats(self) -> dict:
+        return profiling.reducer_stats(self)
+
+    # ----------------------------------------------------------- iteration
+    def prepare_for_forward(self, sync: bool = True) -> None:
+        """Every forward of the module; ``sync``: its backward will be reduced."""
+        self._forward_syncs = sync
+        if sync:
+            self.num_iterations += 1
+            self.ctx.iteration = self.num_iterations
+            self.divisor.set_work(None)
+
+    def set_forward_pass_work_handle(self, work, use_static_world_size: bool) -> None:
+        """join(): the count of ranks still training; the divisor unless ``use_static_world_size``."""
+        self.divisor.set_work(work, use_static_world_size)
+
+    def divide_factor(self) -> int:
+        """torch's div_factor_: W, or the ranks not joined (join(divide_by_initial_world_size=False))."""
+        return self.divisor.get()
+
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Arm the hooks for the backward of a forward that synchronises."""
+        self.ensure_prior_reduction_finished()
+        self._reset_countdowns()
+        self.ready.reset(outputs, self._index_of)
+        r = self.ready
+        if r.foreign and self.co.module_watch is not None:
+            foreign, r.foreign = r.foreign, []
+            try:
+                self.co.module_watch.check_leaves(foreign)
+            except RuntimeError:
+                self.abort_iteration()
+                raise
+        self._probe = self.tuner.on_ready if self.tuning_active and self.tuner.wants_ready_marks else None
+        self.arming.arm(r, self._buckets, self._dense, debug=self.debug, probe=self._probe is not None,
+                        join_pending=self.divisor.pending, world=self.world, view_mode=self.view_mode)
+
+    def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
+        """After prepare_for_backward: later backwards through these outputs are reduced too."""
+        self.second.watch(outputs)
+
+    def rearm(self, unused) -> None:
+        """Reduce another backward over an already reduced forward (:class:`SecondBackward`)."""
+        with self._lock:
+            self._reset_countdowns()
+            self.ready.rearm(unused)
+            self.arming.every_hook()
+
+    def _reset_countdowns(self) -> None:
+        self._next_bucket = 0
+        for b in self._buckets:
+            b.reset()
+
+    def refresh_hooks(self) -> int:
+        """After each forward: the native hooks follow replaced AccumulateGrad nodes (:class:`Arming`)."""
+        return self.arming.refresh()
+
+    # ------------------------------------------------------------ readiness
+    def _hook_body(self, index: int) -> None:
+        if self.arming.fast:  # armed, nothing to track: no lock (one autograd thread)
+            self.mark_ready(index)
+        else:
+            with self._lock:
+                for i in self.ready.on_hook(index, self.params[index].grad is not None):
+                    self.mark_ready(i)
+
+    def _native_bucket_ready(self, b: int) -> None:
+        """The native countdown: bucket ``b``'s last parameter is ready (its
+        marks stay on the C++ side until :meth:`_sync_native_marks`)."""
+        bucket = self._buckets[b]
+        bucket.pending = 0
+        bucket.prefilled = self.arming.filled(b)
+        self._bucket_complete(bucket)
+
+    def _native_marked_twice(self, index: int) -> None:
+        self._sync_native_marks()
+        self.ready.mark(index)  # raises torch's error, naming the parameter
+        raise RuntimeError(f"fastddp internal error: parameter {index} marked twice went unnoticed")
+
+    def _sync_native_marks(self) -> None:
+        """``ready.marked`` from the native countdown, before anything reads them."""
+        if self.arming.counting():
+            self.ready.marked = self.arming.marks()
+
+    def mark_ready(self, index: int) -> None:
+        self.ready.mark(index)
+        if self._probe is not None:
+            self._probe(index)
+        bucket = self._bucket_of[index]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._bucket_complete(bucket)
+
+    def _bucket_complete(self, bucket: Bucket) -> None:
+        try:
+            self._pack(bucket)
+            if self.debug:
+                return  # issued by _debug_check after the cross-rank check
+            self._launch_ready()
+        except BaseException:
+            self.abort_iteration()  # e.g. a hook's error: the next iteration starts clean
+            raise
+        if self._next_bucket == len(self._buckets):
+            self._all_buckets_issued()
+            # compiled autograd's engine runs no queued callbacks (every grad is in by now)
+            self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
+
+    def _all_buckets_issued(self) -> None:
+        self._t_all_issued = time.perf_counter()
+        self.comm.mark_all_issued()
+        if self.tuning_active:
+            self.tuner.on_all_issued()
+        if self.ready.dynamic_find_unused:
+            self.ready.all_reduce_used_map()
+
+    def _debug_check(self) -> None:
+        if not self.ready.expect_hooks or self.ready.static_first_iteration:
+            return
+        try:
+            self.ready.check_agreement()
+        except RuntimeError:
+            self.abort_iteration()
+            raise
+        if all(b.pending == 0 for b in self._buckets):
+            self._launch_ready()
+            self._all_buckets_issued()
+            self._finalize()
+
+    # ---------------------------------------------------------- pack, issue
+    def _pack(self, bucket: Bucket) -> None:
+        grads = [p.grad for p in bucket.params]
+        with profiling.range(f"fastddp/pack[{bucket.index}]", self.comm.cuda), \
+                self.comm.pack_context(bucket.ready_event), torch.no_grad():
+            bucket.reduction.pack(self.ctx, bucket, grads)
+
+    def _launch_ready(self) -> None:
+        """Issue collectives strictly in bucket order (same order on every rank)."""
+        buckets = self._buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            b = buckets[self._next_bucket]
+            if self.opts.skip_all_reduce_unused_params and set(b.indices) <= set(self.ready.unused):
+                b.work = None
+            else:
+                with profiling.range(f"fastddp/allreduce[{b.index}]", self.comm.cuda), self.comm.comm_context():
+                    b.work = b.reduction.issue(self.ctx, b)
+            self._next_bucket += 1
+
+    # -------------------------------------------------------------- finalize
+    def delay_all_reduce(self) -> None:
+        """static_graph's first backward (torch's ``_delay_all_reduce``): learn the unused params, reduce all."""
+        with self._lock:
+            self.ready.learn_static_unused()
+            for b in self._buckets:
+                self._pack(b)
+                b.pending = 0
+            self._launch_ready()
+            self._all_buckets_issued()
+            self.ready.expect_hooks = True
+        self._finalize()
+
+    def _finalize(self) -> None:
+        with profiling.range("fastddp/finalize", self.comm.cuda):
+            if not self.ready.expect_hooks or self._next_bucket != len(self._buckets):
+                raise RuntimeError(f"fastddp internal error: finalize with {self._next_bucket} of "
+                                   f"{len(self._buckets)} buckets issued (armed: {self.ready.expect_hooks})")
+            self.divisor.forget()  # join may change the divisor
+            self.arming.finished(idle=not (self.ready.static or self.ready.dynamic_find_unused or self.debug))
+            track = self.ready.static or self.opts.find_unused_parameters
+            self.ready.expect_hooks = False
+            live = [b for b in self._buckets if b.work is not None]  # else skipped (unused)
+            with self.comm.comm_context(), torch.no_grad():
+                try:
+                    results = [self._wait(b) for b in live] if self.health is not None else None
+                    if results is not None:
+                        self.health.check(self)  # before any reduced value reaches .grad
+                    for k, b in enumerate(live):
+                        result = results[k] if results is not None else self._wait(b)
+                        with profiling.range(f"fastddp/unpack[{b.index}]", self.comm.cuda):
+                            b.reduction.unpack(self.ctx, b, result, track)
+                except BaseException:
+                    self.abort_iteration()  # a hook's bad result, check_finite: the next one starts clean
+                    raise
+            self.comm.join_compute_stream()
+            if self.co.after_finalize is not None:
+                self.co.after_finalize()
+            # host view of the exposed comm: last bucket issued -> all reduced (CUDA: events too)
+            self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
+            if self.tuning_active:
+                self.tuner.on_finalized()
+            self.steps_reduced += 1
+            self.ready.finish()
+
+    def _wait(self, b: Bucket):
+        with profiling.range(f"fastddp/wait[{b.index}]", self.comm.cuda):
+            result, b.work = self.comm.wait(b.work), None
+        if self.health is not None:
+            b.reduction.check_result(b, result)
+        return result
+
+    # ------------------------------------------------------------ join, errors
+    def abort_iteration(self) -> None:
+        """An error is raised in this iteration: the next well-formed one starts clean."""
+        self._sync_native_marks()
+        self.ready.abort()
+        self.arming.every_hook()
+        self._reset_countdowns()
+
+    def ensure_prior_reduction_finished(self) -> None:
+        self._sync_native_marks()
+        if self.ready.require_finalize:
+            err = self.ready.unfinished_error()
+            self.abort_iteration()  # so the error is not raised forever after a user catches it
+            raise err
+
+    # torch's private names, which frameworks (Lightning) call on ddp.reducer
+    _rebuild_buckets = BucketPlans.rebuild_buckets
+    _delay_all_reduce = delay_all_reduce
+
+    def remove_hooks(self) -> None:
+        self.arming.remove()

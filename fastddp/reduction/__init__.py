@@ -1,0 +1,95 @@
+"""How a bucket is reduced: one mode per bucket kind, chosen once by
+:func:`choose`.
+
+=================  ==================================================  ===============
+mode (Kind)        what                                                scaling
+=================  ==================================================  ===============
+AllReduce          torch's default path / ``batched_grad_copy`` /      MUL / DIV
+                   fastddp's (or torch's) ``allreduce_hook``
+PythonHook         any other comm hook, called with a GradBucket       NONE (hook divides)
+FusedCompression   fp16/bf16 hooks: scale in fp32, cast, 16-bit wire,  MUL, before the cast
+                   optional error feedback in the same pack launch
+Fp32Accumulate     ``bf16_fp32acc_hook``: the two-phase engine with    MUL, before the cast
+                   a bf16 codec (fp32 shard sum, one rounding)
+BlockFp8           ``fp8_compress_hook``: the two-phase engine with a  MUL, before quantizing
+                   block-scaled e4m3 codec, fp32 shard sum
+NoOp               ``noop_hook``: nothing on the wire                  NONE
+SparseAllReduce    a sparse parameter's bucket without a hook          DIV (in place)
+=================  ==================================================  ===============
+
+Layers, bottom up: :mod:`.context` (what a mode sees of a step),
+:mod:`.datapath` (fill, unpack, bucket views), :mod:`.plain`,
+:mod:`.compression` (16-bit wire, error-feedback residuals),
+:mod:`.twophase` (all-to-all -> fp32 shard sum -> all-gather) with its codecs
+:mod:`.fp32acc` and :mod:`.fp8`.  No mode sees the reducer: each call gets the
+step's :class:`StepContext`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from .compression import FusedCompression, ResidualBook
+from .context import StepContext
+from .datapath import REDUCED_NONFINITE, Scaling, fill_flat, unpack_grads
+from .fp8 import BlockFp8
+from .fp32acc import Fp32Accumulate
+from .kinds import Kind
+from .plain import AllReduce, NoOp, PythonHook, Reduction, SparseAllReduce
+from .twophase import CHUNK_BYTES, MAX_CHUNKS, TwoPhase, chunk_bounds
+
+__all__ = ["Kind", "Scaling", "StepContext", "Reduction", "AllReduce", "PythonHook", "FusedCompression",
+           "Fp32Accumulate", "BlockFp8", "NoOp", "SparseAllReduce", "TwoPhase", "ResidualBook", "choose",
+           "fill_flat", "unpack_grads", "chunk_bounds", "CHUNK_BYTES", "MAX_CHUNKS", "REDUCED_NONFINITE"]
+
+
+def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
+           device: torch.device | None = None) -> tuple[Reduction, Reduction]:
+    """The bucket modes for a DDP module: ``(dense, sparse)``.
+
+    ``hook``/``state``: the registered comm hook (None: none); a hook tagged
+    by :mod:`fastddp.hooks` runs as its fused path when ``group_ok`` (its
+    state's group is the module's), else as an ordinary callback.
+    ``device``: the parameters' (default CPU); it decides the kernel backend
+    the modes pack with."""
+    if hook is None:
+        return AllReduce(Scaling.DIV if batched_grad_copy else Scaling.MUL), SparseAllReduce()
+    from ..hooks import CompressionState, FP8CompressionState
+
+    tag = getattr(hook, "_fastddp_fused", None)
+    if isinstance(state, FP8CompressionState) and (tag is None or tag[0] is not Kind.FP8):
+        raise TypeError(f"FP8CompressionState is the state of fastddp.hooks.fp8_compress_hook; "
+                        f"{getattr(hook, '__name__', hook)!r} is not it")
+    error_feedback = isinstance(state, CompressionState) and state.error_feedback
+    if tag is None:
+        if isinstance(state, CompressionState):
+            raise TypeError(f"CompressionState is the state of fastddp's compression hooks; "
+                            f"{getattr(hook, '__name__', hook)!r} is not one of them")
+        return PythonHook(hook, state), PythonHook(hook, state)
+    kind, dtype = tag
+    if kind is Kind.FP8:
+        if not group_ok:
+            raise ValueError("fp8_compress_hook runs only as fastddp's fused path: its state's "
+                             "process_group must be None or the DDP module's process group")
+        fp8_state = state if isinstance(state, FP8CompressionState) else FP8CompressionState()
+        if state is not None and not isinstance(state, FP8CompressionState):
+            raise TypeError(f"fp8_compress_hook takes an FP8CompressionState (or None), got {type(state).__name__}")
+        return BlockFp8(fp8_state), PythonHook(hook, state)
+    if error_feedback and kind not in (Kind.COMPRESS, Kind.FP32ACC):
+        raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
+                         "compression hooks and bf16_fp32acc_hook only")
+    if not group_ok:
+        if error_feedback:
+            raise ValueError("fastddp: CompressionState.process_group must be None or the DDP "
+                             "module's process group")
+        return PythonHook(hook, state), PythonHook(hook, state)
+    sparse = PythonHook(hook, state)  # sparse buckets: the hook itself, as torch
+    if kind is Kind.ALLREDUCE:
+        return AllReduce(Scaling.DIV, fused=True), sparse
+    if kind is Kind.NOOP:
+        return NoOp(), sparse
+    reference = kernels.backend(device) == "reference"
+    if kind is Kind.FP32ACC:
+        return Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference), sparse
+    return FusedCompression(dtype, error_feedback, reference), sparse

@@ -1,0 +1,206 @@
+"""The data path every bucket mode shares: the grads into the flat bucket
+under torch's scaling rules (:func:`fill_flat`), the reduced values back into
+``.grad`` (:func:`unpack_grads`), bucket views, sparse buckets, check_finite
+flags where no pack launch reads the values.  ``ctx`` is the step's
+:class:`~fastddp.reduction.context.StepContext`."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .. import kernels
+
+#: check_finite bit for a comm hook's result (beside kernels.Health's bits)
+REDUCED_NONFINITE = 8
+
+
+class Scaling(enum.IntEnum):
+    """What the pack applies (torch's rules, bit for bit)."""
+
+    NONE = 0  #: a hook divides: the bucket reaches it undivided (torch's rule)
+    MUL = 1   #: torch's default path: ``grad * fp32(1/W)`` (its ``mul_out``)
+    DIV = 2   #: ``batched_grad_copy`` / ``allreduce_hook``: ``grad / W``
+
+
+def plain_grads(ctx, bucket, grads) -> bool:
+    """Every grad exists and none aliases the bucket yet: one fused pack
+    serves them straight from the separate tensors."""
+    if any(g is None for g in grads):
+        return False
+    if ctx.view_mode:
+        return not any(g is v for g, v in zip(grads, bucket.grad_views))
+    return True
+
+
+def alias_views(ctx, bucket, grads) -> None:
+    """gradient_as_bucket_view: the grads become views of the bucket.  The
+    grads they replace were just read by a pack queued on the comm stream, so
+    the allocator is told (``release``), or it hands their blocks to later
+    backward kernels before the pack has read them."""
+    if ctx.view_mode:
+        release = ctx.comm.release
+        for p, g, v in zip(bucket.params, grads, bucket.grad_views):
+            if g is not None and g is not v:
+                release(g)
+            p.grad = v
+
+
+def flag_nonfinite(health, t: torch.Tensor, bit: int) -> None:
+    """check_finite where no pack launch reads the values (grads already
+    bucket views, per-parameter copies, sparse values, a hook's result): one
+    device-side reduction, no host sync."""
+    health.bitwise_or_((~torch.isfinite(t)).any().to(torch.int32) * bit)
+
+
+def fill_flat(ctx, bucket, grads, scaling: Scaling, health=None) -> None:
+    """Write ``grads`` into ``bucket.flat`` under ``scaling`` (torch's
+    mark_variable_ready_dense + flush_deferred_copies, one launch).
+    ``health``: the bucket's check_finite flag, set by that same launch."""
+    W = ctx.divisor()
+    done = bucket.prefilled
+    if done:  # the native early copy put (some of) the grads in their slots, scaled
+        bucket.prefilled = 0
+        if done < bucket.size:
+            _fill_flat_mixed(ctx, bucket, grads, scaling, W, ctx.early_filled(bucket))
+        if health is not None:
+            flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
+        return
+    if plain_grads(ctx, bucket, grads):
+        src = bucket.kernel_grads(grads)
+        if scaling is Scaling.MUL:
+            kernels.pack(src, bucket.flat, layout=bucket.layout, scale=1.0 / W, health=health)
+        elif scaling is Scaling.DIV:
+            kernels.pack(src, bucket.flat, layout=bucket.layout, divide=W, health=health)
+        else:
+            kernels.pack(src, bucket.flat, layout=bucket.layout, health=health)
+        alias_views(ctx, bucket, grads)
+        return
+    if ctx.view_mode and all(g is v for g, v in zip(grads, bucket.grad_views)):
+        if health is not None:
+            flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
+        if scaling is not Scaling.NONE:
+            bucket.flat.div_(W)  # torch: per-view div_ (aliased) / flat div_ (batched)
+        return
+    _fill_flat_mixed(ctx, bucket, grads, scaling, W)
+    if health is not None:
+        flag_nonfinite(health, bucket.flat, kernels.Health.SOURCE_NONFINITE)
+
+
+def _fill_flat_mixed(ctx, bucket, grads, scaling: Scaling, W: int, filled=()) -> None:
+    """Some grads missing or already aliased: torch's per-parameter rules.
+    ``filled``: per bucket position, the grad went into its view as it
+    arrived (the native early copy), already scaled."""
+    view_mode, batched, release = ctx.view_mode, scaling is Scaling.DIV, ctx.comm.release
+    deferred_src, deferred_dst, deferred = [], [], []
+    for k, (p, g, v, gv) in enumerate(zip(bucket.params, grads, bucket.views, bucket.grad_views)):
+        if filled and filled[k]:
+            continue
+        if g is None:
+            v.zero_()
+        elif g is gv:
+            if scaling is Scaling.MUL:
+                v.div_(W)
+        else:
+            if g.layout != torch.strided:
+                raise RuntimeError(
+                    f"fastddp: parameter {ctx.name(p)!r} has a {g.layout} gradient but its module "
+                    "does not declare sparse gradients (nn.Embedding/EmbeddingBag(sparse=True) "
+                    "do); fastddp reduces it only when the module declares it.")
+            src = torch.view_as_real(g) if bucket.complex else g
+            if batched and not g.requires_grad:
+                deferred_src.append(src)
+                deferred_dst.append(v)
+                deferred.append((p, g, gv))
+                continue
+            if scaling is Scaling.NONE:
+                v.copy_(src)
+            else:
+                torch.mul(src, 1.0 / W, out=v)
+            if view_mode:
+                release(g)
+                p.grad = gv
+    if batched:
+        if deferred_src:
+            torch._foreach_copy_(deferred_dst, deferred_src)
+            if view_mode:
+                for p, g, gv in deferred:
+                    release(g)
+                    p.grad = gv
+        if filled:  # the early copies are divided already: the others alone (same bits)
+            torch._foreach_div_([v for k, v in enumerate(bucket.views) if not filled[k]], W)
+        else:
+            bucket.flat.div_(W)
+
+
+def unpack_grads(ctx, bucket, src: torch.Tensor, track_unused: bool) -> None:
+    """Write the reduced ``src`` back into .grad (torch's finalize_bucket_dense)."""
+    ctx.before_unpack(bucket)
+    if ctx.view_mode:
+        if src is not bucket.flat:
+            kernels.unpack(src, [bucket.flat], layout=bucket.flat_layout)  # one launch, casts back
+        for i, p, v in zip(bucket.indices, bucket.params, bucket.grad_views):
+            if track_unused and ctx.globally_unused(i):
+                continue
+            g = p.grad
+            if g is None:
+                p.grad = v
+            elif g is not v:
+                raise RuntimeError(
+                    f"fastddp: the gradient of {ctx.name(p)!r} is not the expected bucket view "
+                    "with gradient_as_bucket_view=True (was .grad replaced during backward?)")
+        return
+    grads = [p.grad for p in bucket.params]
+    unused = any(ctx.globally_unused(i) for i in bucket.indices) if track_unused else False
+    if not unused and all(g is not None for g in grads):
+        kernels.unpack(src, bucket.kernel_grads(grads), layout=bucket.layout)
+        return
+    for i, p, g, v in zip(bucket.indices, bucket.params, grads, bucket.layout.views(src)):
+        if track_unused and ctx.globally_unused(i):
+            continue  # globally unused: .grad untouched, as torch
+        if bucket.complex:
+            v = torch.view_as_complex(v)
+        if g is None:
+            p.grad = ctx.comm.hand_over(torch.empty_like(p, memory_format=torch.preserve_format).copy_(v))
+        else:
+            g.copy_(v)
+
+
+def take_sparse_grad(ctx, bucket):
+    """A sparse bucket's gradient (checked), flagged for check_finite."""
+    p = bucket.params[0]
+    g = p.grad
+    if g is None or g.layout != torch.sparse_coo:
+        raise RuntimeError(
+            ("Expected sparse gradient to be defined." if g is None else
+             "Expected variable to have sparse gradient.") +
+            f" fastddp: parameter {ctx.name(p)!r} belongs to a module with sparse gradients "
+            f"(sparse=True) but its .grad is {'None' if g is None else g.layout} on rank {ctx.rank}. "
+            "Sparse parameters must get a gradient in every iteration.")
+    if bucket.health is not None:
+        flag_nonfinite(bucket.health, g._values(), kernels.Health.SOURCE_NONFINITE)
+    bucket.sparse_grad = g
+    return g
+
+
+def sparse_zeros(bucket):
+    p = bucket.params[0]
+    return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64, device=p.device),
+                                   torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
+                                   p.shape)
+
+
+def unpack_sparse(bucket, result) -> None:
+    """The reduced sparse gradient replaces .grad (torch copies it into the
+    bucket's gradient, which is the .grad tensor)."""
+    p, g = bucket.params[0], bucket.sparse_grad
+    bucket.sparse_grad = None
+    if isinstance(result, (list, tuple)):
+        result = result[0] if result else None
+    if isinstance(result, torch.Tensor) and result is not g:
+        g.copy_(result)
+    if p.grad is not g:
+        p.grad = g
+
+

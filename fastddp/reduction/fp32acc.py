@@ -1,0 +1,105 @@
+"""bf16 on the wire, summed in fp32 (``bf16_fp32acc_hook``): the two-phase
+engine's bf16 codec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from .compression import FusedCompression
+from .kinds import Kind
+from .twophase import ShardWire, TwoPhase
+
+__all__ = ["Fp32Accumulate"]
+
+
+@dataclass(eq=False)
+class _Bf16Shards(ShardWire):
+    """A bucket's bf16 wire (W shards of ``shard`` elements, shard-major), the
+    all-to-all's receive buffer and, when chunked, the chunk-major stage:
+    piece ``[a, b)`` of every shard back to back in rank order at
+    ``stage[W*a : W*b]``."""
+
+    world: int
+    wire: torch.Tensor
+    recv: torch.Tensor
+    bounds: list
+    stage: torch.Tensor | None
+    nbytes: int
+
+    def send_recv(self, k):
+        (a, b), W = self.bounds[k], self.world
+        src = self.wire if self.stage is None else self.stage
+        return [(self.recv[W * a:W * b], src[W * a:W * b])]
+
+    def reduce_piece(self, k, health):
+        (a, b), W = self.bounds[k], self.world
+        piece = self.recv[W * a:W * b]
+        kernels.reduce_shards(piece, piece[:b - a], W, health=health)
+        # the all-to-all that read this stage piece is complete: gather into it
+        out = self.wire if self.stage is None else self.stage[W * a:W * b]
+        return [(out, piece[:b - a])]
+
+    def stage_out(self):
+        if self.stage is not None:
+            wv = self.wire.view(self.world, -1)
+            for a, b in self.bounds:
+                self.stage[self.world * a:self.world * b].view(self.world, b - a).copy_(wv[:, a:b])
+
+    def stage_in(self):
+        if self.stage is not None:
+            wv = self.wire.view(self.world, -1)
+            for a, b in self.bounds:
+                wv[:, a:b].copy_(self.stage[self.world * a:self.world * b].view(self.world, b - a))
+
+    def zero(self):
+        self.wire.zero_()
+
+
+class Fp32Accumulate(TwoPhase, FusedCompression):
+    """bf16 on the wire, summed in fp32 (``bf16_fp32acc_hook``)::
+
+        pack      grads * fp32(1/W) -> bf16 wire of W*S elements (S = ceil(N/W);
+                  the tail past the bucket's N stays 0), error feedback as the
+                  fp16/bf16 path; ONE launch
+        issue     all-to-all of the W shards (the engine)
+        finish    ONE launch per piece sums the shard from every rank in fp32,
+                  in rank order, rounded once to bf16 (kernels.reduce_shards);
+                  all-gather it into the wire (the engine)
+        unpack    the wire -> .grad (ONE launch)
+
+    Bytes on the wire equal a bf16 all-reduce's; the sum's error no longer
+    grows with the world size (one rounding instead of one per ring hop).
+    Chunked, the same elements meet in the same order, so the result is bit
+    for bit the unchunked one."""
+
+    kind = Kind.FP32ACC
+
+    def __init__(self, error_feedback: bool, chunk_bytes: int | None = None, reference: bool = False):
+        FusedCompression.__init__(self, torch.bfloat16, error_feedback, reference)
+        TwoPhase.__init__(self, chunk_bytes)
+
+    def wire_numel(self, ctx, bucket) -> int:
+        w = ctx.world
+        return -(-bucket.flat.numel() // w) * w
+
+    def shard_wire(self, ctx, bucket) -> _Bf16Shards:
+        wire = self._wire(ctx, bucket)
+        s = self.wires.get(bucket.index)
+        if s is None or s.wire is not wire:
+            W = ctx.world
+            bounds = self._bounds(wire.numel() // W, W, wire.element_size(), 1, wire.device)
+            s = self.wires[bucket.index] = _Bf16Shards(
+                W, wire, torch.empty_like(wire), bounds,
+                torch.empty_like(wire) if len(bounds) > 1 else None, wire.numel() * wire.element_size())
+        return s
+
+    def pack(self, ctx, bucket, grads) -> None:
+        self.shard_wire(ctx, bucket)
+        FusedCompression.pack(self, ctx, bucket, grads)
+
+    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
+        FusedCompression.carry_over(self, old_buckets, old_locate, new_buckets)
+        self.reset_steps()

@@ -1,0 +1,192 @@
+"""The two-phase engine: all-to-all of the W shards -> each rank sums its
+shard locally in fp32 -> all-gather of the sums, bucket by bucket, chunked.
+
+One engine serves every two-phase wire format; a format is a codec
+(:class:`ShardWire`: its buffers, how a piece of its shard is summed, its
+staging) plus the mode's pack and unpack::
+
+    issue     (when the bucket is ready) stage the shard-major wire into
+              chunk-major pieces if chunked; ONE all-to-all per piece (a
+              codec may send more than one tensor per piece); the codec's
+              extra collectives (async)
+    finish    at the end of backward, for every bucket in flight, in bucket
+              order (the same collectives in the same order on every rank):
+              per piece, wait its all-to-all, sum this rank's slice of every
+              rank's shard (ONE launch, fp32, in rank order), all-gather the
+              sums (async); then wait this bucket's all-gathers and extras and
+              unstage
+
+A step's collectives are never issued from a collective's callback thread
+(the Triton interpreter is not thread-safe, and collectives issued from
+callbacks could reach the ranks in different orders): :class:`ShardStep`
+is completed by ``wait()`` on the end-of-backward thread.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import groups
+from ..comm import Pending
+from .datapath import Scaling
+
+__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "chunk_bounds", "ShardWire", "ShardStep", "TwoPhase"]
+
+
+#: Bytes each way per collective call of a two-phase reduction's chunked
+#: phases.  On a TCP link gloo's one big all-to-all carries 55-60% of a ring
+#: all-reduce's rate and one big all-gather ~70%; the same bytes as calls of
+#: ~1 MiB issued together carry 90% and 97-100%.  CPU tensors (gloo) only:
+#: NCCL pipelines its own chunks, so CUDA buckets keep one call per phase (no
+#: staging copies).  A state's ``chunk_bytes`` (or FASTDDP_CHUNK_BYTES)
+#: overrides it for both (0: one call per phase).
+CHUNK_BYTES = 1 << 20
+MAX_CHUNKS = 32
+
+
+def chunk_bounds(shard: int, world: int, elem_bytes: int, align: int,
+                 device: torch.device | None = None, target: int | None = None) -> list[tuple[int, int]]:
+    """``[a, b)`` pieces of a shard of ``shard`` elements, each ``align``-aligned,
+    so that one collective call moves about ``target`` bytes each way (None:
+    the setting, else :data:`CHUNK_BYTES` on the CPU and one piece on CUDA).
+    Depends only on the sizes and the setting, so every rank cuts the same
+    pieces and issues the same calls.  One piece: the phases run unchunked
+    (no staging)."""
+    if target is None:
+        target = _chunk_setting()
+        if target is None:
+            target = CHUNK_BYTES if device is None or device.type == "cpu" else 0
+    units = shard // align
+    each_way = (world - 1) * shard * elem_bytes
+    if world < 2 or target <= 0 or units < 2 or each_way <= target:
+        return [(0, shard)]
+    n = min(MAX_CHUNKS, units, -(-each_way // target))
+    per = -(-units // n) * align
+    return [(a, min(a + per, shard)) for a in range(0, shard, per)]
+
+
+def _chunk_setting() -> int | None:
+    import os
+    env = os.environ.get("FASTDDP_CHUNK_BYTES")
+    if env is None or not env.strip():
+        return None
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"fastddp: FASTDDP_CHUNK_BYTES={env!r} is not a whole number of bytes "
+                         "(0 turns chunking off)") from None
+
+
+class ShardWire:
+    """One bucket's buffers for a two-phase format (the codec's half of the
+    engine).  ``bounds``: the pieces of the shard; ``nbytes``: payload bytes
+    per step."""
+
+    world: int
+    bounds: list[tuple[int, int]]
+    nbytes: int
+
+    def send_recv(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Piece ``k``'s all-to-all calls: ``(output, input)`` pairs."""
+        raise NotImplementedError
+
+    def reduce_piece(self, k: int, health) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Piece ``k``'s all-to-all is in: sum this rank's slice; return the
+        all-gather calls, ``(output, input)`` pairs."""
+        raise NotImplementedError
+
+    def stage_out(self) -> None:
+        """Before the all-to-alls (chunked wires: shard-major -> chunk-major)."""
+
+    def stage_in(self) -> None:
+        """After the all-gathers (chunked wires: chunk-major -> shard-major)."""
+
+    def start_extra(self, pg) -> list:
+        """Collectives issued beside the all-to-alls (their Works)."""
+        return []
+
+    def zero(self) -> None:
+        """join()'s shadow: what this rank sends stands for zeros."""
+        raise NotImplementedError
+
+
+class ShardStep:
+    """One bucket's two-phase reduction in flight, duck-typed as the Future
+    :meth:`~fastddp.comm.Comm.wait` completes: ``wait()`` finishes it on the
+    calling thread (the end-of-backward callback)."""
+
+    __slots__ = ("engine", "wire", "bucket", "pg", "a2a", "ag", "iteration", "health", "extra")
+    # a2a: per piece, its all-to-all Works; ag: the all-gathers' Works in issue order
+
+    def __init__(self, engine, wire, bucket, pg, a2a, iteration, health, extra):
+        self.engine, self.wire, self.bucket, self.pg, self.a2a = engine, wire, bucket, pg, a2a
+        self.ag, self.iteration, self.health, self.extra = None, iteration, health, extra
+
+    def wait(self, timeout=None) -> bool:
+        self.engine.finish(self)
+        return True
+
+    def value(self):
+        return None
+
+
+class TwoPhase:
+    """The engine, mixed into a mode whose ``shard_wire(ctx, bucket)`` returns
+    the bucket's :class:`ShardWire` (sized at its pack) and whose pack fills
+    it.  Every rank packs, issues and finishes the buckets in the same order."""
+
+    scaling = Scaling.MUL
+    fused = True
+
+    def __init__(self, chunk_bytes: int | None = None):
+        self.chunk_bytes = chunk_bytes
+        self.open: list[ShardStep] = []  # in issue order
+        self.wires: dict[int, ShardWire] = {}
+
+    def pieces(self, bucket_index: int) -> int:
+        """How many pieces bucket ``bucket_index``'s phases run in (0: not sized yet)."""
+        w = self.wires.get(bucket_index)
+        return 0 if w is None else len(w.bounds)
+
+    def _bounds(self, shard: int, world: int, elem_bytes: int, align: int, device) -> list:
+        return chunk_bounds(shard, world, elem_bytes, align, device, self.chunk_bytes)
+
+    def issue(self, ctx, bucket) -> Pending:
+        return self._start(ctx, bucket, self.wires[bucket.index], bucket.health)
+
+    def shadow(self, ctx, bucket) -> Pending:
+        wire = self.shard_wire(ctx, bucket)
+        wire.zero()
+        return self._start(ctx, bucket, wire, None)
+
+    def _start(self, ctx, bucket, wire: ShardWire, health) -> Pending:
+        # a step left open by an abandoned iteration is dropped: its
+        # all-to-all completed (every rank issued it) and nobody waits for it
+        self.open = [s for s in self.open if s.iteration == ctx.iteration and s.bucket.index < bucket.index]
+        pg = ctx.comm.pg
+        wire.stage_out()
+        works = [[groups.all_to_all_single(o, i, pg) for o, i in wire.send_recv(k)]
+                 for k in range(len(wire.bounds))]
+        step = ShardStep(self, wire, bucket, pg, works, ctx.iteration, health, wire.start_extra(pg))
+        self.open.append(step)
+        return ctx.comm.hook(step, wire.nbytes)
+
+    def finish(self, step: ShardStep) -> None:
+        """Sum and all-gather every open step not yet gathered (in issue
+        order), then wait for ``step``'s all-gathers and extras."""
+        for s in self.open:
+            if s.ag is None:
+                s.ag = []
+                for k, works in enumerate(s.a2a):
+                    for w in works:
+                        groups.wait(w)
+                    s.ag.extend(groups.all_gather_into_tensor(o, i, s.pg)
+                                for o, i in s.wire.reduce_piece(k, s.health))
+        for w in list(step.ag) + list(step.extra):
+            groups.wait(w)
+        step.wire.stage_in()
+        self.open.remove(step)
+
+    def reset_steps(self) -> None:
+        """A rebuild: every bucket's wire is sized anew."""
+        self.open, self.wires = [], {}
