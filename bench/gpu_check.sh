@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check, for a short window on a single-GPU machine: ONE command,
-# about 7 minutes at most, every result in one folder.  torch (a CUDA build,
+# bounded by the sum of its stage budgets (printed at the start; under 8
+# minutes on the GPU), every result in one folder.  torch (a CUDA build,
 # which brings triton) must be installed; this script installs only fastddp.
 #
 #   bash bench/gpu_check.sh              # on the GPU machine
-#   bash bench/gpu_check.sh --dry-run    # the same stages on a CPU machine, < 3 minutes
+#   bash bench/gpu_check.sh --dry-run    # the same stages on a CPU machine, < 3 minutes typical
+#   bash bench/gpu_check.sh [--dry-run] --budget   # print the budget line and exit
 #
 # PYTHON   the interpreter (default: python3)
 # OUT      the results folder (default: reports/<gpu-slug>/; --dry-run: a new temp dir)
@@ -14,20 +16,27 @@
 # STAGES   the stages to run after env (default: kernels reducer kernels-bw bench),
 #          e.g. STAGES="reducer bench" to redo two in a second window
 #
-# Stages, in order of value, each under `timeout` (GPU budgets sum to 390 s; a
-# stage may also use what earlier stages left unused), none stopping the next
-# (no -x: a failed stage is reported and the rest still run):
+# Stages, in order of value, each under `timeout` (GPU budgets sum to 425 s),
+# none stopping the next (no -x: a failed stage is reported and the rest
+# still run).  Each stage must end by the sum of its budget and those before
+# it, so a stage may use what earlier stages left unused and the whole script
+# never runs past the sum:
 #
 #   stage       GPU budget  GPU                                 --dry-run (CPU twin; budget)
-#   1 env          40 s     versions, nvidia-smi, tools;        the same (90 s)
-#                           fastddp installed: pip -e
-#                           --no-build-isolation --no-deps,
-#                           else a symlink shim
+#   1 env          60 s     a C compiler and Python.h (Triton   the same (90 s)
+#                           needs them at its first launch),
+#                           versions, nvidia-smi (compute
+#                           mode), tools; fastddp installed:
+#                           pip -e --no-build-isolation
+#                           --no-deps, else a symlink shim
 #   2 kernels     105 s     tests/test_kernels{,_layout,_health} test_kernels.py alone under
 #                           .py -m "interpret or gpu": the      TRITON_INTERPRET=1 (150 s)
 #                           suite compiled for the GPU + the
 #                           gpu-marked tests, KSHARDS parallel
-#                           pytest processes, 60 s per test
+#                           pytest processes, 60 s per test,
+#                           without native code (FASTDDP_NATIVE
+#                           =0: these tests need none, so none
+#                           waits for the build)
 #   3 reducer     100 s     tests/test_gpu_reducer.py and       4 world-2 cases on gloo CPU, the
 #                           test_gpu_cuda_path.py: NCCL
 #                           world 1; world 2 on ONE GPU (gloo,  interpreted kernels in the loop
@@ -46,6 +55,16 @@
 #                           fastddp's bf16-fp32acc and fp8 rows
 #                           (torch-batched: a
 #                           labelled stand-in on torch 2.11)
+#   summary        15 s     summary.md                          the same (15 s)
+#
+# The native readiness hooks build in the background (their own process
+# group: stopping the builder stops its compiler too, and a build lock it
+# leaves is removed) for the reducer and bench stages.  The fp8 CPU loops
+# (FASTDDP_FP8_NATIVE) stay off: every stage here reduces CUDA tensors or
+# the interpreter's, which never reach them.
+# A GPU in Exclusive_Process compute mode takes one process at a time: the
+# kernel suite runs as one shard and the two-ranks-on-one-GPU tests are
+# skipped (the terminal says so).
 #
 # Files written into the folder (8, each capped at 15 MiB):
 #   summary.md      stage table (status, seconds, budget) + the headline numbers
@@ -56,44 +75,59 @@
 #   gpu_check.log   everything, in order
 # The terminal shows one line per stage and ends with the summary.
 # Exit status: 0 all stages ok; 1 a stage failed or timed out; 2 no CUDA
-# device (without --dry-run) or fastddp could not be installed.
+# device, no C compiler or Python.h (without --dry-run) or fastddp could not
+# be installed.
 set -uo pipefail
 CALLER_DIR=$(pwd)
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 py=${PYTHON:-python3}
 DRY=0
-case "${1:-}" in
-    --dry-run) DRY=1 ;;
-    "") ;;
-    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-    *) echo "usage: bash bench/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
-esac
+BUDGET_ONLY=0
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        --budget) BUDGET_ONLY=1 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+        *) echo "usage: bash bench/gpu_check.sh [--dry-run] [--budget]" >&2; exit 2 ;;
+    esac
+done
 export PYTHONUNBUFFERED=1
 export COLUMNS=${COLUMNS:-200}  # pytest: room for the reason on each FAILED line
 unset TRITON_INTERPRET FASTDDP_GPU_TESTS_ON_CPU  # each stage says what it wants
+export FASTDDP_FP8_NATIVE=${FASTDDP_FP8_NATIVE:-0}  # CPU-tensor loops: no stage here reaches them
 START=$SECONDS
-work=$(mktemp -d "${TMPDIR:-/tmp}/fastddp-gpu-check.XXXXXX")
-SHIM=()
-cleanup() {
-    for l in "${SHIM[@]}"; do [ -L "$l" ] && rm -f "$l"; done
-    rm -rf "$work"
-}
-trap cleanup EXIT
 if [ "$DRY" = 1 ]; then
     # Generous: a CPU machine shared with other jobs must not turn slowness
     # into a failure (typical: about 2-3 minutes in all on 2 cores).
     KSHARDS=${KSHARDS:-1}
-    B_ENV=90; B_KERN=150; B_RED=120; B_KBW=60; B_BENCH=120
+    B_ENV=90; B_KERN=150; B_RED=120; B_KBW=60; B_BENCH=120; B_SUM=15
 else
     KSHARDS=${KSHARDS:-4}
-    B_ENV=40; B_KERN=105; B_RED=100; B_KBW=60; B_BENCH=85
+    B_ENV=60; B_KERN=105; B_RED=100; B_KBW=60; B_BENCH=85; B_SUM=15
 fi
+# Each stage's deadline, in seconds from the start: the sum of its budget and
+# those before it.  The script ends by TOTAL.
+D_ENV=$B_ENV; D_KERN=$((D_ENV + B_KERN)); D_RED=$((D_KERN + B_RED)); D_KBW=$((D_RED + B_KBW))
+D_BENCH=$((D_KBW + B_BENCH)); TOTAL=$((D_BENCH + B_SUM))
+budget_line="budget ${TOTAL} s in all (env $B_ENV + kernels $B_KERN + reducer $B_RED + kernels-bw $B_KBW + bench $B_BENCH + summary $B_SUM)"
+if [ "$BUDGET_ONLY" = 1 ]; then echo "[gpu_check] $budget_line"; exit 0; fi
+left() { echo $(( $1 - (SECONDS - START) )); }  # seconds until deadline $1
+work=$(mktemp -d "${TMPDIR:-/tmp}/fastddp-gpu-check.XXXXXX")
+SHIM=()
+NATIVE_PID=""
+cleanup() {
+    declare -F stop_native >/dev/null && stop_native
+    for l in "${SHIM[@]}"; do [ -L "$l" ] && rm -f "$l"; done
+    rm -rf "$work"
+}
+trap cleanup EXIT
 CAP=$((15 * 1024 * 1024))
 STAGES=" ${STAGES:-kernels reducer kernels-bw bench} "
 wanted() { [[ "$STAGES" == *" $1 "* ]]; }
 
 say() { echo "[gpu_check] $*"; }
+say "$budget_line: done by $(date -u -d "@$(( $(date +%s) + TOTAL ))" +%H:%M:%S 2>/dev/null || echo "+${TOTAL} s") UTC"
 
 # Results go to $OUT, else (dry run) a temp dir, else reports/<gpu-slug>/ once
 # stage 1 knows the GPU; until then the files live in $work.
@@ -112,24 +146,29 @@ LOG=$stage_dir/gpu_check.log
 NAMES=(); STATUS=(); SECS=(); BUDGETS=(); DETAIL=()
 record() { NAMES+=("$1"); STATUS+=("$2"); SECS+=("$3"); BUDGETS+=("$4"); DETAIL+=("$5"); }
 
-# run_stage NAME BUDGET STAGE_LOG CMD...: the command under `timeout`, its
-# output appended to STAGE_LOG (if not "-") and the combined log.  A stage
-# may use its budget plus what the stages before it left unused (CARRY), so
-# the total never exceeds the sum of the budgets.
-CARRY=0
+# run_stage NAME DEADLINE STAGE_LOG CMD...: the command under `timeout` until
+# DEADLINE (seconds from the start: the sum of this stage's budget and those
+# before it, so a stage may use what earlier stages left unused and the whole
+# script never runs past the sum of the budgets), its output appended to
+# STAGE_LOG (if not "-") and the combined log.  No time left: not started,
+# recorded as a TIMEOUT.
 run_stage() {
-    local name=$1 budget=$(( $2 + CARRY )) slog=$3; shift 3
+    local name=$1 budget slog=$3; budget=$(left "$2"); shift 3
     local t0=$SECONDS tmp="$work/$name.out" rc
     printf '\n===== [%s] %s  budget %ss: %s\n' "$name" "$(date -u +%H:%M:%S)" "$budget" "$*" >> "$LOG"
     [ "$slog" != "-" ] && printf '\n===== [%s] %s\n' "$name" "$*" >> "$slog"
-    timeout -k 10 "$budget" "$@" > "$tmp" 2>&1
-    rc=$?
+    if [ "$budget" -ge 5 ]; then
+        timeout -k 5 "$budget" "$@" > "$tmp" 2>&1
+        rc=$?
+    else
+        echo "gpu_check: no time left for this stage (${budget} s before its deadline)" > "$tmp"
+        rc=124
+    fi
     cat "$tmp" >> "$LOG"
     [ "$slog" != "-" ] && cat "$tmp" >> "$slog"
     STAGE_RC=$rc
     STAGE_SECS=$((SECONDS - t0))
     STAGE_BUDGET=$budget
-    CARRY=$(( budget > STAGE_SECS ? budget - STAGE_SECS : 0 ))
     printf '===== [%s] rc=%s after %ss\n' "$name" "$rc" "$STAGE_SECS" >> "$LOG"
 }
 
@@ -199,13 +238,34 @@ PY
     )
 }
 
+# Triton compiles a small C launcher at its first launch: with the compiler
+# it picks ($CC, else gcc, else clang) and this interpreter's Python.h.
+# One line (probe.toolchain=ok or what is missing); the native hooks' C++
+# compiler beside it (without one: the Python hooks).
+toolchain_check() {
+    timeout -k 2 20 "$py" - <<'PY' 2>&1 || echo "probe.toolchain=the check itself failed ($py)"
+import os, shutil, sysconfig
+cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+inc = sysconfig.get_paths(scheme=sysconfig.get_default_scheme())["include"]
+header = os.path.join(inc, "Python.h")
+cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+missing = ([] if cc else ["no C compiler ($CC, gcc or clang)"]) + \
+          ([] if os.path.isfile(header) else [f"no Python.h in {inc} (the python3-dev package)"])
+print(f"toolchain: C compiler {cc or 'MISSING'}, Python.h {header if os.path.isfile(header) else 'MISSING'}, "
+      f"C++ compiler {cxx or 'MISSING (native hooks off: the Python hooks)'}")
+print("probe.toolchain=" + ("ok" if not missing else "; ".join(missing)))
+PY
+}
+
 stage_env() {
+    toolchain_check
     echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')  host: $(hostname)  mode: $([ "$DRY" = 1 ] && echo dry-run || echo gpu)"
     echo "repo: $REPO  git: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo n/a)"
     echo "python: $(command -v "$py") ($("$py" -V 2>&1))"
     if command -v nvidia-smi >/dev/null; then
-        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit,compute_mode \
-            --format=csv 2>&1
+        timeout -k 2 15 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit,compute_mode \
+            --format=csv 2>&1 || echo "nvidia-smi: no answer in 15 s"
+        echo "probe.compute_mode=$(timeout -k 2 15 nvidia-smi -i 0 --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -1)"
     else
         echo "nvidia-smi: not found"
     fi
@@ -256,8 +316,13 @@ stage_env() {
 env_out=$work/env.txt
 printf '\n===== [env] %s\n' "$(date -u +%H:%M:%S)" >> "$LOG"
 t0=$SECONDS
-stage_env > "$env_out" 2>&1
+# under its budget like every stage (a hung driver, nvidia-smi or pip cannot
+# stall the window): in a child shell that timeout can stop
+export REPO py DRY
+export -f toolchain_check env_probe stage_env
+timeout -k 5 "$(left $D_ENV)" bash -c stage_env > "$env_out" 2>&1
 env_rc=$?
+[ $env_rc -eq 124 ] || [ $env_rc -eq 137 ] && echo "env: TIMEOUT after $((SECONDS - t0)) s" >> "$env_out"
 # The shim's links, if made, are removed on exit; PYTHONPATH for scripts run
 # from bench/ and for spawned ranks.
 for pair in kernels bench; do [ -L "$REPO/fastddp/$pair" ] && SHIM+=("$REPO/fastddp/$pair"); done
@@ -284,7 +349,21 @@ elif [ "$DRY" = 0 ] && [ "$cuda" != 1 ]; then
 else
     record env ok $((SECONDS - t0)) $B_ENV "$env_detail"
 fi
-CARRY=$(( B_ENV > SECONDS - t0 ? B_ENV - (SECONDS - t0) : 0 ))
+toolchain=$(probe toolchain)
+if [ "$toolchain" = ok ]; then
+    say "toolchain: ok ($(grep '^toolchain: ' "$env_out" | tail -1 | cut -c12-))"
+elif [ "$DRY" = 1 ]; then
+    say "toolchain: ${toolchain:-not checked} (the interpreter needs none; a GPU run would stop here)"
+else
+    say "toolchain: ${toolchain:-not checked}: Triton cannot build its launcher, every GPU stage would fail; install them and rerun"
+fi
+compute_mode=$(probe compute_mode)
+EXCLUSIVE=0
+if [ "$DRY" = 0 ] && [ "$compute_mode" = Exclusive_Process ]; then
+    EXCLUSIVE=1
+    KSHARDS=1
+    say "GPU in Exclusive_Process compute mode: one process at a time, so the kernel suite runs as 1 shard and the two-ranks-on-one-GPU tests are skipped"
+fi
 say "1/5 env        ${STATUS[0]}  $((SECONDS - t0)) s  | ${gpu_name:-no GPU} | $versions"
 say "             install: ${install_line:-FAILED}"
 
@@ -292,6 +371,8 @@ TESTS_LOG=$dest/tests.log
 : > "$TESTS_LOG"
 skip_rest=""
 [ $env_rc -ne 0 ] && skip_rest="fastddp is not importable (env.txt)"
+[ "$DRY" = 0 ] && [ "$toolchain" != ok ] && [ -z "$skip_rest" ] &&
+    skip_rest="${toolchain:-toolchain not checked}: Triton needs a C compiler and Python.h (env.txt)"
 [ "$DRY" = 0 ] && [ "$cuda" != 1 ] && skip_rest="no CUDA device (run with --dry-run on a CPU machine)"
 
 PT=(-q -rfE --tb=short --durations=5 -p no:cacheprovider)
@@ -302,26 +383,47 @@ if have_pytest_timeout; then PT_KERN+=(--timeout=60); PT_RED+=(--timeout=150); f
 # while the kernel stage runs (about a minute on one core; cached after), so
 # the reducer and bench stages measure them.  Not ready when those start (no
 # compiler, a slow build): they run on the Python hooks, and the log says so.
-NATIVE_PID=""
+# The builder leads its own process group (setsid), so stopping it stops its
+# ninja and compiler too; a build lock it made and left is removed, so the
+# next run (a later STAGES list) does not wait on it.
+NATIVE_T0=0
 if [ -z "$skip_rest" ] && [ "${FASTDDP_NATIVE:-1}" != 0 ]; then
-    (cd "$REPO" && exec "$py" -c "import fastddp._native as n; n.main()") > "$work/native.out" 2>&1 &
+    NATIVE_T0=$(date +%s)
+    setsid=(); command -v setsid >/dev/null && setsid=(setsid)
+    (cd "$REPO" && exec ${setsid[@]+"${setsid[@]}"} "$py" -c "import fastddp._native as n; n.main()") \
+        > "$work/native.out" 2>&1 &
     NATIVE_PID=$!
 fi
+stop_native() {  # the builder's process group: TERM (it releases torch's lock), then KILL
+    [ -n "$NATIVE_PID" ] || return 0
+    local t=0 d
+    kill -TERM -- "-$NATIVE_PID" 2>/dev/null || kill -TERM "$NATIVE_PID" 2>/dev/null
+    while kill -0 "$NATIVE_PID" 2>/dev/null && [ $t -lt 10 ]; do sleep 0.5; t=$((t + 1)); done
+    kill -KILL -- "-$NATIVE_PID" 2>/dev/null || kill -KILL "$NATIVE_PID" 2>/dev/null
+    wait "$NATIVE_PID" 2>/dev/null
+    NATIVE_PID=""
+    sed -n 's/^fastddp native build folder: //p' "$work/native.out" 2>/dev/null | while IFS= read -r d; do
+        if [ -e "$d/lock" ] && [ "$(stat -c %Y "$d/lock" 2>/dev/null || echo 0)" -ge "$NATIVE_T0" ]; then
+            rm -f "$d/lock" && say "removed the build lock the stopped builder left: $d/lock"
+        fi
+    done
+}
 native_ready() {  # wait up to $1 s for the build; else run on the Python hooks
     [ -n "$NATIVE_PID" ] || return 0
-    local t=0
-    while kill -0 "$NATIVE_PID" 2>/dev/null && [ $t -lt "$1" ]; do sleep 1; t=$((t + 1)); done
+    local t=0 wait=$1
+    while kill -0 "$NATIVE_PID" 2>/dev/null && [ $t -lt "$wait" ]; do sleep 1; t=$((t + 1)); done
     if kill -0 "$NATIVE_PID" 2>/dev/null; then
-        kill "$NATIVE_PID" 2>/dev/null; export FASTDDP_NATIVE=0
-        say "native readiness hooks: still building after the wait; Python hooks from here"
+        stop_native; export FASTDDP_NATIVE=0
+        say "native readiness hooks: still building after the wait; stopped, Python hooks from here"
     else
+        wait "$NATIVE_PID" 2>/dev/null
+        NATIVE_PID=""
         local said
-        said=$(grep -E '^fastddp native' "$work/native.out" | tail -1)
+        said=$(grep -E '^fastddp native readiness' "$work/native.out" | tail -1)
         say "${said:-native readiness hooks: the build failed (see the log); Python hooks from here}"
         grep -q "hooks: ready" "$work/native.out" || export FASTDDP_NATIVE=0
     fi
     cat "$work/native.out" >> "$LOG"
-    NATIVE_PID=""
 }
 
 # ---------------------------------------------------------------- 2 kernels
@@ -334,7 +436,8 @@ else
     # runs the rest under the interpreter anyway)
     kfiles=(tests/test_kernels.py)
     if [ "$DRY" = 1 ]; then export TRITON_INTERPRET=1; else kfiles+=(tests/test_kernels_layout.py tests/test_kernels_health.py); fi
-    run_stage kernels $B_KERN "$TESTS_LOG" \
+    # no native code here (its tests need none): no shard waits for the build
+    FASTDDP_NATIVE=0 run_stage kernels $D_KERN "$TESTS_LOG" \
         "$py" bench/pytest_shards.py --shards "$KSHARDS" --logdir "$work/kernels-shards" -- \
         "${kfiles[@]}" -m "interpret or gpu" "${PT_KERN[@]}"
     for f in "$work"/kernels-shards/shard-*.log; do
@@ -349,7 +452,9 @@ fi
 say "2/5 kernels    ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
 
 # ---------------------------------------------------------------- 3 reducer
-native_ready 30
+# at most 30 s, and never more than leaves the reducer tests 60 s
+nwait=$(( $(left $D_RED) - 60 )); [ $nwait -gt 30 ] && nwait=30; [ $nwait -lt 0 ] && nwait=0
+native_ready $nwait
 if [ -n "$skip_rest" ]; then
     record reducer skipped 0 $B_RED "$skip_rest"
 elif ! wanted reducer; then
@@ -360,13 +465,15 @@ else
         # in the loop (a subset: the interpreter costs ~1 ms per program).
         sel=(tests/test_gpu_reducer.py::test_w2_one_device_grads_equal_torch_ddp\[{default,batched,view,fp16}\])
         TRITON_INTERPRET=1 FASTDDP_GPU_TESTS_ON_CPU=1 \
-            run_stage reducer $B_RED "$TESTS_LOG" "$py" -m pytest "${sel[@]}" "${PT_RED[@]}"
+            run_stage reducer $D_RED "$TESTS_LOG" "$py" -m pytest "${sel[@]}" "${PT_RED[@]}"
     else
-        run_stage reducer $B_RED "$TESTS_LOG" "$py" -m pytest tests/test_gpu_reducer.py \
-            tests/test_gpu_cuda_path.py -m gpu "${PT_RED[@]}"
+        # Exclusive_Process: the world-2-on-one-GPU tests cannot open a second context
+        only_one=(); [ "$EXCLUSIVE" = 1 ] && only_one=(-k "not w2_one_device")
+        run_stage reducer $D_RED "$TESTS_LOG" "$py" -m pytest tests/test_gpu_reducer.py \
+            tests/test_gpu_cuda_path.py -m gpu ${only_one[@]+"${only_one[@]}"} "${PT_RED[@]}"
     fi
     record reducer "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
-        "$("$py" bench/check_summary.py pytest "$work/reducer.out" | head -1 | sed 's/^ *//')"
+        "$(timeout -k 2 10 "$py" bench/check_summary.py pytest "$work/reducer.out" | head -1 | sed 's/^ *//')$([ "$EXCLUSIVE" = 1 ] && echo '; two-ranks-on-one-GPU tests skipped (Exclusive_Process)')"
 fi
 say "3/5 reducer    ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
 
@@ -377,10 +484,10 @@ elif ! wanted kernels-bw; then
     record kernels-bw skipped 0 $B_KBW "not in STAGES"
 else
     if [ "$DRY" = 1 ]; then
-        TRITON_INTERPRET=1 run_stage kernels-bw $B_KBW - \
-            "$py" bench/gpu_kernels.py --cpu-smoke --dest "$dest" --time-budget $((B_KBW + CARRY - 20))
+        TRITON_INTERPRET=1 run_stage kernels-bw $D_KBW - \
+            "$py" bench/gpu_kernels.py --cpu-smoke --dest "$dest" --time-budget $(( $(left $D_KBW) - 20 ))
     else
-        run_stage kernels-bw $B_KBW - "$py" bench/gpu_kernels.py --dest "$dest" --time-budget $((B_KBW + CARRY - 20))
+        run_stage kernels-bw $D_KBW - "$py" bench/gpu_kernels.py --dest "$dest" --time-budget $(( $(left $D_KBW) - 20 ))
     fi
     record kernels-bw "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
         "$(grep -o 'copy bandwidth .*' "$work/kernels-bw.out" | head -1)"
@@ -405,20 +512,20 @@ elif ! wanted bench; then
 else
     if [ "$DRY" = 1 ]; then
         # CPU twin: the tiny model at world 1 (what the GPU run does) and 2 (gloo), interpreter in the loop.
-        t_b=$SECONDS; b0=$((B_BENCH + CARRY))
-        TRITON_INTERPRET=1 run_stage bench-w1 $((B_BENCH / 2)) - "$py" -m fastddp.bench --world 1 --cpu \
+        t_b=$SECONDS; b0=$(left $D_BENCH)
+        TRITON_INTERPRET=1 run_stage bench-w1 $((D_KBW + B_BENCH / 2)) - "$py" -m fastddp.bench --world 1 --cpu \
             --models tiny --wrappers "${WRAPPERS[@]}" --steps 2 --warmup 1 --label dry-run-1rank \
             --out "$work/bench1" --no-progress --no-charts
         rc1=$STAGE_RC
         copy_bench "$work/bench1"
-        TRITON_INTERPRET=1 run_stage bench-w2 $((B_BENCH / 2)) - "$py" -m fastddp.bench --world 2 --cpu \
+        TRITON_INTERPRET=1 run_stage bench-w2 $D_BENCH - "$py" -m fastddp.bench --world 2 --cpu \
             --models tiny --wrappers local torch fastddp torch-fp16 fastddp-fp16 replicate \
             --steps 2 --warmup 1 --label dry-run-2rank --out "$work/bench2" --no-progress --no-charts
         rc2=$STAGE_RC
         STAGE_RC=$(( rc1 != 0 ? rc1 : rc2 )); STAGE_SECS=$((SECONDS - t_b)); STAGE_BUDGET=$b0
         detail="world 1 rc=$rc1, world 2 rc=$rc2"
     else
-        run_stage bench $B_BENCH - "$py" -m fastddp.bench --world 1 --models small transformer mlp25m \
+        run_stage bench $D_BENCH - "$py" -m fastddp.bench --world 1 --models small transformer mlp25m \
             --wrappers "${WRAPPERS[@]}" --steps 15 --warmup 3 --label gpu-1rank --out "$work/bench" --no-progress \
             --no-charts
         copy_bench "$work/bench"
@@ -429,6 +536,10 @@ fi
 say "5/5 bench      ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
 
 # ---------------------------------------------------------------- summary
+summ() {  # bench/check_summary.py, within what is left of the whole budget
+    local t; t=$(left $TOTAL); [ "$t" -lt 1 ] && t=1
+    timeout -k 1 "$t" "$py" bench/check_summary.py "$@"
+}
 rc=0
 for i in "${!STATUS[@]}"; do
     [ "${STATUS[$i]}" = ok ] || [ "${DETAIL[$i]}" = "not in STAGES" ] || rc=1
@@ -445,24 +556,24 @@ total=$((SECONDS - START))
     for i in "${!NAMES[@]}"; do
         printf '%-11s %-11s %5ss %6ss  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${BUDGETS[$i]}" "${DETAIL[$i]}"
     done
-    echo "total ${total} s, exit ${rc}"
+    echo "total ${total} s of ${TOTAL} s, exit ${rc}"
     echo
     for part in kernels reducer; do
         if [ -f "$work/$part.out" ]; then
             echo "$part tests:"
             if [ "$part" = kernels ]; then
                 cat "$work"/kernels-shards/shard-*.log 2>/dev/null > "$work/kernels-all.log"
-                "$py" bench/check_summary.py pytest "$work/kernels-all.log" | grep -v ' in [0-9.]*s' 
+                summ pytest "$work/kernels-all.log" | grep -v ' in [0-9.]*s' 
                 grep -E '^===== .* =====$' "$work/kernels.out" | sed 's/^/  /'
             else
-                "$py" bench/check_summary.py pytest "$work/$part.out"
+                summ pytest "$work/$part.out"
             fi
         fi
     done
-    if [ -f "$dest/kernels.json" ]; then echo "kernels:"; "$py" bench/check_summary.py kernels "$dest/kernels.json" | sed 's/^/  /'; fi
-    if [ -f "$dest/bench.json" ]; then echo "bench:"; "$py" bench/check_summary.py bench "$dest/bench.json" | sed 's/^/  /'; fi
+    if [ -f "$dest/kernels.json" ]; then echo "kernels:"; summ kernels "$dest/kernels.json" | sed 's/^/  /'; fi
+    if [ -f "$dest/bench.json" ]; then echo "bench:"; summ bench "$dest/bench.json" | sed 's/^/  /'; fi
     if [ "$DRY" = 1 ] && [ -f "$(ls -t "$work"/bench2/*/*.json 2>/dev/null | head -1)" ]; then
-        echo "bench, world 2:"; "$py" bench/check_summary.py bench "$(ls -t "$work"/bench2/*/*.json | head -1)" | sed 's/^/  /'
+        echo "bench, world 2:"; summ bench "$(ls -t "$work"/bench2/*/*.json | head -1)" | sed 's/^/  /'
     fi
     echo '```'
     echo

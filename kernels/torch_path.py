@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from . import reference
+from . import _fp8_native, reference
 
 __all__ = ["pack_views", "unpack_views"]
 
@@ -209,12 +209,11 @@ FP8_CHUNK = 1 << 18
 
 
 def _native_fp8(*tensors) -> object | None:
-    """The native fp8 loops (:mod:`fastddp._native`) when they are built and
+    """The native fp8 loops (:mod:`._fp8_native`) when they are built and
     every tensor is a contiguous CPU one; else None (the torch ops below)."""
     if not all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors):
         return None
-    from fastddp import _native
-    return _native.countdown_module()
+    return _fp8_native.module()
 
 
 def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,

@@ -11,10 +11,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def pytest_sessionstart(session):
-    """Build the native readiness hooks now (about a minute the first time,
-    then cached: fastddp/_native.py), not inside the first test's timeout."""
+    """Build the native modules now (about a minute each the first time, then
+    cached: fastddp/_native.py, kernels/_fp8_native.py), not inside the first
+    test's timeout."""
     from fastddp import _native
+    from fastddp.kernels import _fp8_native
     _native.countdown_module()
+    _fp8_native.module()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,9 +27,11 @@ counts() {
 }
 
 t0=$SECONDS
-# the native readiness hooks (fastddp/_native.py): built once here (about a
-# minute on 2 cores, then cached), not inside a test's timeout
+# the native modules (fastddp/_native.py: the readiness hooks;
+# kernels/_fp8_native.py: the fp8 CPU loops): built once here (about a
+# minute each on 2 cores, then cached), not inside a test's timeout
 "$py" -c "import fastddp._native as n; n.main()"
+"$py" -c "import fastddp.kernels._fp8_native as f; f.main()"
 "$py" -m pytest tests -m "not interpret and not gpu" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default"
 rc1=${PIPESTATUS[0]}
 TRITON_INTERPRET=1 "$py" -m pytest tests -m "interpret" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/interpret"

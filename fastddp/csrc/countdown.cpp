@@ -1,0 +1,273 @@
+// The per-parameter readiness countdown (loaded by fastddp/_native.py): a
+// C++ post hook on every parameter's AccumulateGrad node, as torch's reducer
+// keeps it.  It counts each bucket down without Python and calls into Python
+// once per bucket, when its last gradient is in (modes PY / FAST / IDLE: see
+// the loader's docstring).
+#include <torch/extension.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/utils/object_ptr.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using torch::autograd::variable_list;
+
+struct State {
+  std::mutex mu;
+  int mode = 0;                 // 0 PY, 1 FAST, 2 IDLE
+  std::vector<int> bucket_of;   // per parameter
+  std::vector<int> pending;     // per bucket
+  std::vector<uint8_t> marked;  // per parameter, this iteration (FAST)
+  PyObject* on_bucket = nullptr;
+  PyObject* on_hook = nullptr;
+  std::vector<PyObject*> ca_hooks;
+  // the early copy (CPU buckets of large tensors, FAST iterations only):
+  // each gradient goes into its bucket slot as it arrives, scaled (torch's
+  // mark_variable_ready_dense), read while still in cache; with
+  // gradient_as_bucket_view .grad becomes the slot and the fresh tensor is freed
+  std::vector<at::Tensor> vars;   // the parameters
+  std::vector<at::Tensor> dst;    // per parameter: its bucket view (undefined: never)
+  bool early = false;             // this iteration copies early
+  bool alias = false;             // then .grad = the view (gradient_as_bucket_view)
+  at::Tensor scale;               // wrapped 1/W (torch's mul_out); undefined: none
+  at::Tensor divisor;             // wrapped W (batched_grad_copy's division); undefined: none
+  std::vector<uint8_t> filled;    // per parameter, this iteration
+  std::vector<int> nfilled;       // per bucket, this iteration
+
+  ~State() {
+    if (!Py_IsInitialized()) return;  // interpreter gone: leak, never touch it
+    pybind11::gil_scoped_acquire gil;
+    Py_XDECREF(on_bucket);
+    Py_XDECREF(on_hook);
+    for (auto* h : ca_hooks) Py_XDECREF(h);
+  }
+};
+
+void call(PyObject* fn, int arg, bool flag, bool two) {
+  pybind11::gil_scoped_acquire gil;
+  THPObjectPtr res(two ? PyObject_CallFunction(fn, "iO", arg, flag ? Py_True : Py_False)
+                       : PyObject_CallFunction(fn, "i", arg));
+  if (!res) throw python_error();
+}
+
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(std::shared_ptr<State> st, int index) : st_(std::move(st)), index_(index) {}
+
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    int bucket = -1;
+    int python = 0;  // 1: the Python hook body, 2: marked twice
+    bool early = false;
+    {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      if (st_->mode == 2) return outputs;
+      if (st_->mode == 0) {
+        python = 1;
+      } else if (st_->marked[index_]) {
+        python = 2;
+      } else {
+        st_->marked[index_] = 1;
+        early = st_->early && st_->dst[index_].defined();
+      }
+    }
+    if (python) {
+      call(st_->on_hook, index_, python == 2, true);
+      return outputs;
+    }
+    const bool copied = early && copy_early();
+    {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      int b = st_->bucket_of[index_];
+      if (copied) {
+        st_->filled[index_] = 1;
+        ++st_->nfilled[b];
+      }
+      if (--st_->pending[b] == 0) bucket = b;
+    }
+    if (bucket >= 0) call(st_->on_bucket, bucket, false, false);
+    return outputs;
+  }
+
+  // torch's mark_variable_ready_dense for a gradient that is not yet its
+  // bucket view: view = grad * (1/W), grad / W (batched_grad_copy's copy and
+  // division in one pass, the same bits) or a plain copy (a comm hook), then
+  // .grad = view with gradient_as_bucket_view.  Anything unusual (aliased
+  // already, create_graph, another dtype or shape, not strided) is left to
+  // the Python pack, which applies torch's rules.
+  bool copy_early() {
+    const at::Tensor& dst = st_->dst[index_];
+    at::Tensor& grad = st_->vars[index_].mutable_grad();
+    if (!grad.defined() || grad.layout() != at::kStrided || grad.requires_grad() || !grad.device().is_cpu() ||
+        grad.scalar_type() != dst.scalar_type() || grad.sizes() != dst.sizes() || grad.is_alias_of(dst))
+      return false;
+    at::NoGradGuard no_grad;
+    at::Tensor& out = const_cast<at::Tensor&>(dst);
+    if (st_->divisor.defined()) at::div_out(out, grad, st_->divisor);
+    else if (st_->scale.defined()) at::mul_out(out, grad, st_->scale);
+    else out.copy_(grad);
+    if (st_->alias) grad = dst;
+    return true;
+  }
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    PyObject* fn = st_->ca_hooks.at(index_);
+    Py_INCREF(fn);
+    args.add_post_hook(c10::SafePyObject(fn, getPyInterpreter()));
+  }
+
+ private:
+  std::shared_ptr<State> st_;
+  int index_;
+};
+
+using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+struct Countdown {
+  Countdown(const std::vector<at::Tensor>& params, pybind11::object on_bucket,
+            pybind11::object on_hook, std::vector<pybind11::object> ca_hooks)
+      : st_(std::make_shared<State>()) {
+    TORCH_CHECK(ca_hooks.size() == params.size(), "fastddp native: one compiled-autograd hook per parameter");
+    st_->on_bucket = on_bucket.release().ptr();
+    st_->on_hook = on_hook.release().ptr();
+    for (auto& h : ca_hooks) st_->ca_hooks.push_back(h.release().ptr());
+    st_->bucket_of.assign(params.size(), 0);
+    st_->marked.assign(params.size(), 0);
+    st_->vars = params;
+    st_->dst.assign(params.size(), at::Tensor());
+    st_->filled.assign(params.size(), 0);
+    params_ = params;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+      TORCH_CHECK(acc, "fastddp native: parameter ", i, " has no gradient accumulator (requires_grad=False?)");
+      keys_.push_back(acc->add_post_hook(std::make_unique<ReadyHook>(st_, static_cast<int>(i))));
+      nodes_.push_back(std::move(acc));
+    }
+  }
+
+  // A parameter's AccumulateGrad node is replaced when its data changes
+  // dtype or device (``p.data = p.half()``, mixed_precision's swap): the
+  // hook moves to the node the graph now uses.  Called after each forward.
+  int refresh() {
+    int moved = 0;
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      auto cur = torch::autograd::impl::try_get_grad_accumulator(params_[i]);
+      if (!cur) cur = torch::autograd::impl::grad_accumulator(params_[i]);
+      if (!cur || cur.get() == nodes_[i].get()) continue;
+      nodes_[i]->del_post_hook(keys_[i]);
+      keys_[i] = cur->add_post_hook(std::make_unique<ReadyHook>(st_, static_cast<int>(i)));
+      nodes_[i] = std::move(cur);
+      ++moved;
+    }
+    return moved;
+  }
+
+  ~Countdown() { remove(); }
+
+  void remove() {
+    for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->del_post_hook(keys_[i]);
+    nodes_.clear();
+    keys_.clear();
+    params_.clear();
+    std::lock_guard<std::mutex> lock(st_->mu);
+    st_->early = false;
+    for (auto& t : st_->dst) t.reset();
+    for (auto& t : st_->vars) t.reset();
+  }
+
+  // Each parameter's bucket view for the early copy (None: that parameter
+  // never); called when the buckets or the bucket mode change.
+  void set_views(const std::vector<std::optional<at::Tensor>>& views) {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    TORCH_CHECK(views.size() == st_->dst.size(), "fastddp native: one view (or None) per parameter");
+    for (size_t i = 0; i < views.size(); ++i) st_->dst[i] = views[i].has_value() ? *views[i] : at::Tensor();
+  }
+
+  int filled(int b) {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    return st_->nfilled.at(b);
+  }
+
+  pybind11::bytes filled_marks() {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    return pybind11::bytes(reinterpret_cast<const char*>(st_->filled.data()), st_->filled.size());
+  }
+
+  void set_buckets(const std::vector<int>& bucket_of) {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    TORCH_CHECK(bucket_of.size() == st_->bucket_of.size(), "fastddp native: bucket_of has the wrong length");
+    st_->bucket_of = bucket_of;
+  }
+
+  static at::Tensor wrapped(double v) {  // a Python number as an operand: the tensor's dtype wins
+    auto t = at::scalar_tensor(v, at::TensorOptions().dtype(at::kDouble));
+    t.unsafeGetTensorImpl()->set_wrapped_number(true);
+    return t;
+  }
+
+  // early: < 0 no early copy this iteration, 0 a plain copy, else the scale
+  // (1/W, torch's mul_out); divide > 0: divide by it instead (batched);
+  // alias: .grad becomes the view (gradient_as_bucket_view)
+  void arm(int mode, const std::vector<int>& sizes, double early, double divide, bool alias) {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    st_->mode = mode;
+    st_->pending = sizes;
+    std::fill(st_->marked.begin(), st_->marked.end(), 0);
+    st_->early = mode == 1 && early >= 0;
+    st_->alias = alias;
+    st_->scale = st_->early && early > 0 && !(divide > 0) ? wrapped(early) : at::Tensor();
+    st_->divisor = st_->early && divide > 0 ? wrapped(divide) : at::Tensor();
+    std::fill(st_->filled.begin(), st_->filled.end(), 0);
+    st_->nfilled.assign(sizes.size(), 0);
+  }
+
+  void set_mode(int mode) {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    st_->mode = mode;
+  }
+
+  int mode() {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    return st_->mode;
+  }
+
+  pybind11::bytes marked() {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    return pybind11::bytes(reinterpret_cast<const char*>(st_->marked.data()), st_->marked.size());
+  }
+
+  bool attached() const { return !nodes_.empty(); }
+
+ private:
+  std::shared_ptr<State> st_;
+  std::vector<at::Tensor> params_;
+  std::vector<NodePtr> nodes_;
+  std::vector<uintptr_t> keys_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Countdown>(m, "Countdown")
+      .def(pybind11::init<const std::vector<at::Tensor>&, pybind11::object, pybind11::object,
+                          std::vector<pybind11::object>>())
+      .def("remove", &Countdown::remove)
+      .def("refresh", &Countdown::refresh)
+      .def("set_buckets", &Countdown::set_buckets)
+      .def("arm", &Countdown::arm, pybind11::arg("mode"), pybind11::arg("sizes"), pybind11::arg("early") = -1.0,
+           pybind11::arg("divide") = 0.0, pybind11::arg("alias") = true)
+      .def("set_mode", &Countdown::set_mode)
+      .def("mode", &Countdown::mode)
+      .def("marked", &Countdown::marked)
+      .def("set_views", &Countdown::set_views)
+      .def("filled", &Countdown::filled)
+      .def("filled_marks", &Countdown::filled_marks)
+      .def_property_readonly("attached", &Countdown::attached);
+}

@@ -1,0 +1,207 @@
+// Block-scaled fp8 (e4m3) on the CPU (loaded by kernels/_fp8_native.py).
+#include <torch/extension.h>
+
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+// The CPU twin of kernels/fp8_kernel.py, bit for bit the rule written in
+// kernels/reference.py, for the steady state: every value finite.  Each call
+// returns the first block it did not do (a non-finite value there); the
+// caller's torch path does the rest with the contract's NaN/health rules.
+
+float g_fp8_lut[256];
+bool g_fp8_lut_ready = [] {
+  for (int i = 0; i < 256; ++i)
+    g_fp8_lut[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  return true;
+}();
+
+inline float fp8_scale(float amax) {  // reference.fp8_scales
+  if (amax == 0.0f) return 1.0f;
+  int e;
+  float m = std::frexp(amax, &e);
+  int k = (m <= 0.875f) ? e - 9 : e - 8;
+  if (k < -126) k = -126;
+  return std::ldexp(1.0f, k);
+}
+
+void check_fp8_args(const at::Tensor& q, const at::Tensor& scales, int64_t n, int64_t block) {
+  TORCH_CHECK(block > 0 && n % block == 0, "fastddp native fp8: ", n, " elements are not whole blocks of ", block);
+  TORCH_CHECK(q.is_cpu() && q.scalar_type() == at::kByte && q.is_contiguous() && q.numel() == n,
+              "fastddp native fp8: q must be contiguous uint8 of ", n, " elements on the CPU");
+  TORCH_CHECK(scales.is_cpu() && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+              scales.numel() == n / block, "fastddp native fp8: scales must be contiguous fp32, one per block");
+}
+
+// One element: the e4m3 code of y * inv (|y * inv| <= 448, finite) and its
+// value times s, both from the bits (no table, no branch: the loops
+// vectorize): the cast rounds to 3 mantissa bits, nearest even, and the
+// rounded fp32 value IS the e4m3 value; below 2^-6 (e4m3's subnormals) it
+// rounds to a multiple of 2^-9 (adding and taking away 2^23 rounds to an
+// integer, nearest even; code 8 is 2^-6 itself).
+inline uint8_t fp8_round(float y, float inv, float s, float* back) {
+  const float v = y * inv;
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  const uint32_t a = bits & 0x7FFFFFFFu;
+  float av;
+  std::memcpy(&av, &a, 4);
+  const float t = (av * 512.0f + 8388608.0f) - 8388608.0f;
+  const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>(t));
+  const float tm = t * 0.001953125f;
+  uint32_t tbits;
+  std::memcpy(&tbits, &tm, 4);
+  const uint32_t kept = (a + 0x7FFFFu + ((a >> 20) & 1u)) & 0xFFF00000u;
+  const uint32_t nor = (kept >> 20) - (120u << 3);
+  const uint32_t m = 0u - static_cast<uint32_t>(a < 0x3C800000u);  // |v| < 2^-6
+  const uint32_t mb = (tbits & m) | (kept & ~m) | sign;
+  float dec;
+  std::memcpy(&dec, &mb, 4);
+  *back = dec * s;
+  return static_cast<uint8_t>((sign >> 24) | (sub & m) | (nor & ~m));
+}
+
+// max |x| as bits: for |x| (sign cleared) the integer order is the float
+// order, NaN/inf sit above 0x7F800000 (so one reduction finds both), and an
+// integer max vectorizes where a float one may not (NaN rules).
+inline uint32_t max_abs_bits(const float* __restrict y, int64_t block) {
+  uint32_t top = 0;
+  for (int64_t i = 0; i < block; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &y[i], 4);
+    u &= 0x7FFFFFFFu;
+    top = u > top ? u : top;
+  }
+  return top;
+}
+
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The loops, compiled twice (AVX2 and the x86-64 baseline; the loader picks
+// one per machine): the same IEEE operations either way, no contraction.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FASTDDP_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FASTDDP_CLONES
+#endif
+
+// __restrict: a uint8_t store may alias anything, so without it nothing vectorizes
+FASTDDP_CLONES int64_t quantize_loop(const float* __restrict xp, float* __restrict rp, uint8_t* __restrict qp,
+                                     float* __restrict sp, int64_t nb, int64_t block, float* __restrict y,
+                                     float* __restrict back) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t o = b * block;
+    if (rp) {
+      for (int64_t i = 0; i < block; ++i) y[i] = xp[o + i] + rp[o + i];
+    } else {
+      for (int64_t i = 0; i < block; ++i) y[i] = xp[o + i];
+    }
+    const uint32_t top = max_abs_bits(y, block);
+    if (top >= 0x7F800000u) return b;  // a NaN or inf
+    const float s = fp8_scale(bits_float(top));
+    const float inv = 1.0f / s;  // a power of two: exact
+    sp[b] = s;
+    uint8_t* __restrict qb = qp + o;
+    for (int64_t i = 0; i < block; ++i) qb[i] = fp8_round(y[i], inv, s, &back[i]);
+    if (rp) {
+      for (int64_t i = 0; i < block; ++i) rp[o + i] = y[i] - back[i];
+    }
+  }
+  return nb;
+}
+
+FASTDDP_CLONES void dequantize_loop(const uint8_t* __restrict qp, const float* __restrict sp, float* __restrict op,
+                                    int64_t nb, int64_t block) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float s = sp[b];
+    for (int64_t i = b * block; i < (b + 1) * block; ++i) op[i] = g_fp8_lut[qp[i]] * s;
+  }
+}
+
+FASTDDP_CLONES int64_t reduce_loop(const uint8_t* sq, const float* ss, uint8_t* oq, float* os, int64_t n, int64_t nb,
+                                   int64_t world, int64_t block, float* __restrict acc, float* __restrict back) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t o = b * block;
+    const float s0 = ss[b];
+    for (int64_t i = 0; i < block; ++i) acc[i] = g_fp8_lut[sq[o + i]] * s0;
+    for (int64_t k = 1; k < world; ++k) {
+      const float sk = ss[k * nb + b];
+      const uint8_t* qk = sq + k * n + o;
+      for (int64_t i = 0; i < block; ++i) acc[i] = acc[i] + g_fp8_lut[qk[i]] * sk;
+    }
+    const uint32_t top = max_abs_bits(acc, block);
+    if (top >= 0x7F800000u) return b;  // NaN/inf: nothing of block b written yet (out may alias slice 0)
+    const float s = fp8_scale(bits_float(top));
+    const float inv = 1.0f / s;
+    os[b] = s;
+    for (int64_t i = 0; i < block; ++i) oq[o + i] = fp8_round(acc[i], inv, s, &back[i]);
+  }
+  return nb;
+}
+
+int64_t fp8_quantize(const at::Tensor& x, const std::optional<at::Tensor>& residual, at::Tensor q,
+                     at::Tensor scales, int64_t block) {
+  const int64_t n = x.numel();
+  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(), "fastddp native fp8: x must be contiguous fp32 on the CPU");
+  check_fp8_args(q, scales, n, block);
+  const float* xp = x.data_ptr<float>();
+  float* rp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_cpu() && residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                residual->numel() == n, "fastddp native fp8: the residual must be contiguous fp32 like x");
+    rp = residual->data_ptr<float>();
+  }
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* sp = scales.data_ptr<float>();
+  std::vector<float> y(block), back(block);
+  pybind11::gil_scoped_release nogil;
+  return quantize_loop(xp, rp, qp, sp, n / block, block, y.data(), back.data());
+}
+
+void fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Tensor out, int64_t block) {
+  const int64_t n = out.numel();
+  TORCH_CHECK(out.is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(), "fastddp native fp8: out must be contiguous fp32 on the CPU");
+  check_fp8_args(q, scales, n, block);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  pybind11::gil_scoped_release nogil;
+  dequantize_loop(qp, sp, op, n / block, block);
+}
+
+int64_t fp8_reduce_shards(const at::Tensor& src_q, const at::Tensor& src_s, at::Tensor out_q, at::Tensor out_s,
+                          int64_t world, int64_t block) {
+  const int64_t n = out_q.numel();
+  check_fp8_args(out_q, out_s, n, block);
+  const int64_t nb = n / block;
+  TORCH_CHECK(src_q.is_cpu() && src_q.scalar_type() == at::kByte && src_q.is_contiguous() && src_q.numel() >= world * n &&
+              src_s.is_cpu() && src_s.scalar_type() == at::kFloat && src_s.is_contiguous() && src_s.numel() >= world * nb,
+              "fastddp native fp8: the shards must hold world x the output");
+  const uint8_t* sq = src_q.data_ptr<uint8_t>();
+  const float* ss = src_s.data_ptr<float>();
+  uint8_t* oq = out_q.data_ptr<uint8_t>();
+  float* os = out_s.data_ptr<float>();
+  std::vector<float> acc(block), back(block);
+  pybind11::gil_scoped_release nogil;
+  return reduce_loop(sq, ss, oq, os, n, nb, world, block, acc.data(), back.data());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fp8_quantize", &fp8_quantize);
+  m.def("fp8_dequantize", &fp8_dequantize);
+  m.def("fp8_reduce_shards", &fp8_reduce_shards);
+}

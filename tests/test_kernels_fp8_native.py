@@ -1,0 +1,222 @@
+"""The native fp8 CPU loops (kernels/_fp8_native.py, kernels/csrc/fp8_cpu.cpp):
+bit for bit the contract of kernels/reference.py, non-finite blocks handed
+back to the torch path, and their switch, FASTDDP_FP8_NATIVE, apart from the
+readiness hooks' FASTDDP_NATIVE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+OFF = os.environ.get("FASTDDP_FP8_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+@contextlib.contextmanager
+def _env(**values: str | None):
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _fp8_mod():
+    from fastddp.kernels import _fp8_native
+    mod = _fp8_native.module()
+    assert mod is not None, ("the native fp8 loops did not build here (a C++ compiler and torch's "
+                             "headers are needed); FASTDDP_FP8_NATIVE=0 runs without them")
+    assert hasattr(mod, "fp8_quantize")
+    return mod
+
+
+
+def _boundary_blocks(block: int) -> torch.Tensor:
+    """Every finite e4m3 value, every midpoint between neighbours and the
+    fp32 values either side of it (both signs, zeros, fp32 subnormals), in
+    blocks that each hold 448 (scale 1): every rounding decision of the cast."""
+    from fastddp.kernels import reference as R
+    vals = R._fp8_decode(torch.arange(256, dtype=torch.int32).to(torch.uint8))
+    fin = vals[torch.isfinite(vals)].unique()
+    mids = (fin[1:] + fin[:-1]) / 2
+    up, down = torch.tensor(1e9), torch.tensor(-1e9)
+    c = torch.cat([fin, -fin, mids, -mids, torch.nextafter(mids, up), torch.nextafter(mids, down),
+                   -torch.nextafter(mids, up), -torch.nextafter(mids, down),
+                   torch.tensor([0.0, -0.0, 1e-45, -1e-45, 2.0 ** -127, 2.0 ** -10, 3 * 2.0 ** -11])])
+    c = c[c.abs() <= 448]
+    c = torch.cat([c, torch.zeros((-c.numel()) % (block - 1))]).view(-1, block - 1)
+    return torch.cat([c, torch.full((c.shape[0], 1), 448.0)], 1).reshape(-1).contiguous()
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_FP8_NATIVE=0")
+@pytest.mark.parametrize("block", [32, 256])
+def test_fp8_native_is_the_contract_bit_for_bit(block):
+    """The native loops against kernels/reference.py: every rounding boundary
+    of the e4m3 cast, random blocks over 60 decades, with error feedback, the
+    shard sum at W = 2, 3, 4 and the decode."""
+    from fastddp.kernels import reference as R
+    mod = _fp8_mod()
+    g = torch.Generator().manual_seed(3)
+    xs = [_boundary_blocks(block)]
+    for mag in (1e-30, 1e-6, 1.0, 1e6, 1e30):
+        x = torch.randn(block * 64, generator=g) * mag
+        x[::7] *= 1e-7  # subnormal e4m3 codes in every block
+        xs.append(x)
+    for x in xs:
+        for with_res in (False, True):
+            n = x.numel()
+            r = (torch.randn(n, generator=g) * x.abs().max() * 1e-3) if with_res else None
+            q1, s1 = torch.empty(n, dtype=torch.uint8), torch.empty(n // block)
+            q2, s2 = q1.clone(), s1.clone()
+            r1, r2 = (r.clone(), r.clone()) if with_res else (None, None)
+            assert mod.fp8_quantize(x, r1, q1, s1, block) == n // block
+            R.quantize_fp8(x, q2, s2, block, r2)
+            assert torch.equal(q1, q2) and torch.equal(s1, s2)
+            if with_res:
+                assert torch.equal(r1.view(torch.int32), r2.view(torch.int32))
+            d1, d2 = torch.empty(n), torch.empty(n)
+            mod.fp8_dequantize(q1, s1, d1, block)
+            R.dequantize_fp8(q2, s2, d2, block)
+            assert torch.equal(d1.view(torch.int32), d2.view(torch.int32))
+    for world in (2, 3, 4):
+        n = block * 32
+        parts = [_quantized(block, n, g) for _ in range(world)]
+        sq, ss = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        o1q, o1s = torch.empty(n, dtype=torch.uint8), torch.empty(n // block)
+        o2q, o2s = o1q.clone(), o1s.clone()
+        assert mod.fp8_reduce_shards(sq, ss, o1q, o1s, world, block) == n // block
+        R.reduce_fp8_shards(sq, ss, o2q, o2s, world, block)
+        assert torch.equal(o1q, o2q) and torch.equal(o1s, o2s), world
+
+
+def _quantized(block, n, g):
+    from fastddp.kernels import reference as R
+    x = torch.randn(n, generator=g) * 10
+    q, s = torch.empty(n, dtype=torch.uint8), torch.empty(n // block)
+    R.quantize_fp8(x, q, s, block)
+    return q, s
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_FP8_NATIVE=0")
+def test_fp8_nonfinite_blocks_go_to_the_contract():
+    """A NaN in block 5: the native pass stops there untouched, the torch path
+    does block 5 on (NaN code, health bit): the whole equals the reference."""
+    from fastddp.kernels import reference as R, torch_path as TP
+    mod = _fp8_mod()
+    B, n = 64, 64 * 12
+    x = torch.randn(n)
+    x[B * 5 + 3] = float("nan")
+    x[B * 9] = float("inf")
+    r0 = torch.randn(n) * 1e-3
+    q, s = torch.zeros(n, dtype=torch.uint8), torch.zeros(n // B)
+    assert mod.fp8_quantize(x, r0.clone(), q, s, B) == 5
+    out = []
+    for fn in (TP.quantize_fp8, R.quantize_fp8):
+        q, s, r, h = torch.empty(n, dtype=torch.uint8), torch.empty(n // B), r0.clone(), torch.zeros(1, dtype=torch.int32)
+        fn(x, q, s, B, r, h)
+        out.append((q, s, r, h))
+    (q1, s1, r1, h1), (q2, s2, r2, h2) = out
+    assert torch.equal(q1, q2) and torch.equal(s1, s2) and torch.equal(h1, h2) and int(h1) != 0
+    assert torch.equal(r1.view(torch.int32), r2.view(torch.int32))
+    # an overflowing shard sum: the native pass hands the block over unwritten
+    q, s = torch.full((2 * B,), 0x7E, dtype=torch.uint8), torch.full((2,), 2.0 ** 119)  # 448 * 2^119, finite; twice: inf
+    oq, os_ = torch.zeros(B, dtype=torch.uint8), torch.zeros(1)
+    assert mod.fp8_reduce_shards(q, s, oq, os_, 2, B) == 0
+    h1, h2 = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    a = (torch.empty(B, dtype=torch.uint8), torch.empty(1))
+    b = (torch.empty(B, dtype=torch.uint8), torch.empty(1))
+    TP.reduce_fp8_shards(q, s, *a, 2, B, h1)
+    R.reduce_fp8_shards(q, s, *b, 2, B, h2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(h1, h2) and int(h1) != 0
+
+
+class _Recorder:
+    """Stands in for the compiled loops: records each call, then runs the
+    real one (or refuses, when the path must not be reached)."""
+
+    def __init__(self, real, refuse=False):
+        self.real, self.refuse, self.calls = real, refuse, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            if self.refuse:
+                raise AssertionError(f"{name}: the native fp8 loops were called while switched off")
+            return getattr(self.real, name)(*args)
+        return call
+
+
+def _round_trip_equals_the_contract():
+    from fastddp.kernels import reference as R, torch_path as TP
+    B, n = 32, 32 * 40
+    x, r0 = torch.randn(n) * 3, torch.randn(n) * 1e-3
+    out = []
+    for fn, dq in ((TP.quantize_fp8, TP.dequantize_fp8), (R.quantize_fp8, R.dequantize_fp8)):
+        q, s, r = torch.empty(n, dtype=torch.uint8), torch.empty(n // B), r0.clone()
+        fn(x, q, s, B, r)
+        d = torch.empty(n)
+        dq(q, s, d, B)
+        out.append((q, s, r, d))
+    (q1, s1, r1, d1), (q2, s2, r2, d2) = out
+    assert torch.equal(q1, q2) and torch.equal(s1, s2)
+    assert torch.equal(r1.view(torch.int32), r2.view(torch.int32)) and torch.equal(d1.view(torch.int32), d2.view(torch.int32))
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_FP8_NATIVE=0")
+def test_the_readiness_switch_leaves_the_fp8_path_alone(monkeypatch):
+    """FASTDDP_NATIVE=0 (Python readiness hooks) still runs the native fp8
+    loops: the kernel path is not the reducer's switch."""
+    from fastddp.kernels import _fp8_native
+    rec = _Recorder(_fp8_mod())
+    monkeypatch.setattr(_fp8_native.EXTENSION, "_module", rec)
+    with _env(FASTDDP_NATIVE="0", FASTDDP_FP8_NATIVE=None):
+        assert _fp8_native.module() is rec
+        _round_trip_equals_the_contract()
+    assert rec.calls == ["fp8_quantize", "fp8_dequantize"]  # torch_path's two calls; the reference has none
+
+
+def test_fp8_switch_off_keeps_to_the_torch_ops(monkeypatch):
+    """FASTDDP_FP8_NATIVE=0: no build, no native call, the same bits (the
+    torch ops), whatever FASTDDP_NATIVE says."""
+    from fastddp.kernels import _fp8_native
+
+    def no_build():
+        raise AssertionError("built while FASTDDP_FP8_NATIVE=0")
+    monkeypatch.setattr(_fp8_native.EXTENSION, "_module", _Recorder(None, refuse=True))
+    monkeypatch.setattr(_fp8_native.EXTENSION, "_load", no_build)
+    for readiness in ("1", "0"):
+        with _env(FASTDDP_FP8_NATIVE="0", FASTDDP_NATIVE=readiness):
+            assert _fp8_native.module() is None and not _fp8_native.enabled()
+            _round_trip_equals_the_contract()
+
+
+def test_fp8_failed_build_warns_once_and_require_raises(monkeypatch):
+    from fastddp.kernels import _fp8_native, torch_path as TP
+    ext = _fp8_native.EXTENSION
+    builds = []
+
+    def fail():
+        builds.append(1)
+        raise RuntimeError("c++: command not found")
+    monkeypatch.setattr(ext, "_module", None)
+    monkeypatch.setattr(ext, "_failed", None)
+    monkeypatch.setattr(ext, "_load", fail)
+    with _env(FASTDDP_FP8_NATIVE=None):
+        with pytest.warns(RuntimeWarning, match="native fp8 CPU loops could not be built .*command not found"
+                                                ".*torch ops.*FASTDDP_FP8_NATIVE=0"):
+            _round_trip_equals_the_contract()
+        assert TP._native_fp8(torch.zeros(4)) is None and builds == [1]  # tried once per process
+    with _env(FASTDDP_FP8_NATIVE="require"), pytest.raises(RuntimeError, match="could not be built"):
+        _fp8_native.module()
