@@ -84,15 +84,17 @@ def _quantize_kernel(
     HAS_HEALTH: tl.constexpr,  # OR SOURCE_NONFINITE / RESIDUAL_NONFINITE into the flag
 ):
     i_p = tl.program_id(0)
-    o_b = i_p.to(tl.int64) * G + tl.arange(0, G)  # [G] block indices
-    m_b = o_b < n_blocks  # [G]
-    o = o_b[:, None] * B + tl.arange(0, B)[None, :]  # [G, B]
+    ob_0 = i_p.to(tl.int64) * G  # first block of this program
+    o_0 = ob_0 * B  # its first element: int64, it passes 2^31 past 2 G elements
+    o_b = tl.arange(0, G)  # [G] int32 block indices, from ob_0
+    m_b = o_b < n_blocks - ob_0  # [G]
+    o = o_b[:, None] * B + tl.arange(0, B)[None, :]  # [G, B] int32 (G * B: one tile), from o_0
     m = m_b[:, None] & (tl.arange(0, B)[None, :] < B)  # [G, B]
-    b_x = tl.load(x_ptr + o, mask=m, other=0.0)  # [G, B]
+    b_x = tl.load(x_ptr + o_0 + o, mask=m, other=0.0)  # [G, B]
     if HAS_HEALTH:
         b_h = tl.where(m & ~(tl.abs(b_x) < float("inf")), 1, 0)  # Health.SOURCE_NONFINITE
     if HAS_RES:
-        b_r = tl.load(r_ptr + o, mask=m, other=0.0)  # [G, B]
+        b_r = tl.load(r_ptr + o_0 + o, mask=m, other=0.0)  # [G, B]
         if HAS_HEALTH:
             b_h = b_h | tl.where(m & ~(tl.abs(b_r) < float("inf")), 4, 0)  # RESIDUAL_NONFINITE
         b_x = b_x + b_r
@@ -101,11 +103,11 @@ def _quantize_kernel(
     b_k = _scale_exp(b_amax)
     b_s = _pow2(b_k)  # [G]
     b_q = _encode(b_x * _pow2(-b_k)[:, None], m_fin)  # [G, B]
-    tl.store(q_ptr + o, b_q, mask=m)
-    tl.store(s_ptr + o_b, b_s, mask=m_b)
+    tl.store(q_ptr + o_0 + o, b_q, mask=m)
+    tl.store(s_ptr + ob_0 + o_b, b_s, mask=m_b)
     if HAS_RES:
         b_n = b_x - _decode(b_q) * b_s[:, None]
-        tl.store(r_ptr + o, tl.where(tl.abs(b_n) < float("inf"), b_n, 0.0), mask=m)
+        tl.store(r_ptr + o_0 + o, tl.where(tl.abs(b_n) < float("inf"), b_n, 0.0), mask=m)
     if HAS_HEALTH:
         b_hh = tl.max(tl.max(b_h & 1, axis=1), axis=0) | tl.max(tl.max(b_h & 4, axis=1), axis=0)
         if b_hh != 0:
@@ -122,13 +124,15 @@ def _dequantize_kernel(
     G: tl.constexpr,  # blocks per program
 ):
     i_p = tl.program_id(0)
-    o_b = i_p.to(tl.int64) * G + tl.arange(0, G)  # [G]
-    m_b = o_b < n_blocks
-    o = o_b[:, None] * B + tl.arange(0, B)[None, :]  # [G, B]
-    m = m_b[:, None] & (tl.arange(0, B)[None, :] < B)
-    b_q = tl.load(q_ptr + o, mask=m, other=0)
-    b_s = tl.load(s_ptr + o_b, mask=m_b, other=1.0)
-    tl.store(out_ptr + o, _decode(b_q) * b_s[:, None], mask=m)
+    ob_0 = i_p.to(tl.int64) * G  # first block of this program
+    o_0 = ob_0 * B  # its first element: int64, it passes 2^31 past 2 G elements
+    o_b = tl.arange(0, G)  # [G] int32 block indices, from ob_0
+    m_b = o_b < n_blocks - ob_0  # [G]
+    o = o_b[:, None] * B + tl.arange(0, B)[None, :]  # [G, B] int32 (G * B: one tile), from o_0
+    m = m_b[:, None] & (tl.arange(0, B)[None, :] < B)  # [G, B]
+    b_q = tl.load(q_ptr + o_0 + o, mask=m, other=0)
+    b_s = tl.load(s_ptr + ob_0 + o_b, mask=m_b, other=1.0)
+    tl.store(out_ptr + o_0 + o, _decode(b_q) * b_s[:, None], mask=m)
 
 
 @triton.jit
@@ -146,14 +150,20 @@ def _reduce_fp8_kernel(
     HAS_HEALTH: tl.constexpr,  # OR Health.OVERFLOW where finite inputs sum to NaN/inf
 ):
     i_p = tl.program_id(0)
-    o_b = i_p.to(tl.int64) * G + tl.arange(0, G)  # [G]
-    m_b = o_b < n_blocks
-    o = o_b[:, None] * B + tl.arange(0, B)[None, :]  # [G, B]
-    m = m_b[:, None] & (tl.arange(0, B)[None, :] < B)
+    ob_0 = i_p.to(tl.int64) * G  # first block of this program
+    o_0 = ob_0 * B  # its first element: int64, it passes 2^31 past 2 G elements
+    o_b = tl.arange(0, G)  # [G] int32 block indices, from ob_0
+    m_b = o_b < n_blocks - ob_0  # [G]
+    o = o_b[:, None] * B + tl.arange(0, B)[None, :]  # [G, B] int32 (G * B: one tile), from o_0
+    m = m_b[:, None] & (tl.arange(0, B)[None, :] < B)  # [G, B]
+    # slice k starts at k * n (k * n_blocks scales): int64, as it passes 2^31
+    # once (WORLD - 1) * n >= 2^31 while n itself is still an int32 argument
+    n_64 = n.to(tl.int64)
+    nb_64 = n_blocks.to(tl.int64)
     m_in = m
     for k in tl.static_range(WORLD):
-        b_v = _decode(tl.load(src_q + k * n + o, mask=m, other=0)) \
-            * tl.load(src_s + k * n_blocks + o_b, mask=m_b, other=1.0)[:, None]  # [G, B]
+        b_v = _decode(tl.load(src_q + o_0 + k * n_64 + o, mask=m, other=0)) \
+            * tl.load(src_s + ob_0 + k * nb_64 + o_b, mask=m_b, other=1.0)[:, None]  # [G, B]
         if HAS_HEALTH:
             m_in = m_in & (tl.abs(b_v) < float("inf"))
         if k == 0:
@@ -164,8 +174,8 @@ def _reduce_fp8_kernel(
     b_amax = tl.max(tl.where(m_fin, tl.abs(b_acc), 0.0), axis=1)  # [G]
     b_k = _scale_exp(b_amax)
     b_q = _encode(b_acc * _pow2(-b_k)[:, None], m_fin)
-    tl.store(out_q + o, b_q, mask=m)
-    tl.store(out_s + o_b, _pow2(b_k), mask=m_b)
+    tl.store(out_q + o_0 + o, b_q, mask=m)
+    tl.store(out_s + ob_0 + o_b, _pow2(b_k), mask=m_b)
     if HAS_HEALTH:
         b_h = tl.max(tl.max(tl.where(m_in & ~m_fin, 2, 0), axis=1), axis=0)  # Health.OVERFLOW
         if b_h != 0:

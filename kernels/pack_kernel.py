@@ -46,7 +46,7 @@ def _pack_kernel(
     SRC_B: tl.constexpr = SRC_T.primitive_bitwidth // 8  # bytes per element
     DST_B: tl.constexpr = DST_T.primitive_bitwidth // 8
     i_c = tl.program_id(0)
-    p_row = chunk_table + i_c * 4
+    p_row = chunk_table + i_c.to(tl.int64) * 4  # int64: i_c * 4 passes 2^31 past 2^29 chunks
     i_t = tl.load(p_row)
     o_src = tl.load(p_row + 1)
     o_dst = tl.load(p_row + 2)

@@ -30,12 +30,19 @@ def _reduce_shards_kernel(
     BLOCK: tl.constexpr,  # elements per program
     HAS_HEALTH: tl.constexpr,  # OR Health.OVERFLOW into the flag where finite inputs sum to NaN/inf
 ):
+    # Offsets: 64-bit scalar bases, 32-bit lanes.  A program's first element
+    # (i_p * BLOCK) passes 2^31 in a slice of over 2 G elements, and slice k's
+    # start (k * n) once (WORLD - 1) * n >= 2^31 while n itself is still an
+    # int32 argument: both are computed in int64.
     i_p = tl.program_id(0)
-    o = i_p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    m = o < n  # [BLOCK]
+    o_0 = i_p.to(tl.int64) * BLOCK  # first element of this program in a slice
+    n_64 = n.to(tl.int64)
+    o = tl.arange(0, BLOCK)  # [BLOCK] int32, from o_0
+    m = o < n_64 - o_0  # [BLOCK]
     m_in = m  # [BLOCK] every input finite
+    p_src = src_ptr + o_0
     for k in tl.static_range(WORLD):
-        b_u = tl.load(src_ptr + k * n + o, mask=m, other=0).to(tl.uint16, bitcast=True)  # [BLOCK]
+        b_u = tl.load(p_src + k * n_64 + o, mask=m, other=0).to(tl.uint16, bitcast=True)  # [BLOCK]
         if HAS_HEALTH:
             m_in = m_in & ((b_u & 0x7F80) != 0x7F80)
         b_x = (b_u.to(tl.uint32) << 16).to(tl.float32, bitcast=True)  # widening bf16 -> fp32 is exact
@@ -49,7 +56,7 @@ def _reduce_shards_kernel(
     b_r = (b_w + ((b_w >> 16) & 1) + 0x7FFF) >> 16
     m_nan = (b_w & 0x7FFFFFFF) > 0x7F800000
     b_y = tl.where(m_nan, (b_w >> 16) | 0x40, b_r).to(tl.uint16)  # [BLOCK]
-    tl.store(out_ptr + o, b_y.to(tl.int16, bitcast=True), mask=m)
+    tl.store(out_ptr + o_0 + o, b_y.to(tl.int16, bitcast=True), mask=m)
     if HAS_HEALTH:
         b_h = tl.where(m_in & ((b_y & 0x7F80) == 0x7F80), 2, 0)  # [BLOCK] Health.OVERFLOW
         if tl.max(b_h, axis=0) != 0:
