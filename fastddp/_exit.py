@@ -36,19 +36,13 @@ import sys
 import threading
 import time
 
+from . import settings
+
 _QUIET_SAMPLES = 5  # consecutive samples with no other thread runnable
 _SAMPLE_S = 0.002
 _FALLBACK_S = 0.05
 _installed = False
 _lock = threading.Lock()
-
-
-def _drain_budget_s() -> float:
-    raw = os.environ.get("FASTDDP_EXIT_DRAIN_S", "")
-    try:
-        return max(0.0, float(raw)) if raw else 0.5
-    except ValueError:
-        return 0.5
 
 
 def _other_threads_runnable(me: int) -> bool | None:
@@ -87,7 +81,7 @@ def drain(budget_s: float | None = None) -> str:
     Returns how it ended ("quiet", "budget" or "fallback"), for tests and
     debugging.
     """
-    budget = _drain_budget_s() if budget_s is None else budget_s
+    budget = settings.get().exit_drain_s if budget_s is None else budget_s
     if budget <= 0:
         return "budget"
     me = threading.get_native_id()
@@ -106,8 +100,10 @@ def drain(budget_s: float | None = None) -> str:
 
 
 def install() -> None:
-    """Register :func:`drain` to run at exit (once per process)."""
+    """Register :func:`drain` to run at exit (once per process).  Reads
+    ``FASTDDP_EXIT_DRAIN_S`` now, so that a bad value fails here, not at exit."""
     global _installed
+    settings.get()
     with _lock:
         if _installed:
             return

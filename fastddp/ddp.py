@@ -4,7 +4,6 @@ semantics; all bucket logic lives in :mod:`fastddp.reducer`."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _exit, compile as _compile, groups, join, planner, profiling
+from . import _exit, compile as _compile, groups, join, planner, profiling, settings
 from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
 from .surface import TorchSurface
@@ -25,12 +24,6 @@ from .reducer import Reducer, ReducerOptions
 __all__ = ["DistributedDataParallel"]
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
-
-
-def _debug_enabled() -> bool:
-    """FASTDDP_DEBUG=1, or torch's TORCH_DISTRIBUTED_DEBUG=DETAIL."""
-    return (os.environ.get("FASTDDP_DEBUG", "0") not in ("", "0")
-            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
 
 
 class _Sink(torch.autograd.Function):
@@ -141,7 +134,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         self._static_graph_delay_allreduce_enqueued = False
         self._divide_by_initial_world_size = True
         self.broadcast_bucket_size = _BROADCAST_BUCKET_BYTES
-        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
+        self.use_side_stream_for_tensor_copies = settings.get().use_side_stream
         self._ddp_sink_clone = True
         self._passing_sync_batchnorm_handle(module)
         self._comm_hooks: list[tuple[Callable, object]] = []
@@ -189,10 +182,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
 
     def _bucket_config(self, static_graph: bool) -> planner.BucketConfig:
         cap, cap_list = self.config.bucket_cap_mb, self.config.bucket_cap_mb_list
-        last_small = os.environ.get("DDP_SET_LAST_BUCKET_CAP", "0") not in ("", "0")  # torch's switch
         return planner.BucketConfig(bucket_cap_mb=cap, bucket_cap_mb_list=cap_list, static_graph=static_graph,
                                     find_unused_parameters=self.find_unused_parameters,
-                                    set_last_bucket_as_small=last_small)
+                                    set_last_bucket_as_small=settings.get().set_last_bucket_cap)
 
     def _build_reducer(self, parameters, names, static_graph: bool) -> None:
         opts = ReducerOptions(
@@ -210,7 +202,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         if sparse and any(sparse) and self._mp is not None:
             raise ValueError("fastddp: mixed_precision does not support modules with sparse gradients")
         self.reducer = Reducer(parameters, names, self.process_group, opts, sparse=sparse,
-                               debug=_debug_enabled())
+                               debug=settings.get().debug_mode)
         if self._mp is not None:
             self.reducer.mixed_precision_hook = self._mp.restore_bucket
             self.reducer.after_finalize = self._mp.restore_all

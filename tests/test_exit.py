@@ -227,12 +227,27 @@ def test_drain_waits_for_a_runnable_thread_until_its_budget():
 
 
 def test_drain_budget_from_the_environment(monkeypatch):
-    from fastddp import _exit
+    from fastddp import _exit, settings
 
     monkeypatch.setenv("FASTDDP_EXIT_DRAIN_S", "0")
-    assert _exit.drain() == "budget"
-    monkeypatch.setenv("FASTDDP_EXIT_DRAIN_S", "not-a-number")
-    assert _exit._drain_budget_s() == 0.5
+    settings.reload()
+    try:
+        assert _exit.drain() == "budget"  # 0: no drain at all (an idle process is "quiet" otherwise)
+    finally:
+        monkeypatch.undo()
+        settings.reload()
+
+
+def test_a_bad_drain_budget_is_refused(monkeypatch):
+    from fastddp import settings
+
+    monkeypatch.setenv("FASTDDP_EXIT_DRAIN_S", "not-a-number")  # was the default, silently
+    try:
+        with pytest.raises(ValueError, match="FASTDDP_EXIT_DRAIN_S='not-a-number'"):
+            settings.reload()
+    finally:
+        monkeypatch.delenv("FASTDDP_EXIT_DRAIN_S")
+        settings.reload()
 
 
 if __name__ == "__main__":
