@@ -16,7 +16,9 @@ wake-up.
 
 What can be ordered is the exit: atexit handlers run before finalisation starts,
 while every thread may still take the GIL.  :func:`drain` (registered once,
-when the first fastddp wrapper is built) releases the GIL in short sleeps until
+by :func:`install`, when a module registers a comm hook that runs as Python
+``Future`` callbacks; a module without one, or whose hook is a fused path,
+leaves the exit alone) releases the GIL in short sleeps until
 no other thread of the process has been runnable for several consecutive
 samples of ``/proc/self/task/*/stat`` -- a thread waiting for the GIL is woken
 by every sleep, so it cannot stay asleep while the GIL is free -- and no thread
@@ -109,3 +111,8 @@ def install() -> None:
             return
         atexit.register(drain)
         _installed = True
+
+
+def installed() -> bool:
+    """Whether :func:`install` has registered the drain in this process."""
+    return _installed

@@ -105,7 +105,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     ):
         torch.nn.Module.__init__(self)  # NOT torch DDP's constructor: no C++ reducer
         Joinable.__init__(self)
-        _exit.install()  # a clean exit while gloo's threads release hook callbacks (see _exit)
         cfg = DDPConfig.resolve(
             module, device_ids=device_ids, output_device=output_device, dim=dim,
             broadcast_buffers=broadcast_buffers, init_sync=init_sync, process_group=process_group,
@@ -391,6 +390,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         group = hooks.state_group(state)
         self.reducer.register_comm_hook(hook, state, group is None or group is self.process_group)
         self._comm_hooks.append((hook, state))
+        if self.reducer.fused_path is None or any(self.reducer.sparse):
+            _exit.install()  # the hook runs as Future callbacks that gloo's threads release (see _exit)
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
