@@ -8,9 +8,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import kernels  # noqa: F401  (installed from the top-level kernels/ folder)
-from . import hooks
+from . import hooks, settings
 from .ddp import DistributedDataParallel
-from .health import configure
+from .settings import configure
 from .hooks import GradBucket
 
-__all__ = ["DistributedDataParallel", "GradBucket", "configure", "hooks", "kernels"]
+__all__ = ["DistributedDataParallel", "GradBucket", "configure", "hooks", "kernels", "settings"]

@@ -16,7 +16,9 @@ wake-up.
 
 What can be ordered is the exit: atexit handlers run before finalisation starts,
 while every thread may still take the GIL.  :func:`drain` (registered once,
-when the first fastddp wrapper is built) releases the GIL in short sleeps until
+by :func:`install`, when a module registers a comm hook that runs as Python
+``Future`` callbacks; a module without one, or whose hook is a fused path,
+leaves the exit alone) releases the GIL in short sleeps until
 no other thread of the process has been runnable for several consecutive
 samples of ``/proc/self/task/*/stat`` -- a thread waiting for the GIL is woken
 by every sleep, so it cannot stay asleep while the GIL is free -- and no thread
@@ -36,19 +38,13 @@ import sys
 import threading
 import time
 
+from . import settings
+
 _QUIET_SAMPLES = 5  # consecutive samples with no other thread runnable
 _SAMPLE_S = 0.002
 _FALLBACK_S = 0.05
 _installed = False
 _lock = threading.Lock()
-
-
-def _drain_budget_s() -> float:
-    raw = os.environ.get("FASTDDP_EXIT_DRAIN_S", "")
-    try:
-        return max(0.0, float(raw)) if raw else 0.5
-    except ValueError:
-        return 0.5
 
 
 def _other_threads_runnable(me: int) -> bool | None:
@@ -87,7 +83,7 @@ def drain(budget_s: float | None = None) -> str:
     Returns how it ended ("quiet", "budget" or "fallback"), for tests and
     debugging.
     """
-    budget = _drain_budget_s() if budget_s is None else budget_s
+    budget = settings.get().exit_drain_s if budget_s is None else budget_s
     if budget <= 0:
         return "budget"
     me = threading.get_native_id()
@@ -106,10 +102,17 @@ def drain(budget_s: float | None = None) -> str:
 
 
 def install() -> None:
-    """Register :func:`drain` to run at exit (once per process)."""
+    """Register :func:`drain` to run at exit (once per process).  Reads
+    ``FASTDDP_EXIT_DRAIN_S`` now, so that a bad value fails here, not at exit."""
     global _installed
+    settings.get()
     with _lock:
         if _installed:
             return
         atexit.register(drain)
         _installed = True
+
+
+def installed() -> bool:
+    """Whether :func:`install` has registered the drain in this process."""
+    return _installed

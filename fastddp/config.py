@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import groups
+from . import groups, settings
 from .autotune import resolve_cap
-from .health import configured, resolve_mode
+from .health import resolve_mode
 
 __all__ = ["DDPConfig", "params_for_reducer"]
 
@@ -98,7 +98,7 @@ class DDPConfig:
                 "fastddp.DistributedDataParallel: the default process group is not initialized. "
                 "Call torch.distributed.init_process_group(backend=...) first (torchrun sets the "
                 "environment it needs), then wrap the model.")
-        bucket_cap_mb, auto_cap = resolve_cap(bucket_cap_mb, bucket_cap_mb_list, configured("bucket_cap_mb"))
+        bucket_cap_mb, auto_cap = resolve_cap(bucket_cap_mb, bucket_cap_mb_list, settings.default("bucket_cap_mb"))
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
                              "need to be set at the same time.")

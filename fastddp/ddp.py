@@ -4,7 +4,6 @@ semantics; all bucket logic lives in :mod:`fastddp.reducer`."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _exit, compile as _compile, groups, join, planner, profiling
+from . import _exit, compile as _compile, groups, join, planner, profiling, settings
 from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
 from .surface import TorchSurface
@@ -25,12 +24,6 @@ from .reducer import Collaborators, Reducer, ReducerOptions
 __all__ = ["DistributedDataParallel"]
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
-
-
-def _debug_enabled() -> bool:
-    """FASTDDP_DEBUG=1, or torch's TORCH_DISTRIBUTED_DEBUG=DETAIL."""
-    return (os.environ.get("FASTDDP_DEBUG", "0") not in ("", "0")
-            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
 
 
 class _Sink(torch.autograd.Function):
@@ -112,7 +105,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     ):
         torch.nn.Module.__init__(self)  # NOT torch DDP's constructor: no C++ reducer
         Joinable.__init__(self)
-        _exit.install()  # a clean exit while gloo's threads release hook callbacks (see _exit)
         cfg = DDPConfig.resolve(
             module, device_ids=device_ids, output_device=output_device, dim=dim,
             broadcast_buffers=broadcast_buffers, init_sync=init_sync, process_group=process_group,
@@ -141,7 +133,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         self._static_graph_delay_allreduce_enqueued = False
         self._divide_by_initial_world_size = True
         self.broadcast_bucket_size = _BROADCAST_BUCKET_BYTES
-        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
+        self.use_side_stream_for_tensor_copies = settings.get().use_side_stream
         self._ddp_sink_clone = True
         self._passing_sync_batchnorm_handle(module)
         self._comm_hooks: list[tuple[Callable, object]] = []
@@ -189,10 +181,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
 
     def _bucket_config(self, static_graph: bool) -> planner.BucketConfig:
         cap, cap_list = self.config.bucket_cap_mb, self.config.bucket_cap_mb_list
-        last_small = os.environ.get("DDP_SET_LAST_BUCKET_CAP", "0") not in ("", "0")  # torch's switch
         return planner.BucketConfig(bucket_cap_mb=cap, bucket_cap_mb_list=cap_list, static_graph=static_graph,
                                     find_unused_parameters=self.find_unused_parameters,
-                                    set_last_bucket_as_small=last_small)
+                                    set_last_bucket_as_small=settings.get().set_last_bucket_cap)
 
     def _build_reducer(self, parameters, names, static_graph: bool) -> None:
         opts = ReducerOptions(
@@ -221,7 +212,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
             co = Collaborators(pre_unpack=self._mp.restore_bucket, after_finalize=self._mp.restore_all,
                                refuse_extra_backward=refuse, module_watch=self._watch)
         self.reducer = Reducer(parameters, names, self.process_group, opts, sparse=sparse,
-                               debug=_debug_enabled(), collaborators=co)
+                               debug=settings.get().debug_mode, collaborators=co)
 
     def _set_static_graph(self) -> None:
         """Declare the graph static (torch's private API, public in spirit)."""
@@ -400,6 +391,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         group = hooks.state_group(state)
         self.reducer.register_comm_hook(hook, state, group is None or group is self.process_group)
         self._comm_hooks.append((hook, state))
+        if self.reducer.fused_path is None or any(self.reducer.sparse):
+            _exit.install()  # the hook runs as Future callbacks that gloo's threads release (see _exit)
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

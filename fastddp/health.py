@@ -18,55 +18,20 @@ steps never clear the flags (the kernels only OR into them).
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
-from . import groups, kernels
+from . import groups, kernels, settings
+from .settings import configure, configured  # noqa: F401  (kept importable from here; they live in settings)
 
-__all__ = ["HealthCheck", "resolve_mode", "configure", "configured"]
-
-_MODES = {False: None, None: None, True: "raise", "raise": "raise", "warn": "warn", "off": None}
-_UNSET = object()
-# fastddp.configure's process-wide defaults (every option torch's constructor lacks or that code
-# keeping torch's signature cannot pass); config.py reads bucket_cap_mb's
-_defaults: dict = {"check_finite": None, "bucket_cap_mb": None}
-
-
-def configure(*, check_finite=_UNSET, bucket_cap_mb=_UNSET) -> None:
-    """Process-wide defaults for code that keeps torch's signature; only the
-    options passed change (``None`` restores the built-in default):
-    ``fastddp.configure(check_finite="raise")``,
-    ``fastddp.configure(bucket_cap_mb="auto")`` (used where the constructor
-    gets neither ``bucket_cap_mb`` nor ``bucket_cap_mb_list``)."""
-    if check_finite is not _UNSET:
-        if check_finite not in _MODES:
-            raise ValueError(f"check_finite must be one of False, True, 'raise', 'warn'; got {check_finite!r}")
-        _defaults["check_finite"] = check_finite
-    if bucket_cap_mb is not _UNSET:
-        from .autotune import parse_cap
-
-        _defaults["bucket_cap_mb"] = parse_cap(bucket_cap_mb, "fastddp.configure(bucket_cap_mb=...)")
-
-
-def configured(option: str):
-    """:func:`configure`'s value for ``option`` (None: not configured)."""
-    return _defaults[option]
+__all__ = ["HealthCheck", "resolve_mode"]
 
 
 def resolve_mode(value) -> str | None:
-    """The constructor's ``check_finite``, else :func:`configure`'s, else
-    ``FASTDDP_CHECK_FINITE`` (``raise`` / ``warn`` / ``0``)."""
-    if value is None:
-        value = _defaults["check_finite"]
-    if value is None:
-        env = os.environ.get("FASTDDP_CHECK_FINITE", "").strip().lower()
-        value = {"": None, "0": None, "off": None, "1": "raise", "raise": "raise", "warn": "warn"}.get(env, env)
-    if value not in _MODES:
-        raise ValueError(f"fastddp: check_finite must be one of False, True, 'raise', 'warn' "
-                         f"(or FASTDDP_CHECK_FINITE=raise|warn), got {value!r}")
-    return _MODES[value]
+    """The constructor's ``check_finite``, else :func:`fastddp.configure`'s,
+    else ``FASTDDP_CHECK_FINITE``: None, ``"raise"`` or ``"warn"``."""
+    return settings.parse_check_finite(settings.default("check_finite") if value is None else value)
 
 
 class HealthCheck:

@@ -314,7 +314,7 @@ class BucketConfig:
     C++ reducer at rebuild time): fill rebuilt buckets from the *last* ready
     gradient backwards, so the small first cap lands on the last bucket. The
     planner reads no environment; ``fastddp.ddp`` sets this from
-    ``os.environ``."""
+    :mod:`fastddp.settings`."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None:

@@ -18,13 +18,14 @@ runs).  NVTX ranges are pushed only for CUDA and only when enabled.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
+from . import settings
+
 __all__ = ["enable", "disable", "enabled", "range"]
 
-_state = {"on": None}  # None: not decided yet -> read FASTDDP_NVTX once
+_state = {"on": None}  # None: not decided yet -> FASTDDP_NVTX (fastddp.settings)
 _NULL = contextlib.nullcontext()
 _profiler_on = torch._C._autograd._profiler_enabled
 
@@ -32,7 +33,7 @@ _profiler_on = torch._C._autograd._profiler_enabled
 def enabled() -> bool:
     on = _state["on"]
     if on is None:
-        on = _state["on"] = os.environ.get("FASTDDP_NVTX", "0") not in ("", "0")
+        on = _state["on"] = settings.get().nvtx
     return on
 
 

@@ -33,10 +33,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _isolate():
     """Seed every test and zero the kernel counters (a leaked count or backend
-    choice once caused order-dependent failures in Liger-Kernel)."""
+    choice once caused order-dependent failures in Liger-Kernel); re-read the
+    settings after each test (after monkeypatch has put the environment back),
+    so a test's variables never reach the next one."""
     import fastddp.kernels as K
+    from fastddp import settings
 
     torch.manual_seed(0)
     K.reset_launch_count()
     yield
     K.reset_launch_count()
+    settings.reload()

@@ -259,9 +259,20 @@ def test_local_step_through_module_then_ddp_step(world2):
         assert torch.equal(a, b)
 
 
+def _debug_env(on: bool) -> None:
+    """FASTDDP_DEBUG=1 (or unset) in this rank; the settings are read once, so re-read them."""
+    from fastddp import settings
+
+    if on:
+        os.environ["FASTDDP_DEBUG"] = "1"
+    else:
+        os.environ.pop("FASTDDP_DEBUG", None)
+    settings.reload()
+
+
 def _added_param_body(rank, world_size, debug):
     if debug:
-        os.environ["FASTDDP_DEBUG"] = "1"
+        _debug_env(True)
     try:
         m = make_model("mlp")
         ddp = ddp_class()(m)
@@ -278,7 +289,7 @@ def _added_param_body(rank, world_size, debug):
                 break
         return events
     finally:
-        os.environ.pop("FASTDDP_DEBUG", None)
+        _debug_env(False)
 
 
 @pytest.mark.parametrize("debug", [False, True])
@@ -320,7 +331,7 @@ def test_process_group_without_this_rank(world2):
 def _disagree_body(rank, world_size):
     """Rank 1 leaves the branch out, rank 0 uses it, no find_unused: in torch
     one rank waits in a bucket's all-reduce until the other exits."""
-    os.environ["FASTDDP_DEBUG"] = "1"
+    _debug_env(True)
     try:
         pg = _short_group(world_size)
         m = make_model("branch_always")
@@ -335,7 +346,7 @@ def _disagree_body(rank, world_size):
         finally:
             dist.destroy_process_group(pg)
     finally:
-        os.environ.pop("FASTDDP_DEBUG", None)
+        _debug_env(False)
 
 
 def test_debug_mode_ranks_disagree_on_used_params(world2):
@@ -351,7 +362,7 @@ def _debug_parity_body(rank, world_size):
     from tests._dist import torch_ddp_class
     from tests.test_parity import compare_grads
 
-    os.environ["FASTDDP_DEBUG"] = "1"
+    _debug_env(True)
     try:
         base = make_model("deep")
         ref_m, test_m = copy.deepcopy(base), copy.deepcopy(base)
@@ -366,7 +377,7 @@ def _debug_parity_body(rank, world_size):
             compare_grads(ref_m, test_m, f"rank {rank} step {step}")
         return True
     finally:
-        os.environ.pop("FASTDDP_DEBUG", None)
+        _debug_env(False)
 
 
 def test_debug_mode_keeps_torch_gradients(world2):
@@ -403,7 +414,7 @@ def _scenario_body(rank, world_size, name):
     debug = name.endswith("_debug")
     short = name.startswith(("extra_backward_one_rank", "no_sync_one_rank"))
     if debug:
-        os.environ["FASTDDP_DEBUG"] = "1"
+        _debug_env(True)
     pg = _short_group(world_size) if short else None
     m = _net()
     base = copy.deepcopy(m)
@@ -488,7 +499,7 @@ def _scenario_body(rank, world_size, name):
     except RuntimeError as e:
         return str(e)
     finally:
-        os.environ.pop("FASTDDP_DEBUG", None)
+        _debug_env(False)
         if pg is not None:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(pg)

@@ -1,11 +1,10 @@
 """The bench's simulated network (bench/simwire.py): a process group whose
 collectives cross a serial wire of a given speed, used the same way by torch's
-DDP and fastddp; and fastddp itself no longer simulates anything."""
+DDP and fastddp."""
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -169,17 +168,3 @@ def test_torch_and_fastddp_train_the_same_through_the_wire(world2):
         assert min(t_bwd) >= _seconds(grad_bytes, gbps)
         assert min(f_bwd) >= _seconds(grad_bytes, gbps)
 
-
-# -- fastddp carries no simulator -------------------------------------------------
-
-def test_fastddp_ignores_the_old_simulation_variable(tmp_path, monkeypatch):
-    import fastddp
-
-    src = Path(fastddp.__file__).parent
-    assert not [p.name for p in src.glob("*.py") if "SIMULATE_BANDWIDTH" in p.read_text()]
-    # the old comm layer parsed it when a reducer was built and refused garbage
-    monkeypatch.setenv("FASTDDP_SIMULATE_BANDWIDTH_GBPS", "not a number")
-    with single_rank_group(tmp_path):
-        ddp = fastddp.DistributedDataParallel(_model())
-        ddp(torch.randn(2, 32)).sum().backward()
-        assert all(p.grad is not None for p in ddp.parameters())

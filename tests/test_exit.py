@@ -226,13 +226,96 @@ def test_drain_waits_for_a_runnable_thread_until_its_budget():
     assert _exit.drain(budget_s=2.0) == "quiet"
 
 
-def test_drain_budget_from_the_environment(monkeypatch):
+@pytest.fixture
+def fresh_drain(monkeypatch):
+    """The drain as if nothing had installed it in this process; what install()
+    would register at exit is collected instead of registered."""
     from fastddp import _exit
 
+    registered = []
+    monkeypatch.setattr(_exit, "_installed", False)
+    monkeypatch.setattr(_exit.atexit, "register", registered.append)
+    yield registered
+    monkeypatch.undo()
+
+
+def test_drain_budget_from_the_environment(monkeypatch):
+    from fastddp import _exit, settings
+
     monkeypatch.setenv("FASTDDP_EXIT_DRAIN_S", "0")
-    assert _exit.drain() == "budget"
+    settings.reload()
+    try:
+        assert _exit.drain() == "budget"  # 0: no drain at all (an idle process is "quiet" otherwise)
+    finally:
+        monkeypatch.undo()
+        settings.reload()
+
+
+def test_a_bad_drain_budget_fails_at_install_not_at_exit(monkeypatch, fresh_drain):
+    from fastddp import _exit, settings
+
     monkeypatch.setenv("FASTDDP_EXIT_DRAIN_S", "not-a-number")
-    assert _exit._drain_budget_s() == 0.5
+    try:
+        with pytest.raises(ValueError, match="FASTDDP_EXIT_DRAIN_S='not-a-number'"):
+            settings.reload()
+        with pytest.raises(ValueError, match="FASTDDP_EXIT_DRAIN_S='not-a-number'"):
+            _exit.install()
+        assert not fresh_drain and not _exit.installed()
+    finally:
+        monkeypatch.delenv("FASTDDP_EXIT_DRAIN_S")
+        settings.reload()
+
+
+def _plain_hook(state, bucket):
+    import torch.distributed as dist
+
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _model(sparse: bool = False):
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 8, sparse=sparse)
+            self.fc = torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc(self.emb(x))
+
+    return M()
+
+
+@pytest.mark.parametrize("hook, sparse, installs", [
+    (None, False, False),               # a plain construction: no Python callback anywhere
+    ("fastddp_fp16", False, False),     # a fused path: no Python callback
+    ("fastddp_fp16", True, True),       # ... but sparse buckets call the hook itself, as torch does
+    ("python", False, True),            # a Python hook: Future callbacks on gloo's threads
+    ("torch_fp16", False, True),        # torch's own hooks are Python hooks here too
+])
+def test_the_drain_is_installed_only_where_future_callbacks_run(tmp_path, fresh_drain, hook, sparse, installs):
+    import torch
+
+    import fastddp
+    import fastddp.hooks
+    from fastddp import _exit
+    from tests._dist import single_rank_group
+
+    with single_rank_group(tmp_path):
+        ddp = fastddp.DistributedDataParallel(_model(sparse))
+        if hook == "python":
+            ddp.register_comm_hook(None, _plain_hook)
+        elif hook == "fastddp_fp16":
+            ddp.register_comm_hook(None, fastddp.hooks.fp16_compress_hook)
+        elif hook == "torch_fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp(torch.tensor([1, 2, 3])).sum().backward()
+        assert _exit.installed() is installs
+        assert fresh_drain == ([_exit.drain] if installs else [])
 
 
 if __name__ == "__main__":

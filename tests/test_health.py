@@ -121,11 +121,13 @@ def _configure_body(rank, world_size, how):
     import os
 
     import fastddp
+    from fastddp import settings
 
     if how == "configure":
         fastddp.configure(check_finite="raise")
     else:
         os.environ["FASTDDP_CHECK_FINITE"] = "raise"
+        settings.reload()  # read once: re-read after the change
     try:
         m = make_model("mlp")
         ddp = ddp_class()(m)  # torch's signature: no check_finite argument
@@ -140,6 +142,7 @@ def _configure_body(rank, world_size, how):
     finally:
         fastddp.configure(check_finite=None)
         os.environ.pop("FASTDDP_CHECK_FINITE", None)
+        settings.reload()
 
 
 @pytest.mark.parametrize("how", ["configure", "env"])

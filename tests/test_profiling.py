@@ -50,10 +50,29 @@ def test_ranges_are_a_shared_noop_when_off(monkeypatch):
 
 
 def test_env_switch_turns_ranges_on(monkeypatch):
-    from fastddp import profiling
+    from fastddp import profiling, settings
 
     monkeypatch.setattr(profiling, "_state", {"on": None})
     monkeypatch.setenv("FASTDDP_NVTX", "1")
-    assert profiling.enabled()
-    r = profiling.range("fastddp/pack[0]")
-    assert r is not profiling._NULL and r.name == "fastddp/pack[0]"
+    settings.reload()  # the environment is read once: re-read it after the change
+    try:
+        assert profiling.enabled()
+        r = profiling.range("fastddp/pack[0]")
+        assert r is not profiling._NULL and r.name == "fastddp/pack[0]"
+    finally:
+        monkeypatch.undo()
+        settings.reload()
+
+
+def test_env_switch_off_words_keep_ranges_off(monkeypatch):
+    """One truthiness rule: FASTDDP_NVTX=false is off (it used to turn ranges on)."""
+    from fastddp import profiling, settings
+
+    monkeypatch.setattr(profiling, "_state", {"on": None})
+    monkeypatch.setenv("FASTDDP_NVTX", "false")
+    settings.reload()
+    try:
+        assert not profiling.enabled()
+    finally:
+        monkeypatch.undo()
+        settings.reload()

@@ -1,0 +1,277 @@
+"""Every environment variable fastddp reads, parsed once, in one place.
+
+| variable | type | default | what it does |
+|---|---|---|---|
+| `FASTDDP_DEBUG` | switch | off | debug mode: cross-rank checks of the bucket order and the module each step |
+| `TORCH_DISTRIBUTED_DEBUG` | OFF, INFO, DETAIL | OFF | torch's; DETAIL also turns on fastddp's debug mode |
+| `FASTDDP_NVTX` | switch | off | named ranges (record_function; NVTX on CUDA) around each reducer phase |
+| `FASTDDP_CHECK_FINITE` | switch, raise, warn | off | health check without a `check_finite` argument (on: raise) |
+| `FASTDDP_BUCKET_CAP_MB` | MiB >= 0, auto | unset | bucket cap where the constructor gets no `bucket_cap_mb(_list)` |
+| `FASTDDP_CHUNK_BYTES` | bytes >= 0 | unset | bytes each way per two-phase call (unset: the mode's; 0: unchunked) |
+| `FASTDDP_NATIVE` | switch, require | on | native readiness hooks (off: Python hooks; require: a failed build raises) |
+| `CXX` | command | unset | C++ compiler of the native build without ninja (unset: c++ or g++ on PATH) |
+| `FASTDDP_EXIT_DRAIN_S` | seconds >= 0 | 0.5 | the most the exit drain waits (`fastddp._exit`; 0: no drain) |
+| `PYTORCH_DDP_USE_SIDE_STREAM` | switch | on | torch's: copy inputs to `device_ids` on a side stream |
+| `DDP_SET_LAST_BUCKET_CAP` | switch | off | torch's: the last bucket gets the small first-bucket cap too |
+
+One rule for every switch, case and surrounding blanks ignored: unset or
+empty is the variable's default; ``0 false off no`` is off; ``1 true on yes``
+is on; a variable with words of its own (``require``, ``raise``, ``warn``)
+accepts those too.  Anything else is a ``ValueError`` that names the variable
+and the accepted values, raised where the settings are first needed (a DDP
+construction), as is a number that does not parse or is out of range.
+
+Read once: :func:`get` parses the environment the first time something asks
+and returns that frozen :class:`Settings` from then on; :func:`reload` parses
+it again (tests that change a variable call it after the change).
+
+:func:`configure` is the programmatic form of the options a constructor that
+keeps torch's signature cannot pass; where both are set, :func:`configure`
+wins over the environment (:func:`default`), and a constructor argument wins
+over both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+import os
+import threading
+from typing import Any, Callable
+
+__all__ = ["NativeMode", "Settings", "configure", "configured", "default", "get", "parse",
+           "parse_bucket_cap", "parse_check_finite", "reload"]
+
+OFF_WORDS = ("0", "false", "off", "no")
+ON_WORDS = ("1", "true", "on", "yes")
+
+
+class NativeMode(enum.Enum):
+    """``FASTDDP_NATIVE``: whether the compiled readiness hooks are built and
+    whether a failed build is an error."""
+
+    OFF = "off"
+    ON = "on"
+    REQUIRE = "require"
+
+
+# ------------------------------------------------------------------ the parsers
+def _accepted(words) -> str:
+    return ", ".join(words)
+
+
+def _switch(name: str, text: str, words: tuple = ()):
+    """The one truthiness rule (``text`` is stripped and not empty): an off
+    word -> False, an on word -> True, one of ``words`` -> that word."""
+    low = text.lower()
+    if low in OFF_WORDS:
+        return False
+    if low in ON_WORDS:
+        return True
+    if low in words:
+        return low
+    raise ValueError(f"fastddp: {name}={text!r} is not a valid value; accepted (any case): "
+                     f"{_accepted(OFF_WORDS)} (off), {_accepted(ON_WORDS)} (on)"
+                     + (f", {_accepted(words)}" if words else "") + ", or unset")
+
+
+def _native(name: str, text: str) -> NativeMode:
+    v = _switch(name, text, ("require",))
+    return NativeMode.REQUIRE if v == "require" else NativeMode.ON if v else NativeMode.OFF
+
+
+def _check_finite_env(name: str, text: str) -> str | None:
+    v = _switch(name, text, ("raise", "warn"))
+    return "raise" if v is True else None if v is False else v
+
+
+def _torch_debug(name: str, text: str) -> str:
+    up = text.upper()
+    if up not in ("OFF", "INFO", "DETAIL"):
+        raise ValueError(f"fastddp: {name}={text!r} is not a valid value; accepted (any case): "
+                         "OFF, INFO, DETAIL, or unset")
+    return up
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"fastddp: {name}={text!r} is not a number of seconds >= 0 (0: off)")
+    return value
+
+
+def _bytes(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"fastddp: {name}={text!r} is not a whole number of bytes >= 0 "
+                         "(0 turns chunking off)")
+    return value
+
+
+def _cap(name: str, text: str):
+    return parse_bucket_cap(text, name)
+
+
+def _text(name: str, text: str) -> str:
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class _Variable:
+    name: str
+    field: str
+    parse: Callable[[str, str], Any]
+    default: Any
+
+
+VARIABLES = (
+    _Variable("FASTDDP_DEBUG", "debug", _switch, False),
+    _Variable("TORCH_DISTRIBUTED_DEBUG", "torch_debug", _torch_debug, "OFF"),
+    _Variable("FASTDDP_NVTX", "nvtx", _switch, False),
+    _Variable("FASTDDP_CHECK_FINITE", "check_finite", _check_finite_env, None),
+    _Variable("FASTDDP_BUCKET_CAP_MB", "bucket_cap_mb", _cap, None),
+    _Variable("FASTDDP_CHUNK_BYTES", "chunk_bytes", _bytes, None),
+    _Variable("FASTDDP_NATIVE", "native", _native, NativeMode.ON),
+    _Variable("CXX", "cxx", _text, None),
+    _Variable("FASTDDP_EXIT_DRAIN_S", "exit_drain_s", _seconds, 0.5),
+    _Variable("PYTORCH_DDP_USE_SIDE_STREAM", "use_side_stream", _switch, True),
+    _Variable("DDP_SET_LAST_BUCKET_CAP", "set_last_bucket_cap", _switch, False),
+)
+"""Every variable of the table above: its name, its :class:`Settings` field,
+its parser and its default (the value where it is unset or empty)."""
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def parse(name: str, raw: str | None):
+    """The one parser: variable ``name``'s value for the text ``raw`` (None:
+    unset).  Unset or blank -> the default; else the variable's type, or a
+    ``ValueError`` naming the variable and what it accepts."""
+    var = _BY_NAME[name]
+    text = "" if raw is None else raw.strip()
+    return var.default if not text else var.parse(name, text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One snapshot of the environment, one field per variable (see the table)."""
+
+    debug: bool = False
+    """``FASTDDP_DEBUG``."""
+    torch_debug: str = "OFF"
+    """``TORCH_DISTRIBUTED_DEBUG``, upper case."""
+    nvtx: bool = False
+    """``FASTDDP_NVTX``."""
+    check_finite: str | None = None
+    """``FASTDDP_CHECK_FINITE``: None, ``"raise"`` or ``"warn"``."""
+    bucket_cap_mb: float | str | None = None
+    """``FASTDDP_BUCKET_CAP_MB``: MiB, ``"auto"`` or None (unset)."""
+    chunk_bytes: int | None = None
+    """``FASTDDP_CHUNK_BYTES``: bytes, or None (unset: the mode chooses)."""
+    native: NativeMode = NativeMode.ON
+    """``FASTDDP_NATIVE``."""
+    cxx: str | None = None
+    """``CXX``, or None (unset)."""
+    exit_drain_s: float = 0.5
+    """``FASTDDP_EXIT_DRAIN_S``."""
+    use_side_stream: bool = True
+    """``PYTORCH_DDP_USE_SIDE_STREAM``."""
+    set_last_bucket_cap: bool = False
+    """``DDP_SET_LAST_BUCKET_CAP``."""
+
+    @property
+    def debug_mode(self) -> bool:
+        """fastddp's debug mode: ``FASTDDP_DEBUG`` on or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``."""
+        return self.debug or self.torch_debug == "DETAIL"
+
+    @classmethod
+    def from_environment(cls, environ=None) -> "Settings":
+        env = os.environ if environ is None else environ
+        return cls(**{v.field: parse(v.name, env.get(v.name)) for v in VARIABLES})
+
+
+_lock = threading.Lock()
+_snapshot: Settings | None = None
+
+
+def get() -> Settings:
+    """The settings, parsed from the environment the first time they are needed."""
+    snap = _snapshot
+    return snap if snap is not None else reload()
+
+
+def reload() -> Settings:
+    """Parse the environment again (after a test changed a variable) and return it."""
+    global _snapshot
+    with _lock:
+        _snapshot = None  # a bad value is refused again at the next read, not replaced by the old snapshot
+        _snapshot = Settings.from_environment()
+        return _snapshot
+
+
+# --------------------------------------------------- the programmatic options
+_CHECK_FINITE = {False: None, None: None, True: "raise", "raise": "raise", "warn": "warn", "off": None}
+_UNSET = object()
+# configure()'s process-wide values (None: not configured)
+_configured: dict = {"check_finite": None, "bucket_cap_mb": None}
+
+
+def parse_check_finite(value, what: str = "check_finite") -> str | None:
+    """``check_finite`` as passed (False, True, ``"raise"``, ``"warn"``,
+    ``"off"``, None) -> None, ``"raise"`` or ``"warn"``; else a clear error."""
+    try:
+        return _CHECK_FINITE[value]
+    except (KeyError, TypeError):  # TypeError: an unhashable value
+        raise ValueError(f"fastddp: {what} must be one of False, True, 'raise', 'warn', 'off' "
+                         f"or None, got {value!r}") from None
+
+
+def parse_bucket_cap(value, what: str = "bucket_cap_mb"):
+    """``"auto"`` (any case), a number of MiB >= 0 (or its text), or None; else a clear error."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{what} must be a number of MiB or 'auto', got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of MiB or 'auto', got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number of MiB >= 0 or 'auto', got {value!r}")
+    return value
+
+
+def configure(*, check_finite=_UNSET, bucket_cap_mb=_UNSET) -> None:
+    """Process-wide defaults for code that keeps torch's signature; only the
+    options passed change (``None`` restores the built-in default):
+    ``fastddp.configure(check_finite="raise")``,
+    ``fastddp.configure(bucket_cap_mb="auto")`` (used where the constructor
+    gets neither ``bucket_cap_mb`` nor ``bucket_cap_mb_list``).  Both win
+    over their environment variables."""
+    if check_finite is not _UNSET:
+        parse_check_finite(check_finite, "fastddp.configure(check_finite=...)")
+        _configured["check_finite"] = check_finite
+    if bucket_cap_mb is not _UNSET:
+        _configured["bucket_cap_mb"] = parse_bucket_cap(bucket_cap_mb, "fastddp.configure(bucket_cap_mb=...)")
+
+
+def configured(option: str):
+    """:func:`configure`'s value for ``option`` (None: not configured)."""
+    return _configured[option]
+
+
+def default(option: str):
+    """The value a constructor that does not pass ``option`` gets:
+    :func:`configure`'s, else the environment's (None: neither)."""
+    value = _configured[option]
+    return getattr(get(), option) if value is None else value
