@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 
+from . import settings
 from .kernels._native_build import Extension
 
 __all__ = ["countdown_module", "enabled", "main", "PY", "FAST", "IDLE", "EXTENSION"]
@@ -45,7 +46,7 @@ EXTENSION = Extension(
     "fastddp_native", [os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "countdown.cpp")],
     env="FASTDDP_NATIVE", what="readiness hooks",
     fallback="the Python hooks are used (same gradients, ~3 us more per parameter per backward)",
-    instead="Python hooks")
+    instead="Python hooks", mode=lambda: settings.get().native.value)
 
 
 def enabled() -> bool:

@@ -51,13 +51,24 @@ BUILD_LIMIT_S = 600.0
 _OFF = ("0", "false", "off", "no")
 
 
+_ON = ("1", "true", "on", "yes")
+
+
 def switch(var: str) -> str:
     """``"on"``, ``"off"`` or ``"require"``: the value of the switch ``var``
-    (unset or empty: on).  Read at each call: tests and tools flip it."""
+    (unset or empty: on), by fastddp.settings' truthiness rule (case and
+    blanks ignored; anything else is an error naming the variable).  Read at
+    each call: tests and tools flip it.  The kernels package reads its own
+    switch (it imports nothing of fastddp)."""
     raw = os.environ.get(var, "").strip().lower()
     if raw == "require":
         return "require"
-    return "off" if raw in _OFF else "on"
+    if raw in _OFF:
+        return "off"
+    if not raw or raw in _ON:
+        return "on"
+    raise ValueError(f"fastddp: {var}={os.environ[var]!r} is not a switch: use 1/true/on/yes, "
+                     "0/false/off/no, or require (a failed build is then an error)")
 
 
 def has_ninja() -> bool:
@@ -111,8 +122,11 @@ class Extension:
     for :meth:`main`'s line)."""
 
     def __init__(self, prefix: str, sources: Sequence[str], env: str, what: str, fallback: str, instead: str,
-                 cflags: Sequence[str] = ("-O3", "-ffp-contract=off")):
+                 cflags: Sequence[str] = ("-O3", "-ffp-contract=off"), mode=None):
+        # mode: a callable giving "on"/"off"/"require" (fastddp passes its
+        # settings' reading of ``env``); default: :func:`switch`
         self.prefix, self.sources, self.env = prefix, list(sources), env
+        self._mode = mode or (lambda: switch(env))
         self.what, self.fallback, self.instead, self.cflags = what, fallback, instead, list(cflags)
         self._lock = threading.Lock()
         self._module = None
@@ -120,7 +134,7 @@ class Extension:
         self._name: str | None = None
 
     def enabled(self) -> bool:
-        return switch(self.env) != "off"
+        return self._mode() != "off"
 
     def module(self, stacklevel: int = 2):
         """The compiled module (built on first use, then loaded from torch's
@@ -128,7 +142,7 @@ class Extension:
         if not self.enabled():
             return None
         if self._module is not None or self._failed is not None:
-            if self._failed is not None and switch(self.env) == "require":
+            if self._failed is not None and self._mode() == "require":
                 raise RuntimeError(self._failed)
             return self._module
         with self._lock:
@@ -139,7 +153,7 @@ class Extension:
                     last = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
                     self._failed = (f"fastddp: the native {self.what} could not be built ({type(e).__name__}: {last}); "
                                     f"{self.fallback}. Set {self.env}=0 to skip the build.")
-                    if switch(self.env) == "require":
+                    if self._mode() == "require":
                         raise RuntimeError(self._failed) from e
                     warnings.warn(self._failed, RuntimeWarning, stacklevel=stacklevel + 1)
         return self._module

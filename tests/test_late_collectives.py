@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fastddp import settings
 from tests._dist import STAND_IN, backward_with_sync_triggered, ddp_class, fastddp_only, world2  # noqa: F401
 
 SEEDS = int(os.environ.get("FASTDDP_LATE_SEEDS", "2"))
@@ -244,6 +245,7 @@ def _python_hook(pg, bucket):
 def _scenario_body(rank, world_size, name, native, seed):
     kwargs, pattern, hook, _ = SCENARIOS[name]
     os.environ["FASTDDP_NATIVE"] = native
+    settings.reload()
     inner = dist.new_group(list(range(world_size)), backend="gloo")
     pg = LatePG(inner, seed=seed * 7919 + rank)
     try:
@@ -302,6 +304,7 @@ def _scenario_body(rank, world_size, name, native, seed):
         return bad, pg.calls
     finally:
         os.environ.pop("FASTDDP_NATIVE", None)
+        settings.reload()
         pg.drain()
         pg.close()
         dist.barrier()

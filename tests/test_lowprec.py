@@ -419,12 +419,16 @@ def _with_chunk_bytes(rank, world, chunk_bytes, body, *args):
 
     from tests._dist import _restore_env
 
+    from fastddp import settings
+
     old = os.environ.get("FASTDDP_CHUNK_BYTES")
     os.environ["FASTDDP_CHUNK_BYTES"] = str(chunk_bytes)
+    settings.reload()
     try:
         return body(rank, world, *args)
     finally:
         _restore_env("FASTDDP_CHUNK_BYTES", old)
+        settings.reload()
 
 
 def _chunk_counts(rank, world, chunk_bytes):
@@ -469,14 +473,18 @@ def test_chunk_bounds_rule():
 
 def test_chunking_is_for_gloo_only(monkeypatch):
     """CUDA buckets (NCCL pipelines its own chunks) keep one call per phase unless asked."""
+    from fastddp import settings
     from fastddp.reduction import chunk_bounds
 
     big = 10**8
     monkeypatch.delenv("FASTDDP_CHUNK_BYTES", raising=False)
+    settings.reload()
     assert len(chunk_bounds(big, 2, 2, 1, torch.device("cpu"))) > 1
     assert chunk_bounds(big, 2, 2, 1, torch.device("cuda", 0)) == [(0, big)]
     monkeypatch.setenv("FASTDDP_CHUNK_BYTES", str(1 << 20))
+    settings.reload()
     assert len(chunk_bounds(big, 2, 2, 1, torch.device("cuda", 0))) > 1
+    assert len(chunk_bounds(big, 2, 2, 1, torch.device("cuda", 0), target=0)) == 1  # a state's 0 wins
     monkeypatch.setenv("FASTDDP_CHUNK_BYTES", "lots")
     with pytest.raises(ValueError, match="FASTDDP_CHUNK_BYTES"):
-        chunk_bounds(big, 2, 2, 1)
+        settings.reload()

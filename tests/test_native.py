@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fastddp import settings
 from tests._dist import REPO_ROOT, fastddp_only, single_rank_group, world2  # noqa: F401 (fixture)
 
 pytestmark = fastddp_only
@@ -37,6 +38,7 @@ def _native_env(value: str | None):
         os.environ.pop("FASTDDP_NATIVE", None)
     else:
         os.environ["FASTDDP_NATIVE"] = value
+    settings.reload()
     try:
         yield
     finally:
@@ -44,6 +46,7 @@ def _native_env(value: str | None):
             os.environ.pop("FASTDDP_NATIVE", None)
         else:
             os.environ["FASTDDP_NATIVE"] = old
+        settings.reload()
 
 
 def _module():

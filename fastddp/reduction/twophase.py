@@ -53,7 +53,8 @@ def chunk_bounds(shard: int, world: int, elem_bytes: int, align: int,
     pieces and issues the same calls.  One piece: the phases run unchunked
     (no staging)."""
     if target is None:
-        target = _chunk_setting()
+        from .. import settings
+        target = settings.get().chunk_bytes
         if target is None:
             target = CHUNK_BYTES if device is None or device.type == "cpu" else 0
     units = shard // align
@@ -63,18 +64,6 @@ def chunk_bounds(shard: int, world: int, elem_bytes: int, align: int,
     n = min(MAX_CHUNKS, units, -(-each_way // target))
     per = -(-units // n) * align
     return [(a, min(a + per, shard)) for a in range(0, shard, per)]
-
-
-def _chunk_setting() -> int | None:
-    import os
-    env = os.environ.get("FASTDDP_CHUNK_BYTES")
-    if env is None or not env.strip():
-        return None
-    try:
-        return int(env)
-    except ValueError:
-        raise ValueError(f"fastddp: FASTDDP_CHUNK_BYTES={env!r} is not a whole number of bytes "
-                         "(0 turns chunking off)") from None
 
 
 class ShardWire:
