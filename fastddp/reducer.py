@@ -160,6 +160,15 @@ class Reducer:
     def bucket_sizes(self) -> list[int]:  # bytes of each bucket (sparse: of its last gradient)
         return [b.nbytes() for b in self._buckets]
 
+    def bucket_indices(self) -> list[list[int]]:
+        """Each bucket's parameter indices, in bucket order (the current plan)."""
+        return [list(b.param_indices) for b in self.plan.buckets]
+
+    @property
+    def tuning_active(self) -> bool:
+        """True while ``bucket_cap_mb="auto"`` is still trying layouts; False once settled or when not tuning."""
+        return self.tuner is not None and self.tuner.active
+
     def error_feedback_residual(self, index: int) -> torch.Tensor | None:
         """Parameter ``index``'s error-feedback residual (fused compression), shaped like its bucket slot."""
         b, pos = self.plan.locate(index)
