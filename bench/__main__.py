@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'none' adds a section without simulation")
     p.add_argument("--link", metavar="netns:RATE",
                    help="a real link: 2 ranks in two network namespaces joined by a veth pair shaped to "
-                        "RATE Gbit/s (tc tbf); gloo on the CPU; needs root and iproute2")
+                        "RATE Gbit/s (tc tbf); gloo on the CPU; needs root, iproute2 and a clone of the "
+                        "repository (the tooling is its tools/netlink.py, not installed)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
     p.add_argument("--seed", type=int, default=0)
@@ -123,16 +124,20 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, progress=not args.no_progress, charts=not args.no_charts, link=args.link,
         command=" ".join(shlex.quote(a) for a in ["fastddp-bench", *(sys.argv[1:] if argv is None else argv)]),
     )
+    from .clone import ToolsMissing, netlink
+
     try:
         cfg.validate()
     except ValueError as e:
         parser.error(str(e))
+    except ToolsMissing as e:  # --link from an installed wheel: the tooling is in a clone only
+        print(f"fastddp-bench: {e}", file=sys.stderr)
+        return 2
     if cfg.link is not None:
-        from .netlink import LinkError, check_requirements
-
+        N = netlink()
         try:
-            check_requirements()
-        except LinkError as e:
+            N.check_requirements()
+        except N.LinkError as e:
             print(f"fastddp-bench: {e}", file=sys.stderr)
             return 2
     if cfg.mode == "adaptive" and cfg.progress:

@@ -1,34 +1,23 @@
-"""Statistics and report writing for the end-to-end runner; pure.
+"""Report writing for the end-to-end runner; pure.
 
-Nothing here starts processes or touches torch.distributed (torch serves as
-a vectorised math library for the bootstrap): the runner hands over
-per-round samples and per-wrapper measurements, and this module turns them
-into decisions (:func:`compare`, :class:`Stopper`, :func:`derive`), the
-terminal text (:func:`summary_text`), and the files under
+Nothing here starts processes or touches torch.distributed: the runner
+hands over per-round samples and per-wrapper measurements, and this module
+turns them, with :mod:`bench.stats` (the paired comparison, its bootstrap
+intervals and verdicts), into the rows' derived figures (:func:`derive`),
+the rule that ends a model's rounds (:class:`StopRule`, :class:`Stopper`),
+the terminal text (:func:`summary_text`), and the files under
 ``reports/<device>/`` (:func:`write_report`: ``<date>-<label>.md``,
 ``.json`` and PNG charts).
 
-The statistic: every round ran each wrapper once on the same batch (order
-rotated), and a round's time is the slowest rank's (:func:`merge_ranks`).
-A fastddp row is compared with each of its peers *paired by round*::
-
-    ratio  = exp(trimmed mean over rounds of log(fastddp_i / peer_i))
-    diff   = trimmed mean over rounds of (fastddp_i - peer_i)          [ms]
-
-with a percentile-bootstrap 90% interval that resamples whole rounds
-(:class:`Resampler`): a slow round slows both and cancels.  The trimmed mean
-(the middle 60% of rounds) keeps a few disturbed rounds from moving the
-estimate, as a median would, but with a smooth bootstrap.  The verdict
-(:func:`decide`) reads the ratio's interval against a margin of ±X
-(the precision goal, 3% by default).  The overhead over ``local`` is the same
-paired statistic; a ratio of two overheads is shown only where the peer's
-overhead interval lies above zero, and never below 0.
+A fastddp row is compared with each of its peers paired by round
+(:func:`bench.stats.compare`); the overhead over ``local`` is the same
+paired statistic.
 
 Data model: a :class:`Report` holds the run's metadata and one
 :class:`Section` per simulated bandwidth (a single section with
 ``bandwidth_gbps=None`` when no bandwidth is simulated); a section holds one
 :class:`Row` per (model, wrapper), how each model's rounds ended
-(``runs``) and, once derived, its :class:`Comparison` list.
+(``runs``) and, once derived, its :class:`~bench.stats.Comparison` list.
 """
 
 from __future__ import annotations
@@ -41,30 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import torch
+from .stats import (DEFAULT_HALF_WIDTH, MIN_CI_ROUNDS, Comparison, Quantiles, Resampler, compare, interval,
+                    paired, summarize, trimmed_mean, verdict_text)
 
 __all__ = [
-    "Quantiles", "Row", "Section", "Report", "Comparison", "Resampler", "StopRule", "Stopper",
-    "quantile", "summarize", "trimmed_mean", "merge_ranks", "compare", "decide", "pairs", "derive",
-    "comparison_table", "format_table", "summary_text", "run_text", "verdict_text", "clip_span",
+    "Row", "Section", "Report", "StopRule", "Stopper", "pairs", "derive",
+    "comparison_table", "format_table", "summary_text", "run_text", "clip_span",
     "to_markdown", "to_json", "from_json", "slugify", "write_report",
-    "LEVEL", "BOOTSTRAP", "TRIM", "MIN_ROUNDS", "MIN_CI_ROUNDS", "DEFAULT_HALF_WIDTH",
-    "DEFAULT_BUDGET_S", "TERMINAL_WIDTH",
+    "MIN_ROUNDS", "DEFAULT_BUDGET_S", "TERMINAL_WIDTH",
 ]
 
-#: Confidence level of every interval.
-LEVEL = 0.90
-#: Bootstrap resamples behind each interval (seeded: reports are reproducible).
-BOOTSTRAP = 1000
-#: Fraction of rounds cut from each end before averaging.
-TRIM = 0.2
-#: Below this many rounds no interval is given (the bootstrap of 4 rounds says nothing).
-MIN_CI_ROUNDS = 5
 #: Rounds before the precision goal may stop a model: a bootstrap interval
 #: of a dozen rounds is too narrow too often to stop on.
 MIN_ROUNDS = 20
-#: Default precision goal and equality margin: ±3% of the peer's step time.
-DEFAULT_HALF_WIDTH = 0.03
 #: Default time per model (build, warm-up, rounds, profiled step): the 4
 #: default models then take about 10 minutes on 2 cores.
 DEFAULT_BUDGET_S = 140.0
@@ -78,224 +56,6 @@ MIN_TIMED_ROUNDS = 3
 TERMINAL_WIDTH = 100
 
 MiB = 1 << 20
-
-
-# -- statistics ----------------------------------------------------------------
-
-def quantile(samples: Sequence[float], q: float) -> float:
-    """The ``q``-quantile (0..1) of ``samples`` with linear interpolation
-    between closest ranks (numpy's default method); infinite samples are
-    allowed (equal neighbours are returned as they are)."""
-    if len(samples) == 0:
-        raise ValueError("quantile of no samples")
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile q must be in [0, 1], got {q}")
-    xs = sorted(samples)
-    pos = q * (len(xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    frac = pos - lo
-    if frac == 0 or xs[hi] == xs[lo]:
-        return xs[lo]
-    return xs[lo] + (xs[hi] - xs[lo]) * frac
-
-
-@dataclass
-class Quantiles:
-    """p20 / median / p80 of a set of samples (same unit as the samples)."""
-
-    median: float
-    p20: float
-    p80: float
-
-
-def summarize(samples: Sequence[float]) -> Quantiles | None:
-    """Median, p20 and p80 of ``samples``; None when there are none."""
-    if not samples:
-        return None
-    return Quantiles(quantile(samples, 0.5), quantile(samples, 0.2), quantile(samples, 0.8))
-
-
-def _cut(n: int, trim: float = TRIM) -> int:
-    """Samples cut from each end of ``n`` (at least one is kept)."""
-    return min(int(trim * n), (n - 1) // 2)
-
-
-def trimmed_mean(samples: Sequence[float], trim: float = TRIM) -> float:
-    """Mean of ``samples`` without the lowest and highest ``trim`` fraction
-    (``int(trim * n)`` from each end)."""
-    if len(samples) == 0:
-        raise ValueError("trimmed mean of no samples")
-    xs = sorted(samples)
-    k = _cut(len(xs), trim)
-    kept = xs[k:len(xs) - k]
-    return math.fsum(kept) / len(kept)
-
-
-def merge_ranks(per_rank: Sequence[Sequence[Sequence[float]]]) -> list[tuple[float, float, float]]:
-    """One round's samples from every rank -> one sample per wrapper.
-
-    ``per_rank[rank][wrapper] = (step ms, exposed ms, host CPU ms)``; a
-    round's step time and exposed communication are the slowest rank's (it
-    sets the pace of data parallel training), its host CPU time the mean
-    over ranks (the work one rank does).  Exposed time < 0 means "not
-    measured" on that rank and stays < 0 only when no rank measured it."""
-    if not per_rank:
-        raise ValueError("merge_ranks: no rank's samples")
-    width = len(per_rank[0])
-    if any(len(r) != width for r in per_rank):
-        raise ValueError(f"merge_ranks: ranks report different numbers of wrappers "
-                         f"{[len(r) for r in per_rank]}")
-    out = []
-    for w in range(width):
-        col = [r[w] for r in per_rank]
-        out.append((max(c[0] for c in col), max(c[1] for c in col),
-                    math.fsum(c[2] for c in col) / len(col)))
-    return out
-
-
-class Resampler:
-    """The paired bootstrap over ``n`` rounds: ``resamples`` draws of ``n``
-    round indices with replacement (seeded), shared by every statistic of a
-    model so that all its intervals resample the same rounds.
-
-    A resample is kept as counts per round, so the trimmed mean of a
-    resample is a weighted sum over the sorted sample: no sort per
-    resample (1000 x 300 rounds in ~15 ms)."""
-
-    def __init__(self, n: int, resamples: int = BOOTSTRAP, seed: int = 0):
-        if n < 1:
-            raise ValueError(f"Resampler needs at least one round, got {n}")
-        if resamples < 10:
-            raise ValueError(f"Resampler needs at least 10 resamples, got {resamples}")
-        self.n, self.resamples = n, resamples
-        gen = torch.Generator().manual_seed(seed)
-        idx = torch.randint(0, n, (resamples, n), generator=gen)
-        self.counts = torch.zeros(resamples, n, dtype=torch.float64)
-        self.counts.scatter_add_(1, idx, torch.ones(resamples, n, dtype=torch.float64))
-
-    def trimmed_means(self, samples: Sequence[float]) -> torch.Tensor:
-        """The trimmed mean of ``samples`` (one per round) in every resample."""
-        if len(samples) != self.n:
-            raise ValueError(f"Resampler over {self.n} rounds got {len(samples)} samples")
-        x = torch.as_tensor(samples, dtype=torch.float64)
-        xs, order = x.sort()
-        c = self.counts[:, order]
-        upto = c.cumsum(1)
-        k = _cut(self.n)
-        # each sorted value's count that falls inside positions [k, n - k)
-        w = (upto.clamp(max=self.n - k) - (upto - c).clamp(min=k)).clamp(min=0)
-        return (w @ xs) / (self.n - 2 * k)
-
-
-def _interval(boot: torch.Tensor | Sequence[float], level: float = LEVEL) -> tuple[float, float]:
-    """Percentile interval of bootstrap values (infinite values allowed)."""
-    vals = boot.tolist() if isinstance(boot, torch.Tensor) else list(boot)
-    a = (1.0 - level) / 2
-    return quantile(vals, a), quantile(vals, 1.0 - a)
-
-
-def decide(ci: tuple[float, float] | None, margin: float) -> str:
-    """The verdict of a step-time ratio interval (fastddp / peer):
-
-    * ``equal``: the whole interval lies within ``1 ± margin`` (any
-      difference is smaller than the margin);
-    * ``faster`` / ``slower``: the whole interval is below / above 1;
-    * ``undecided``: anything else, or no interval."""
-    if ci is None:
-        return "undecided"
-    lo, hi = ci
-    if 1.0 - margin < lo and hi < 1.0 + margin:
-        return "equal"
-    if hi < 1.0:
-        return "faster"
-    if lo > 1.0:
-        return "slower"
-    return "undecided"
-
-
-def verdict_text(verdict: str | None, margin: float) -> str:
-    if verdict is None:
-        return "-"
-    return f"equal ±{margin * 100:g}%" if verdict == "equal" else verdict
-
-
-@dataclass
-class Comparison:
-    """A fastddp row against one peer, paired by round."""
-
-    model: str
-    wrapper: str
-    peer: str
-    rounds: int
-    ratio: float
-    """Step time fastddp / peer: exp of the trimmed mean of the per-round log ratios."""
-    ratio_ci: tuple[float, float] | None
-    diff_ms: float
-    """Trimmed mean of the per-round difference fastddp - peer, ms (< 0: fastddp faster)."""
-    diff_ci: tuple[float, float] | None
-    overhead_ratio: float | None = None
-    """fastddp's overhead over ``local`` / the peer's; None unless the
-    peer's overhead interval lies above 0; never below 0."""
-    overhead_ratio_ci: tuple[float, float] | None = None
-    verdict: str | None = None
-    """``faster``, ``slower``, ``equal`` (within the margin) or
-    ``undecided``; None where no verdict is given (``--quick``)."""
-    best: bool = False
-    """The peer with the lowest step time of this row's peers: the headline."""
-
-    @property
-    def half_width(self) -> float | None:
-        """Half the width of the ratio's interval (a fraction of the peer's step time)."""
-        return None if self.ratio_ci is None else (self.ratio_ci[1] - self.ratio_ci[0]) / 2
-
-
-def _paired(samples: Sequence[float], rs: Resampler | None) -> tuple[float, tuple[float, float] | None]:
-    point = trimmed_mean(samples)
-    if rs is None:
-        return point, None
-    return point, _interval(rs.trimmed_means(samples))
-
-
-def compare(a: Sequence[float], b: Sequence[float], local: Sequence[float] | None = None, *,
-            margin: float = DEFAULT_HALF_WIDTH, verdict: bool = True, resampler: Resampler | None = None,
-            model: str = "", wrapper: str = "", peer: str = "") -> Comparison:
-    """Compare step times ``a`` (fastddp) with ``b`` (its peer), round by
-    round (``a[i]``, ``b[i]`` and ``local[i]`` ran in the same round).
-
-    ``resampler`` (over the same number of rounds) lets every comparison of
-    a model share one set of resamples; without it one is made.  Fewer than
-    :data:`MIN_CI_ROUNDS` rounds: point estimates only, verdict
-    ``undecided``."""
-    n = min(len(a), len(b), len(local) if local is not None else len(a))
-    if n < 1:
-        raise ValueError(f"compare {wrapper or 'a'} with {peer or 'b'}: no rounds")
-    a, b = list(a[:n]), list(b[:n])
-    bad = [x for x in a + b if not x > 0]
-    if bad:
-        raise ValueError(f"compare {wrapper or 'a'} with {peer or 'b'}: step times must be > 0 ms, got {bad[0]}")
-    rs = None
-    if n >= MIN_CI_ROUNDS:
-        rs = resampler if resampler is not None and resampler.n == n else Resampler(n)
-    log_ratio, point_ci = _paired([math.log(x / y) for x, y in zip(a, b)], rs)
-    diff, diff_ci = _paired([x - y for x, y in zip(a, b)], rs)
-    cmp = Comparison(model, wrapper, peer, n, math.exp(log_ratio),
-                     None if point_ci is None else (math.exp(point_ci[0]), math.exp(point_ci[1])),
-                     diff, diff_ci)
-    if local is not None and rs is not None:
-        loc = list(local[:n])
-        over_b = [y - z for y, z in zip(b, loc)]
-        boot_b = rs.trimmed_means(over_b)
-        if _interval(boot_b)[0] > 0:  # the peer's overhead is clearly positive
-            over_a = [x - z for x, z in zip(a, loc)]
-            boot_a = rs.trimmed_means(over_a)
-            ratios = torch.where(boot_b > 0, (boot_a / boot_b).clamp(min=0.0),
-                                 torch.full_like(boot_b, math.inf))
-            cmp.overhead_ratio = max(0.0, trimmed_mean(over_a) / trimmed_mean(over_b))
-            cmp.overhead_ratio_ci = _interval(ratios)
-    if verdict:
-        cmp.verdict = decide(cmp.ratio_ci, margin)
-    return cmp
 
 
 # -- data model ----------------------------------------------------------------
@@ -452,7 +212,7 @@ def derive(section: Section) -> Section:
             r.overhead_ms = 0.0
         else:
             n = min(len(r.step_ms), len(local.step_ms))
-            r.overhead_ms, r.overhead_ci = _paired([x - y for x, y in zip(r.step_ms, local.step_ms)], sampler(n))
+            r.overhead_ms, r.overhead_ci = paired([x - y for x, y in zip(r.step_ms, local.step_ms)], sampler(n))
         n = min(len(r.cpu_ms), len(local.cpu_ms))
         if n:
             r.cpu_overhead_ms = trimmed_mean([x - y for x, y in zip(r.cpu_ms, local.cpu_ms)])
@@ -524,7 +284,7 @@ class StopRule:
         rs = Resampler(n)
         worst = 0.0
         for a, b in found:
-            lo, hi = _interval(rs.trimmed_means([math.log(x / y) for x, y in zip(a.step_ms[:n], b.step_ms[:n])]))
+            lo, hi = interval(rs.trimmed_means([math.log(x / y) for x, y in zip(a.step_ms[:n], b.step_ms[:n])]))
             worst = max(worst, (math.exp(hi) - math.exp(lo)) / 2)
         return worst
 

@@ -12,7 +12,7 @@ One run (:func:`run`)::
                 round r: same batch for every wrapper, order rotated by r,
                          a barrier before each step (not timed); then one
                          all_gather of every rank's times -> the round's
-                         sample per wrapper (slowest rank: report.merge_ranks)
+                         sample per wrapper (slowest rank: stats.merge_ranks)
                 after each round rank 0 applies the stop rule (every
                 compared pair's ratio interval within +-X, or the model's
                 time budget spent; --steps / --quick: a fixed count) and
@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import report as R
+from . import stats as S
 from .models import DEFAULT_MODELS, ModelSpec, model_zoo
 from .simwire import SimulatedWire
 from .wrappers import (CUDA_EXTRA_WRAPPERS, DEFAULT_WRAPPERS, WrapperOptions, build_wrapper,
@@ -87,7 +88,7 @@ class BenchConfig:
     until the stop rule says so (``quick``: the model's ``quick_steps``)."""
     warmup: int | None = None
     """Warm-up rounds per model (>= 1); None: 3, or 1 with ``quick``."""
-    half_width: float = R.DEFAULT_HALF_WIDTH
+    half_width: float = S.DEFAULT_HALF_WIDTH
     """Precision goal: rounds go on until every compared pair's 90% interval
     of the step-time ratio is within this half-width (0.03: ±3%); also the
     margin of an ``equal`` verdict."""
@@ -121,7 +122,7 @@ class BenchConfig:
     command: str = ""
     link: str | None = None
     """``netns:RATE``: two ranks over a real veth link of RATE Gbit/s
-    (bench/netlink.py; root only, gloo on the CPU); None: loopback."""
+    (tools/netlink.py, from a clone only; root, gloo on the CPU); None: loopback."""
 
     def resolved_label(self) -> str:
         if self.label:
@@ -182,9 +183,9 @@ class BenchConfig:
             if bw is not None and not bw > 0:
                 raise ValueError(f"--simulate-bandwidth values must be > 0 GB/s, got {bw}")
         if self.link is not None:
-            from .netlink import parse_link
+            from .clone import netlink
 
-            parse_link(self.link)
+            netlink().parse_link(self.link)  # the tooling is in the clone's tools/: say so early if absent
             if self.world not in (None, 2):
                 raise ValueError(f"--link runs one rank in each of two namespaces: --world must be 2, "
                                  f"got {self.world}")
@@ -525,7 +526,7 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
     """One step of every live wrapper on the same batch, order rotated by
     ``index``; a barrier (untimed) before each step.  Then one all_gather
     brings every rank's (step ms, exposed ms, CPU ms, failed) to every rank;
-    :func:`report.merge_ranks` makes the round's sample per wrapper (the
+    :func:`stats.merge_ranks` makes the round's sample per wrapper (the
     slowest rank's step), appended to its row when ``timed``.  A wrapper
     that raised on any rank is marked failed on all."""
     batch = _batch(ctx, spec, index)
@@ -545,7 +546,7 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
                          for e in live], dtype=torch.float64)
     mine[:, 1] = mine[:, 1].nan_to_num(-1.0)  # exposed not measured
     ranks = _all_gather(ctx, mine)
-    merged = R.merge_ranks([r[:, :3].tolist() for r in ranks])
+    merged = S.merge_ranks([r[:, :3].tolist() for r in ranks])
     for i, (e, (ms, exposed, cpu)) in enumerate(zip(live, merged)):
         if any(r[i, 3] > 0 for r in ranks):
             exc = errors.get(id(e))
@@ -557,29 +558,34 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
                 e.row.exposed_ms.append(exposed)
 
 
-def _reducer_attr(e: _Entry, name: str):
-    """``name`` of the wrapper's fastddp reducer, else None (other wrappers)."""
-    return getattr(getattr(e.module, "reducer", None), name, None)
+def _reducer(e: _Entry):
+    """The wrapper's fastddp reducer (its public ``reducer``, also through
+    ``torch.compile``'s wrapper), else None (torch's DDP has a C++ one; other
+    wrappers none)."""
+    from fastddp.reducer import Reducer
+
+    r = getattr(e.module, "reducer", None)
+    return r if isinstance(r, Reducer) else None
 
 
-def _tuner(e: _Entry):
-    """The wrapper's bucket tuner (``bucket_cap_mb="auto"``), else None."""
-    return _reducer_attr(e, "tuner")
+def _tuning(e: _Entry) -> bool:
+    """The wrapper is fastddp with ``bucket_cap_mb="auto"`` still tuning."""
+    r = _reducer(e)
+    return r is not None and r.tuning_active
 
 
 def _buckets(e: _Entry) -> list[list[int]] | None:
     """The wrapper's buckets as parameter indices (fastddp's reducer), else None."""
-    plan = _reducer_attr(e, "plan")
-    return None if plan is None else [list(b.param_indices) for b in plan.buckets]
+    r = _reducer(e)
+    return None if r is None else r.bucket_indices()
 
 
 def _tune_alone(ctx: _Ctx, spec: ModelSpec, e: _Entry) -> None:
     """A wrapper that tunes its buckets: its steps back to back, alone
     (untimed), until the tuner settles (every rank at the same step: its
     decisions come from values reduced over the ranks) or TUNE_ALONE_MAX."""
-    tuner = _tuner(e)
     steps = 0
-    while tuner is not None and tuner.active and e.row.ok and steps < TUNE_ALONE_MAX:
+    while _tuning(e) and e.row.ok and steps < TUNE_ALONE_MAX:
         _round(ctx, spec, [e], steps, timed=False)
         steps += 1
     e.tuned_alone = steps
@@ -639,9 +645,10 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
         progress.tick(now - t0, rounds, stopper.widest if stopper else None)
 
     for e in entries:
-        tuner = _tuner(e)
-        if tuner is not None:
-            e.row.autotune = {**tuner.report(), "tuned_alone_steps": e.tuned_alone}
+        r = _reducer(e)
+        tune = None if r is None else r.stats().get("autotune")
+        if tune is not None:
+            e.row.autotune = {**tune, "tuned_alone_steps": e.tuned_alone}
         e.row.buckets = _buckets(e)
     t_post = time.perf_counter()
     for e in entries:
@@ -815,9 +822,9 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
         ctx = _Ctx(cfg, rank, world, local_rank, device)
         link_probe = None
         if cfg.link is not None:  # the rate the link really carries, before the rounds
-            from .netlink import probe_link
+            from .clone import netlink
 
-            link_probe = probe_link()
+            link_probe = netlink().probe_link()
         names = cfg.wrapper_names(cuda)
         bar = _Progress(ctx.lead and cfg.progress, cfg)
         try:
@@ -828,9 +835,9 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
             return None
         meta = _meta(ctx, names, time.perf_counter() - t_start, sections)
         if link_probe is not None:
-            from .netlink import parse_link
+            from .clone import netlink
 
-            meta["link"] = {"spec": cfg.link, "what": parse_link(cfg.link).describe(), **link_probe}
+            meta["link"] = {"spec": cfg.link, "what": netlink().parse_link(cfg.link).describe(), **link_probe}
         report = R.Report(meta, sections)
         for s in report.sections:
             R.derive(s)
@@ -948,15 +955,16 @@ def _run_linked(cfg: BenchConfig) -> R.Report:
     import dataclasses
     import pickle
 
-    from .netlink import NetnsLink, parse_link
+    from .clone import netlink
 
+    N = netlink()
     cfg = dataclasses.replace(cfg, cpu=True, world=2)
     with tempfile.TemporaryDirectory(prefix="fastddp-bench-") as tmp:
         cfg_path, result = Path(tmp, "cfg.pkl"), Path(tmp, "result.json")
         cfg_path.write_bytes(pickle.dumps(cfg))
         argv = [sys.executable, "-c", "import sys; from fastddp.bench.runner import link_rank; "
                 "link_rank(sys.argv[1], sys.argv[2])", str(cfg_path), str(result)]
-        with NetnsLink(parse_link(cfg.link)) as link:
+        with N.NetnsLink(N.parse_link(cfg.link)) as link:
             link.run_ranks(argv)
         return R.from_json(result.read_text())
 

@@ -74,6 +74,7 @@ def test_reducer_step(benchmark, pg, wrapper):
 
 
 def test_profiling_range_off(benchmark):
+    was = profiling.enabled()
     profiling.disable()
     try:
         def body():
@@ -81,7 +82,7 @@ def test_profiling_range_off(benchmark):
                 pass
         benchmark(body)
     finally:
-        profiling._state["on"] = None
+        (profiling.enable if was else profiling.disable)()
 
 
 def test_profiling_range_baseline(benchmark):

@@ -42,7 +42,7 @@ replicate          torch's FSDP2-based ``replicate``
 replicate-bf16     ... with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16):
                    params and compute fp32, gradients all-reduced in bf16
 fastddp-capN       ... bucket_cap_mb=N for N in SWEEP_CAPS_MB (opt-in rows of the
-                   bucket sweep, ``python -m bench.bucket_sweep``)
+                   bucket sweep, ``python -m tools.bucket_sweep``)
 fastddp-auto       ... bucket_cap_mb="auto" (opt-in row; tunes in its first ~25
                    steps: time it with --warmup 30 to see the settled layout)
 =================  ===========================================================
@@ -280,7 +280,7 @@ def _replicate(model, process_group, options, reduce_dtype: torch.dtype | None =
     return model, note
 
 
-#: The fixed caps of the bucket sweep (``python -m bench.bucket_sweep``): opt-in rows ``fastddp-capN``.
+#: The fixed caps of the bucket sweep (``python -m tools.bucket_sweep``): opt-in rows ``fastddp-capN``.
 SWEEP_CAPS_MB = (1, 5, 10, 25, 50, 100)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fastddp.bench import report as R
+from fastddp.bench import stats as S
 from fastddp.bench.wrappers import DEFAULT_WRAPPERS, computed_wire_bytes, registry
 from tests._dist import torch_ddp_accepts, world2  # noqa: F401  (module-scoped 2-rank gloo fixture)
 
@@ -22,20 +23,20 @@ from tests._dist import torch_ddp_accepts, world2  # noqa: F401  (module-scoped 
 @pytest.mark.parametrize("xs", [[3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0], list(np.random.default_rng(0).random(17))])
 @pytest.mark.parametrize("q", [0.0, 0.2, 0.5, 0.8, 1.0])
 def test_quantile_matches_numpy_linear(xs, q):
-    assert R.quantile(xs, q) == pytest.approx(float(np.quantile(xs, q)), rel=0, abs=1e-12)
+    assert S.quantile(xs, q) == pytest.approx(float(np.quantile(xs, q)), rel=0, abs=1e-12)
 
 
 def test_quantile_rejects_bad_input():
     with pytest.raises(ValueError):
-        R.quantile([], 0.5)
+        S.quantile([], 0.5)
     with pytest.raises(ValueError):
-        R.quantile([1.0], 1.5)
+        S.quantile([1.0], 1.5)
 
 
 def test_summarize():
-    s = R.summarize([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
+    s = S.summarize([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
     assert (s.median, s.p20, s.p80) == pytest.approx((35.0, 20.0, 50.0))
-    assert R.summarize([]) is None
+    assert S.summarize([]) is None
 
 
 def _row(model, wrapper, steps, family=None, baselines=(), status="ok", **kw):
@@ -84,12 +85,6 @@ def test_derive_on_the_runner_rows():
     assert next(c for c in s.comparisons if c.model == "small").verdict == "faster"  # 145 / 150: 3.3% faster
 
 
-def test_slugify():
-    assert R.slugify("Intel(R) Xeon(R) Processor @ 2.80GHz") == "intel-xeon-processor-2-80ghz"
-    assert R.slugify("NVIDIA H200") == "nvidia-h200"
-    assert R.slugify("") == "unknown-device"
-
-
 def test_json_roundtrip_and_markdown():
     rep = R.Report({"label": "t", "device": "Some CPU", "date": "2026-01-01"},
                    [_section(), _section(1.0)])
@@ -118,12 +113,6 @@ def test_write_report_files(tmp_path):
                             "2026-01-02-unit-test-bandwidth.png"])
     for p in paths["charts"]:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_chart_colours_one_per_wrapper():
-    rows = [_row("m", f"w{i}", [1.0]) for i in range(14)]
-    colors = R._colors(rows)
-    assert len(set(colors.values())) == 14  # the legend tells every wrapper apart
 
 
 # -- wrappers ----------------------------------------------------------------------
@@ -308,67 +297,6 @@ def test_exit_status_is_nonzero_when_a_fastddp_row_is_not_ok(tmp_path, monkeypat
     assert main(argv) == 1
 
 
-# -- bench/gpu_check.sh helpers ------------------------------------------------------
-
-def test_gpu_check_script_parses_and_documents_its_stages():
-    import subprocess
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
-    assert out.returncode == 0
-    for word in ("--dry-run", "OUT", "PYTHON", "summary.md", "env.txt", "tests.log", "kernels.json",
-                 "bench.json", "gpu_check.log"):
-        assert word in out.stdout, word
-    assert subprocess.run(["bash", str(script), "--bogus"], capture_output=True).returncode == 2
-
-
-def test_pytest_shards_reads_pytest_result_lines(tmp_path):
-    from fastddp.bench import pytest_shards as S
-
-    log = tmp_path / "shard-0.log"
-    log.write_text("....F\nFAILED tests/x.py::t[a] - AssertionError: boom\n"
-                   "1 failed, 20 passed, 3 skipped, 2 warnings in 3.21s\n")
-    line = S.summary_line(log)
-    assert line == "1 failed, 20 passed, 3 skipped, 2 warnings in 3.21s"
-    assert S.counts(line) == {"failed": 1, "passed": 20, "skipped": 3, "warnings": 2}
-    log.write_text("========== 5 passed, 1 error in 0.50s ==========\n")
-    assert S.counts(S.summary_line(log)) == {"passed": 5, "errors": 1}
-    assert S.summary_line(tmp_path / "missing.log") == ""
-
-
-def test_check_summary_lines(tmp_path):
-    from fastddp.bench import check_summary as C
-
-    log = tmp_path / "tests.log"
-    log.write_text("x\nFAILED tests/a.py::t1 - AssertionError\nERROR tests/b.py::t2 - RuntimeError\n"
-                   "===== 1 failed, 7 passed, 1 error in 2.00s =====\n")
-    lines = C.pytest_lines(log)
-    assert lines[0].strip() == "1 failed, 7 passed, 1 error in 2.00s"
-    assert any("FAILED tests/a.py::t1" in ln for ln in lines) and any("ERROR tests/b.py::t2" in ln for ln in lines)
-
-    kern = {"meta": {"copy_GB/s": 4000.0, "backend": "triton", "truncated": True},
-            "rows": [{"op": "pack", "wire": "bf16", "shape": "few_large", "method": "fastddp",
-                      "device_us": 50.0, "pct_copy": 80.0, "bit_exact": True},
-                     {"op": "pack", "wire": "bf16", "shape": "few_large", "method": "foreach",
-                      "device_us": 100.0, "pct_copy": 40.0}]}
-    path = tmp_path / "kernels.json"
-    path.write_text(json.dumps(kern))
-    text = "\n".join(C.kernels_lines(path))
-    assert "80% 2.0x" in text and "TRUNCATED" in text and "bit-exact vs reference: all" in text
-
-    rep = R.Report({"label": "t", "device": "Unit GPU", "date": "2026-01-04", "world_size": 1,
-                    "backend": "nccl", "torch": "2.11"}, [_section()])
-    path = tmp_path / "bench.json"
-    path.write_text(R.to_json(rep))
-    text = "\n".join(C.bench_lines(path))
-    assert "0.750 <" in text       # m / fastddp against torch: 15 / 20 ms, faster
-    assert "UNAVAILABLE" in text   # m / fastddp-view
-    assert "not ok: m fastddp-view: unavailable: not built" in text
-    assert C.main(["kernels", str(tmp_path / "nope.json")]) == 0
-
-
 # -- one tiny end-to-end run ------------------------------------------------------
 
 SIM_GBPS = 0.002  # 2 MB/s: the tiny model's 4.9 KB take ~2.4 ms on the wire
@@ -517,34 +445,6 @@ def test_half_width_and_budget_options(capsys):
         assert e.value.code == 2 and word in capsys.readouterr().err
 
 
-def test_eta_is_the_budget_left_across_models():
-    from fastddp.bench.runner import _clock, eta_s
-
-    assert eta_s(250.0, 0.0, 0.0) == 250.0
-    assert eta_s(250.0, 0.0, 30.0) == 220.0
-    assert eta_s(250.0, 60.0, 120.0) == 70.0   # a model that stopped early left its time to the next
-    assert eta_s(250.0, 200.0, 60.0) == 0.0
-    assert (_clock(65), _clock(3725)) == ("1:05", "1:02:05")
-
-
-def test_progress_bar_counts_the_budget(capsys):
-    pytest.importorskip("tqdm")
-    from fastddp.bench.runner import BenchConfig, _Progress
-
-    cfg = BenchConfig(models=("small", "tiny"), budget_s=60.0)
-    bar = _Progress(True, cfg)
-    assert bar.bar.total == 120
-    bar.start("small")
-    bar.tick(30.0, 25, 0.041)
-    assert bar.bar.n == 30 and "at most 1:30 left" in bar.text and "±4.1% (goal ±3%)" in bar.text
-    assert str(bar.bar).endswith("| round 25, widest pair ±4.1% (goal ±3%), at most 1:30 left")
-    bar.end(40.0)                  # stopped early at 40 s: tiny may take 80 s
-    bar.start("tiny")
-    bar.tick(10.0, 0, None)
-    assert bar.bar.n == 50 and "at most 1:10 left" in bar.text and "warming up" in bar.text
-    bar.close()
-
-
 def test_gpu_kernels_lowprec_rows_bit_exact_on_cpu():
     """The GPU check's low-precision rows (fp8 quantize with error feedback,
     dequantize, the fp8 and bf16 shard sums) run and are checked bit for bit
@@ -586,3 +486,47 @@ def test_auto_tunes_alone_before_the_rounds(tmp_path):
     assert rows["fastddp-cap25"].buckets and auto_buckets
     assert sorted(i for b in auto_buckets for i in b) == list(range(sum(len(b) for b in auto_buckets)))
     assert len(auto_buckets) == tune["chosen"]["buckets"]
+
+
+def test_runner_reads_the_buckets_and_the_tuning_through_public_methods(tmp_path):
+    """The runner asks fastddp's reducer (``bucket_indices()``,
+    ``tuning_active``), and gets None / False from wrappers without one."""
+    from types import SimpleNamespace
+
+    import fastddp
+    from fastddp.bench import runner
+    from tests._dist import single_rank_group
+
+    with single_rank_group(tmp_path):
+        model = torch.nn.Sequential(*[torch.nn.Linear(300, 300) for _ in range(6)])  # 0.36 MB a layer
+        fixed = fastddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.5)
+        x = torch.randn(2, 300)
+        assert len(fixed.reducer.bucket_indices()) == 1  # torch's rule: one bucket until the rebuild
+        fixed(x).sum().backward()
+        fixed(x)  # the rebuild, in the order the gradients came
+        buckets = runner._buckets(SimpleNamespace(module=fixed))
+        assert buckets == fixed.reducer.bucket_indices() and len(buckets) > 1
+        assert sorted(i for b in buckets for i in b) == list(range(12))  # every parameter once
+        assert not fixed.reducer.tuning_active and not runner._tuning(SimpleNamespace(module=fixed))
+        auto = fastddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb="auto")
+        assert auto.reducer.tuning_active and runner._tuning(SimpleNamespace(module=auto))
+        auto.reducer.freeze_tuning("test")
+        assert not auto.reducer.tuning_active
+        theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        assert runner._buckets(SimpleNamespace(module=theirs)) is None
+        assert not runner._tuning(SimpleNamespace(module=theirs))
+
+
+def test_link_from_an_install_without_the_clone_says_what_to_do(tmp_path, monkeypatch, capsys):
+    """``--link`` needs the clone's tools/netlink.py: from an installed wheel
+    the CLI refuses (exit 2) before starting anything and says what to do."""
+    from fastddp.bench import clone
+    from fastddp.bench.__main__ import main
+
+    assert clone.repo_root() is not None  # the tests run from a clone
+    monkeypatch.setattr(clone, "repo_root", lambda: None)
+    rc = main(["--link", "netns:1", "--models", "tiny", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "tools/netlink.py" in err and "pip install -e" in err and "--simulate-bandwidth" in err
+    assert not any(tmp_path.iterdir())

@@ -1,8 +1,9 @@
 """The main job's statistics on synthetic step times with known answers.
 
-Pure functions of bench/report.py, no processes: paired comparison by round,
-its bootstrap intervals, the verdicts, the stop rule, the slowest-rank merge,
-and the text built from them.  Each scenario is built so that a wrong
+Pure functions of bench/stats.py and bench/report.py, no processes: paired
+comparison by round, its bootstrap intervals, the verdicts, Student t over
+repeated runs, the stop rule, the slowest-rank merge, and the text built
+from them.  Each scenario is built so that a wrong
 statistic gives a wrong verdict and fails here."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from fastddp.bench import report as R
+from fastddp.bench import stats as S
 
 
 # -- synthetic rounds ------------------------------------------------------------
@@ -45,10 +47,10 @@ def row(model, wrapper, steps, family=None, baselines=(), status="ok", **kw):
 # -- building blocks ---------------------------------------------------------------
 
 def test_trimmed_mean():
-    assert R.trimmed_mean([1, 2, 3, 4, 5, 6, 7, 8, 9, 1000]) == pytest.approx(5.5)  # 2 cut each side
-    assert R.trimmed_mean([3.0]) == 3.0 and R.trimmed_mean([1.0, 5.0]) == 3.0
+    assert S.trimmed_mean([1, 2, 3, 4, 5, 6, 7, 8, 9, 1000]) == pytest.approx(5.5)  # 2 cut each side
+    assert S.trimmed_mean([3.0]) == 3.0 and S.trimmed_mean([1.0, 5.0]) == 3.0
     with pytest.raises(ValueError):
-        R.trimmed_mean([])
+        S.trimmed_mean([])
 
 
 @pytest.mark.parametrize("n", [5, 7, 20, 63, 300])
@@ -58,14 +60,14 @@ def test_resampler_trimmed_means_equal_the_direct_computation(n):
     import torch
 
     x = list(np.random.default_rng(n).standard_cauchy(n))
-    rs = R.Resampler(n, resamples=200, seed=3)
+    rs = S.Resampler(n, resamples=200, seed=3)
     fast = rs.trimmed_means(x)
     gen = torch.Generator().manual_seed(3)
     idx = torch.randint(0, n, (200, n), generator=gen)
-    direct = [R.trimmed_mean([x[i] for i in row_]) for row_ in idx.tolist()]
+    direct = [S.trimmed_mean([x[i] for i in row_]) for row_ in idx.tolist()]
     assert fast.tolist() == pytest.approx(direct, rel=1e-9, abs=1e-9)
     with pytest.raises(ValueError, match="over 5 rounds got 4"):
-        R.Resampler(5).trimmed_means([1.0] * 4)
+        S.Resampler(5).trimmed_means([1.0] * 4)
 
 
 @pytest.mark.parametrize("ci, verdict", [
@@ -75,15 +77,15 @@ def test_resampler_trimmed_means_equal_the_direct_computation(n):
     (None, "undecided"),
 ])
 def test_decide(ci, verdict):
-    assert R.decide(ci, 0.03) == verdict
+    assert S.decide(ci, 0.03) == verdict
 
 
 def test_merge_ranks_takes_the_slowest_rank_and_the_mean_cpu():
-    merged = R.merge_ranks([[(10.0, 1.0, 4.0), (20.0, -1.0, 8.0)],
+    merged = S.merge_ranks([[(10.0, 1.0, 4.0), (20.0, -1.0, 8.0)],
                             [(12.0, 0.5, 6.0), (19.0, -1.0, 6.0)]])
     assert merged == [(12.0, 1.0, 5.0), (20.0, -1.0, 7.0)]
     with pytest.raises(ValueError, match="different numbers of wrappers"):
-        R.merge_ranks([[(1.0, 0.0, 0.0)], []])
+        S.merge_ranks([[(1.0, 0.0, 0.0)], []])
 
 
 # -- verdicts with known answers ----------------------------------------------------
@@ -92,7 +94,7 @@ N = 200
 
 
 def _cmp(data, a="fastddp", b="torch", **kw):
-    return R.compare(data[a], data[b], data.get("local"), **kw)
+    return S.compare(data[a], data[b], data.get("local"), **kw)
 
 
 def test_equal_wrappers_are_equal():
@@ -114,7 +116,7 @@ def test_five_percent_faster_is_faster_with_the_truth_inside():
     assert c.diff_ci[1] < 0 and -6.0 < c.diff_ms < -4.0
     assert c.overhead_ratio == pytest.approx(35 / 40, abs=0.05)
     # and the other way round
-    back = R.compare(data["torch"], data["fastddp"])
+    back = S.compare(data["torch"], data["fastddp"])
     assert back.verdict == "slower" and back.ratio == pytest.approx(1 / 0.95, abs=0.012)
 
 
@@ -125,7 +127,7 @@ def test_pairing_removes_the_shared_round_noise():
     data = rounds(120, {"fastddp": 95.0, "torch": 100.0}, seed=4, shared_sd=0.3)
     assert _cmp(data).verdict == "faster"
     shuffled = list(np.random.default_rng(0).permutation(data["fastddp"]))
-    broken = R.compare(shuffled, data["torch"])
+    broken = S.compare(shuffled, data["torch"])
     assert broken.verdict == "undecided" and broken.half_width > 0.05, broken
 
 
@@ -152,12 +154,12 @@ def test_a_slow_rank_decides_the_round():
     for i in range(N):
         per_rank = [[(base["f0"][i], -1.0, 1.0), (base["t0"][i], -1.0, 1.0)],
                     [(base["f1"][i], -1.0, 1.0), (base["t1"][i], -1.0, 1.0)]]
-        per_round.append(R.merge_ranks(per_rank))
+        per_round.append(S.merge_ranks(per_rank))
     fastddp = [r[0][0] for r in per_round]
     torch_ = [r[1][0] for r in per_round]
-    c = R.compare(fastddp, torch_)
+    c = S.compare(fastddp, torch_)
     assert c.verdict == "slower" and c.ratio == pytest.approx(1.10, abs=0.02), c
-    assert R.compare(base["f0"], base["t0"]).verdict == "faster"  # rank 0 alone would say the opposite
+    assert S.compare(base["f0"], base["t0"]).verdict == "faster"  # rank 0 alone would say the opposite
 
 
 def test_too_few_rounds_decide_nothing():
@@ -168,9 +170,9 @@ def test_too_few_rounds_decide_nothing():
 
 def test_compare_rejects_bad_samples():
     with pytest.raises(ValueError, match="no rounds"):
-        R.compare([], [1.0])
+        S.compare([], [1.0])
     with pytest.raises(ValueError, match="> 0 ms"):
-        R.compare([1.0, 0.0], [1.0, 1.0])
+        S.compare([1.0, 0.0], [1.0, 1.0])
 
 
 # -- overhead ratio: only where it means something -----------------------------------------
@@ -334,16 +336,6 @@ def _wide_section(verdicts=True):
     return R.derive(s)
 
 
-def test_terminal_fits_100_columns():
-    rep = R.Report({"model_descriptions": {"transformer": "6 x TransformerEncoderLayer(d=256, h=4, ff=1024) + "
-                                                          "Linear, batch 4 x 32 tokens, and then some more"}},
-                   [_wide_section()])
-    text = R.summary_text(rep)
-    too_wide = [line for line in text.splitlines() if len(line) > R.TERMINAL_WIDTH]
-    assert not too_wide, "\n".join(too_wide)
-    assert "time budget of 140 s spent" in text and "failed: RuntimeError" in text
-
-
 def test_terminal_and_markdown_list_the_same_comparisons():
     s = _wide_section()
     text = R.format_table(s)
@@ -369,16 +361,6 @@ def test_quick_gives_no_verdicts():
     assert "Smoke run" in md and "undecided" not in md
 
 
-def test_clip_span_prints_the_true_value():
-    assert R.clip_span(2.0, 5.0, 0.0, 10.0) == (2.0, 5.0, [])
-    lo, hi, labels = R.clip_span(2.0, 25.0, 0.0, 10.0)
-    assert (lo, hi) == (2.0, 10.0) and labels == [(10.0, "25.00 >")]
-    lo, hi, labels = R.clip_span(0.3, 1.9, 0.8, 1.2, fmt=lambda v: f"{v:.2f}")
-    assert (lo, hi) == (0.8, 1.2) and sorted(labels) == [(0.8, "< 0.30"), (1.2, "1.90 >")]
-    with pytest.raises(ValueError):
-        R.clip_span(0, 1, 1, 1)
-
-
 def test_json_roundtrip_keeps_the_decision():
     s = _wide_section()
     back = R.from_json(R.to_json(R.Report({"label": "t"}, [s]))).sections[0]
@@ -388,12 +370,36 @@ def test_json_roundtrip_keeps_the_decision():
     assert not math.isnan(back.comparisons[0].ratio)
 
 
-def test_ratio_axis_shows_every_point_and_cuts_only_wide_intervals():
-    c = [R.Comparison("m", "a", "b", 20, 0.95, (0.93, 0.97), -1.0, None),
-         R.Comparison("m", "c", "b", 20, 1.10, (0.40, 2.50), 1.0, None)]
-    lo, hi = R._ratio_axis(c, 0.03)
-    assert lo < 2 / 3 and hi > 1.5 and lo > 0.55 and hi < 1.6   # the wide interval cut near 0.67 / 1.5
-    assert lo < 0.93 and hi > 1.10
-    far = [R.Comparison("m", "a", "b", 20, 3.0, None, 1.0, None)]
-    lo, hi = R._ratio_axis(far, 0.03)
-    assert lo < 0.94 and hi > 3.0   # a point is always on the axis
+
+
+# -- repeated runs: Student t ----------------------------------------------------------
+
+@pytest.mark.parametrize("dof, t90, t95", [(1, 6.314, 12.706), (2, 2.920, 4.303), (3, 2.353, 3.182),
+                                           (4, 2.132, 2.776), (5, 2.015, 2.571), (9, 1.833, 2.262),
+                                           (10, 1.812, 2.228), (30, 1.697, 2.042), (120, 1.658, 1.980)])
+def test_t_quantile_matches_the_printed_table(dof, t90, t95):
+    assert S.t_quantile(0.90, dof) == pytest.approx(t90, abs=5e-4)
+    assert S.t_quantile(0.95, dof) == pytest.approx(t95, abs=5e-4)
+
+
+def test_t_quantile_tends_to_the_normal_and_rejects_bad_input():
+    assert S.t_quantile(0.90, 100_000) == pytest.approx(1.6449, abs=1e-3)
+    assert S.t_quantile(0.90, 1) == pytest.approx(math.tan(0.45 * math.pi), rel=1e-9)  # Cauchy: exact
+    for level, dof in ((0.0, 3), (1.0, 3), (0.9, 0), (0.9, 2.5), (0.9, True)):
+        with pytest.raises(ValueError):
+            S.t_quantile(level, dof)
+
+
+def test_ratio_over_runs_is_the_t_interval_of_the_log_ratios():
+    ratios = [0.95, 1.01, 0.98, 1.04, 0.97]
+    point, (lo, hi) = S.ratio_over_runs(ratios)
+    logs = [math.log(q) for q in ratios]
+    m = sum(logs) / 5
+    h = 2.132 * math.sqrt(sum((x - m) ** 2 for x in logs) / 4) / math.sqrt(5)  # t(0.90, 4 dof)
+    assert point == pytest.approx(math.exp(m)) and point == pytest.approx(S.geo_mean(ratios))
+    assert (lo, hi) == pytest.approx((math.exp(m - h), math.exp(m + h)), rel=1e-4)
+    assert S.ratio_over_runs([1.02]) == (pytest.approx(1.02), None)  # one run: no spread, no interval
+    with pytest.raises(ValueError):
+        S.ratio_over_runs([])
+    with pytest.raises(ValueError, match="> 0"):
+        S.ratio_over_runs([1.0, 0.0])

@@ -1,6 +1,6 @@
 """Two hosts under torchrun: the multi-node path users take, on one machine.
 
-Two network namespaces joined by a veth pair (bench/netlink.py) stand in for
+Two network namespaces joined by a veth pair (tools/netlink.py) stand in for
 two hosts: each runs its own ``torchrun --nnodes 2 --nproc-per-node 1`` with
 c10d rendezvous at host 0's address, so the rendezvous store, the gloo
 connections and every gradient cross the veth.  Both train
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastddp.bench.netlink import NetnsLink, parse_link
+from tools.netlink import NetnsLink, parse_link
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"

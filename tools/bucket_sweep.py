@@ -2,7 +2,7 @@
 100} against ``bucket_cap_mb="auto"``, paired by round, per model and network
 speed; writes ``reports/<machine>/<date>-bucket-sweep.md`` (+ chart, json).
 
-    python -m bench.bucket_sweep --models small mlp25m --speeds none netns:1
+    python -m tools.bucket_sweep --models small mlp25m --speeds none netns:1
 
 Each speed is one ``fastddp-bench`` run (``none``: the plain local link;
 ``netns:RATE``: two ranks in network namespaces over a veth pair shaped to
@@ -10,7 +10,7 @@ RATE Gbit/s; ``sim:GBPS``: the simulated wire) with the rows ``fastddp-capN``,
 ``fastddp`` (torch's default, ``bucket_cap_mb=None``: 25 MiB with a 1 MiB first
 bucket, a layout of its own where an explicit 25 puts 25 MiB in the first
 bucket) and ``fastddp-auto``.  auto tunes first, its steps back to back and alone
-(as a training loop runs it; ``bench.runner._tune_alone``), then every row
+(as a training loop runs it; ``fastddp.bench.runner._tune_alone``), then every row
 has the same ``--warmup`` rounds (default 3) and timed rounds, so auto's
 tuning steps are not timed.  Per model and speed the verdicts are the issue's:
 
@@ -41,8 +41,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import report as R
-from .wrappers import SWEEP_CAPS_MB
+from fastddp.bench import report as R
+from fastddp.bench import stats as S
+from fastddp.bench.wrappers import SWEEP_CAPS_MB
 
 WITHIN = 0.03
 
@@ -70,7 +71,7 @@ def run_speed(speed: str, models: list[str], budget: float, warmup: int, out: Pa
     """One bench run for ``speed`` (``tag``: appended to its label); returns its json report."""
     wrappers = [_cap_name(c) for c in SWEEP_CAPS_MB] + [_cap_name(DEFAULT), "fastddp-auto"]
     label = "bucket-sweep-" + re.sub(r"[^a-z0-9]+", "-", speed.lower()).strip("-") + (f"-{tag}" if tag else "")
-    cmd = [sys.executable, "-m", "bench", "--models", *models, "--wrappers", *wrappers,
+    cmd = [sys.executable, "-m", "fastddp.bench", "--models", *models, "--wrappers", *wrappers,
            "--budget", str(budget), "--warmup", str(warmup), "--label", label, "--out", str(out),
            "--no-progress", "--no-charts"]
     if speed.startswith("netns:"):
@@ -101,10 +102,6 @@ def _verdict(ci, limit: float) -> str:
     return "undecided"
 
 
-#: two-sided 90% Student t quantiles by degrees of freedom (runs - 1)
-_T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
-
-
 def _layout_key(row: R.Row, cap):
     """Rows with the same buckets ran the same program; without the record
     (reports before it) every cap is its own layout."""
@@ -117,31 +114,16 @@ def _pooled(rows: list[R.Row]) -> list[float]:
     return [math.fsum(r.step_ms[i] for r in rows) / len(rows) for i in range(n)]
 
 
-def _geo(xs) -> float:
-    return math.exp(math.fsum(math.log(x) for x in xs) / len(xs))
-
-
-def _across(ratios: list[float]):
-    """Geometric mean of per-run ratios and its 90% t interval (None for one run)."""
-    logs = [math.log(q) for q in ratios]
-    k, m = len(logs), math.fsum(logs) / len(logs)
-    if k < 2:
-        return math.exp(m), None
-    sd = math.sqrt(math.fsum((x - m) ** 2 for x in logs) / (k - 1))
-    h = _T90.get(k - 1, 1.645) * sd / math.sqrt(k)
-    return math.exp(m), (math.exp(m - h), math.exp(m + h))
-
-
 def _versus(a_runs: list[list[R.Row]], b_runs: list[list[R.Row]], model: str, what: str, peer: str):
     """Rows ``a`` / rows ``b``, each pooled per round (a layout's rows): one
     run, the paired bootstrap over rounds; several runs (fresh processes, so
     fresh memory placement), the t interval over the runs' ratios of trimmed
     means."""
     if len(a_runs) == 1:
-        v = R.compare(_pooled(a_runs[0]), _pooled(b_runs[0]), model=model, wrapper=what, peer=peer)
+        v = S.compare(_pooled(a_runs[0]), _pooled(b_runs[0]), model=model, wrapper=what, peer=peer)
         return {"ratio": v.ratio, "ci": v.ratio_ci, "per_run": [v.ratio]}
-    per = [R.trimmed_mean(_pooled(a)) / R.trimmed_mean(_pooled(b)) for a, b in zip(a_runs, b_runs)]
-    ratio, ci = _across(per)
+    per = [S.trimmed_mean(_pooled(a)) / S.trimmed_mean(_pooled(b)) for a, b in zip(a_runs, b_runs)]
+    ratio, ci = S.ratio_over_runs(per)
     return {"ratio": ratio, "ci": ci, "per_run": per}
 
 
@@ -208,10 +190,10 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
             groups: dict = {}
             for c in caps:
                 groups.setdefault(tuple(_layout_key(cr[c], c) for cr in caps_runs), []).append(c)
-            tm_runs = [{c: R.trimmed_mean(cr[c].step_ms) for c in caps} for cr in caps_runs]  # per run, per cap
-            auto_tm = [R.trimmed_mean(a.step_ms) for a in autos]
-            mean = {c: _geo([tm[c] for tm in tm_runs]) for c in caps}
-            gmean = {k: _geo([R.trimmed_mean(_pooled([cr[c] for c in m])) for cr in caps_runs])
+            tm_runs = [{c: S.trimmed_mean(cr[c].step_ms) for c in caps} for cr in caps_runs]  # per run, per cap
+            auto_tm = [S.trimmed_mean(a.step_ms) for a in autos]
+            mean = {c: S.geo_mean([tm[c] for tm in tm_runs]) for c in caps}
+            gmean = {k: S.geo_mean([S.trimmed_mean(_pooled([cr[c] for c in m])) for cr in caps_runs])
                      for k, m in groups.items()}
             best_key = min(gmean, key=gmean.get)
             best = min(groups[best_key], key=mean.get)
@@ -243,12 +225,12 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
             for a, a_tm, cr in zip(autos, auto_tm, caps_runs):
                 m = [c for c in caps if a.buckets and cr[c].buckets == a.buckets]
                 if m:
-                    same.append(a_tm / R.trimmed_mean(_pooled([cr[c] for c in m])))
+                    same.append(a_tm / S.trimmed_mean(_pooled([cr[c] for c in m])))
             floor, floor_dof = _row_floor(groups, tm_runs)
             single = len(runs) == 1
             res.update({
                 "rounds": min(len(r.step_ms) for r in autos + [cr[c] for cr in caps_runs for c in caps]),
-                "step_ms": {**{_name(c): mean[c] for c in caps}, "auto": _geo(auto_tm)},
+                "step_ms": {**{_name(c): mean[c] for c in caps}, "auto": S.geo_mean(auto_tm)},
                 "p20_p80": ({**{_name(c): (caps_runs[0][c].step.p20, caps_runs[0][c].step.p80) for c in caps},
                              "auto": (autos[0].step.p20, autos[0].step.p80)} if single else
                             {**{_name(c): (min(tm[c] for tm in tm_runs), max(tm[c] for tm in tm_runs)) for c in caps},
@@ -258,7 +240,7 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
                             for k, m in groups.items()],
                 "best": best, "best_caps": [_name(c) for c in groups[best_key]],
                 "auto_vs_best": vs_best, "auto_vs_25": vs25,
-                "auto_vs_same_buckets": {"ratio": _geo(same), "runs": len(same)} if same else None,
+                "auto_vs_same_buckets": {"ratio": S.geo_mean(same), "runs": len(same)} if same else None,
                 "row_floor": floor, "row_floor_dof": floor_dof,
                 "within_3pct_of_best": _verdict(vs_best["ci"], 1.0 + WITHIN),
                 "layout25_vs_best": gap25,
@@ -267,11 +249,11 @@ def analyse_runs(speed: str, reports: list[R.Report], only: str | None = None) -
                 "better_than_default": beatd})
         if defaults[0] is not None and len(runs) == 1 and "best" not in res:
             auto, default = autos[0], defaults[0]
-            v = R.compare(auto.step_ms, default.step_ms, model=model, wrapper="fastddp-auto", peer="fastddp")
+            v = S.compare(auto.step_ms, default.step_ms, model=model, wrapper="fastddp-auto", peer="fastddp")
             res["auto_vs_default"] = {"ratio": v.ratio, "ci": v.ratio_ci, "rounds": v.rounds,
-                                      "verdict": R.decide(v.ratio_ci, WITHIN),
-                                      "default_ms": R.trimmed_mean(default.step_ms),
-                                      "auto_ms": R.trimmed_mean(auto.step_ms)}
+                                      "verdict": S.decide(v.ratio_ci, WITHIN),
+                                      "default_ms": S.trimmed_mean(default.step_ms),
+                                      "auto_ms": S.trimmed_mean(auto.step_ms)}
         out.append(res)
     return out
 
@@ -364,7 +346,7 @@ def to_markdown(results: list[dict], meta: dict, runs: dict[str, str]) -> str:
             v = r["auto_vs_default"]
             lines.append(f"| {r['speed']} | {r['model']} | {v['rounds']} | {v['default_ms']:.1f} | "
                          f"{v['auto_ms']:.1f} | {v['ratio']:.3f} | {_ci(v['ci'])} | "
-                         f"{R.verdict_text(v['verdict'], WITHIN)} |")
+                         f"{S.verdict_text(v['verdict'], WITHIN)} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -407,7 +389,7 @@ def plot(results: list[dict], path: Path) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.bucket_sweep", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bucket_sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["small", "transformer", "convnet", "mlp25m"])
     ap.add_argument("--speeds", nargs="+", default=["none", "netns:1"],
                     help="none (the local link), netns:RATE (Gbit/s, real shaped link; root), sim:GBPS")

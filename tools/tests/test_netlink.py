@@ -1,4 +1,4 @@
-"""``fastddp-bench --link netns:RATE`` (bench/netlink.py): the refusal, the
+"""``fastddp-bench --link netns:RATE`` (tools/netlink.py): the refusal, the
 namespaces' setup and teardown on every exit path, and that traffic between
 the two ranks really crosses the shaped veth.
 
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from fastddp.bench import netlink as N
+from tools import netlink as N
 
 pytestmark = pytest.mark.timeout(180)
 
 CAN_LINK = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 needs_root = pytest.mark.skipif(not CAN_LINK, reason="needs root and iproute2 (ip, tc) to create "
                                                      "network namespaces; CI runs as root")
-REPO = str(Path(__file__).resolve().parents[1])
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 # -- parsing and refusal (no root needed) ------------------------------------------
@@ -152,7 +152,7 @@ _HOLDER = textwrap.dedent("""
     # and Python then installs no KeyboardInterrupt handler: make it a user's
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {repo!r})
-    from fastddp.bench.netlink import NetnsLink, parse_link
+    from tools.netlink import NetnsLink, parse_link
     with NetnsLink(parse_link("netns:1")) as link:
         print(" ".join(link.namespaces), flush=True)
         time.sleep(120)
@@ -189,7 +189,7 @@ _RANK = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, {repo!r})
     import torch.distributed as dist
-    from fastddp.bench.netlink import probe_link
+    from tools.netlink import probe_link
     dist.init_process_group("gloo")
     out = probe_link(nbytes=4 * 2**20, reps=2)
     out["rank"] = dist.get_rank()

@@ -1,8 +1,8 @@
 """Measurements for the low-precision reductions (``bf16_fp32acc_hook``).
 
-    python -m bench.lowprec accuracy --models transformer convnet --worlds 2 4 8 --out reports/...
-    python -m bench.lowprec training --steps 300 --world 2 --out reports/...
-    python -m bench.lowprec conversion --numel 25000000 --out reports/...
+    python -m tools.lowprec accuracy --models transformer convnet --worlds 2 4 8 --out reports/...
+    python -m tools.lowprec training --steps 300 --world 2 --out reports/...
+    python -m tools.lowprec conversion --numel 25000000 --out reports/...
 
 * ``accuracy``: W gloo ranks, each with its own batches of a bench model;
   every wrapper computes the averaged gradient from the SAME parameters and
@@ -68,7 +68,7 @@ def _init(rank: int, world: int, path: str) -> None:
 
 # ----------------------------------------------------------------- accuracy
 def _accuracy_rank(rank, world, path, model_name, steps, q, names):
-    from bench.models import model_zoo
+    from fastddp.bench.models import model_zoo
 
     _init(rank, world, path)
     spec = model_zoo()[model_name]

@@ -1,9 +1,9 @@
 """gloo's collectives on a real shaped link, bytes per second each way.
 
-    python -m bench.link_collectives netns:0.2 [netns:1 ...]      (root)
+    python -m tools.link_collectives netns:0.2 [netns:1 ...]      (root)
 
 Two ranks in network namespaces over a veth pair shaped by ``tc tbf``
-(:mod:`bench.netlink`); every collective moves the same bytes each way
+(:mod:`tools.netlink`); every collective moves the same bytes each way
 (``--mb``, default 8 MiB): a ring all-reduce of fp16, one all-to-all, the same
 all-to-all as 8 smaller ones issued together, an all-gather, and a send/recv
 pair. Median of 3 after a barrier; rank 0 prints one line per collective.
@@ -92,7 +92,7 @@ def _rank(mb: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.link_collectives", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.link_collectives", description=__doc__.split("\n\n")[0])
     ap.add_argument("links", nargs="+", help="netns:RATE (Gbit/s)")
     ap.add_argument("--mb", type=int, default=8, help="MiB each way per collective")
     args = ap.parse_args(argv)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     for text in args.links:
         print(f"{text}: {args.mb} MiB each way", flush=True)
         with NetnsLink(parse_link(text)) as link:
-            link.run_ranks([sys.executable, "-m", "bench.link_collectives", "--_rank", str(args.mb)],
+            link.run_ranks([sys.executable, "-m", "tools.link_collectives", "--_rank", str(args.mb)],
                            timeout_s=600)
     return 0
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import random
 
-from bench import bucket_sweep as S
-from bench import report as R
+import pytest
+
+from fastddp.bench import report as R
+from fastddp.bench import stats
+from tools import bucket_sweep as S
 
 
 def _rows(model: str, means: dict[str, float], rounds: int = 60, noise: float = 0.01, seed: int = 0,
@@ -153,6 +157,14 @@ def test_repeated_runs_give_a_t_interval_over_the_runs():
     assert loose["within_3pct_of_best"] == "undecided"
     (off,) = S.analyse_runs("none", _runs([106.0, 107.0, 105.5]))
     assert off["within_3pct_of_best"] == "missed"
+    # the interval is the statistics module's t interval over the per-run ratios, for any run count
+    per = tight["auto_vs_best"]["per_run"]
+    assert tight["auto_vs_best"]["ratio"] == stats.ratio_over_runs(per)[0]
+    assert tight["auto_vs_best"]["ci"] == stats.ratio_over_runs(per)[1]
+    logs = [math.log(q) for q in per]
+    m = sum(logs) / 4
+    h = 2.353 * math.sqrt(sum((x - m) ** 2 for x in logs) / 3) / 2  # t(0.90, 3 dof) = 2.353
+    assert tight["auto_vs_best"]["ci"][1] == pytest.approx(math.exp(m + h), rel=1e-3)
 
 
 def test_main_joins_reports_as_repeats(tmp_path):

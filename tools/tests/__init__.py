@@ -1,0 +1,1 @@
+"""Tests of tools/ (not the product suite: ``python -m pytest tools/tests``)."""
