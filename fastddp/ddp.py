@@ -3,8 +3,6 @@ semantics; all bucket logic lives in :mod:`fastddp.reducer`."""
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Callable
@@ -14,12 +12,11 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _exit, compile as _compile, groups, join, planner, profiling, settings
+from . import _exit, compile as _compile, groups, join, profiling, settings
 from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
 from .surface import TorchSurface
-from .verify import ModuleWatch
-from .reducer import Collaborators, Reducer, ReducerOptions
+from .construct import build_reducer
 
 __all__ = ["DistributedDataParallel"]
 
@@ -179,79 +176,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         self.modules_buffers = [b for _, b in named]
         self.named_module_buffers = dict(named)
 
-    def _bucket_config(self, static_graph: bool) -> planner.BucketConfig:
-        cap, cap_list = self.config.bucket_cap_mb, self.config.bucket_cap_mb_list
-        return planner.BucketConfig(bucket_cap_mb=cap, bucket_cap_mb_list=cap_list, static_graph=static_graph,
-                                    find_unused_parameters=self.find_unused_parameters,
-                                    set_last_bucket_as_small=settings.get().set_last_bucket_cap)
-
     def _build_reducer(self, parameters, names, static_graph: bool) -> None:
-        opts = ReducerOptions(
-            bucket=self._bucket_config(static_graph),
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            batched_grad_copy=self.batched_grad_copy,
-            find_unused_parameters=self.find_unused_parameters,
-            static_graph=static_graph,
-            skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
-            reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None,
-            check_finite=self.config.check_finite,
-            auto_bucket_cap=self.config.auto_bucket_cap,
-        )
-        sparse = self._sparse_params if len(self._sparse_params) == len(parameters) else None
-        if sparse and any(sparse) and self._mp is not None:
-            raise ValueError("fastddp: mixed_precision does not support modules with sparse gradients")
-        self._watch = ModuleWatch(self.module, parameters, names, self.parameters_to_ignore,
-                                  groups.rank(self.process_group), check_dtype=self._mp is None)
-        co = Collaborators(module_watch=self._watch)
-        if self._mp is not None:
-            refuse = None
-            if self._mp.param_dtype is not None:
-                def refuse():
-                    return ("with mixed_precision(param_dtype=...): the first backward's end put the "
-                            "full-precision parameters back and freed the low-precision copies its graph saved")
-            co = Collaborators(pre_unpack=self._mp.restore_bucket, after_finalize=self._mp.restore_all,
-                               refuse_extra_backward=refuse, module_watch=self._watch)
-        self.reducer = Reducer(parameters, names, self.process_group, opts, sparse=sparse,
-                               debug=settings.get().debug_mode, collaborators=co)
-
-    def _set_static_graph(self) -> None:
-        """Declare the graph static (torch's private API, public in spirit)."""
-        if self.static_graph:
-            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
-            return
-        if self.reducer.num_iterations > 0:
-            raise RuntimeError("fastddp: _set_static_graph() must be called before the first forward.")
-        self.static_graph = True
-        self._static_graph_delay_allreduce_enqueued = False
-        if not self.reducer.opts.static_graph:
-            params, names = self.reducer.params, self.reducer.names
-            self.reducer.remove_hooks()
-            self._build_reducer(params, names, True)
-        if self.find_unused_parameters:
-            warnings.warn(
-                "You passed find_unused_parameters=true to DistributedDataParallel, "
-                "`_set_static_graph` will detect unused parameters automatically, so you do not need "
-                "to set find_unused_parameters=true, just be sure these unused parameters will not "
-                "change during training loop while calling `_set_static_graph`.", stacklevel=2)
-
-    # ---------------------------------------------------------------- pickling
-    def __getstate__(self):
-        attrs = dict(self.__dict__)
-        if self.process_group is not dist.distributed_c10d._get_default_group():
-            raise RuntimeError("fastddp: only a DDP model on the default process group can be pickled")
-        if self._delayed is not None:
-            raise RuntimeError("fastddp: a DDP model with delay_all_reduce_named_params cannot be pickled")
-        for k in ("process_group", "reducer"):
-            attrs.pop(k, None)
-        attrs["config"] = dataclasses.replace(self.config, process_group=None, device_mesh=None)
-        return attrs
-
-    def __setstate__(self, state):
-        self.process_group = dist.distributed_c10d._get_default_group()
-        state["config"] = dataclasses.replace(state["config"], process_group=self.process_group)
-        torch.nn.Module.__setstate__(self, state)  # not torch DDP's: it would build a C++ reducer
-        params, names = self._build_params_for_reducer()
-        self._build_reducer(params, names, self.static_graph)
+        self._watch, self.reducer = build_reducer(self, parameters, names, self._sparse_params, self._mp,
+                                                  static_graph)
 
     # ----------------------------------------------------------------- forward
     @property
@@ -393,16 +320,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         self._comm_hooks.append((hook, state))
         if self.reducer.fused_path is None or any(self.reducer.sparse):
             _exit.install()  # the hook runs as Future callbacks that gloo's threads release (see _exit)
-
-    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        if comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
-            self.register_comm_hook(self.process_group, default_hooks.allreduce_hook)
-        elif comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
-            self.register_comm_hook(self.process_group, default_hooks.fp16_compress_hook)
-        else:
-            raise ValueError(f"Unknown built-in DDP comm hook type {comm_hook_type}.")
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict:

@@ -23,6 +23,11 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+import dataclasses
+import warnings
+
+import torch.distributed as dist
+
 from . import groups, join
 
 __all__ = ["INHERITED", "TORCH_INTERNALS", "TorchSurface"]
@@ -80,6 +85,55 @@ def _internal(name: str):
 
 class TorchSurface:
     """torch DDP's methods beyond the core API, on fastddp's reducer."""
+
+    # ---------------------------------------------------------------- pickling
+    def __getstate__(self):
+        attrs = dict(self.__dict__)
+        if self.process_group is not dist.distributed_c10d._get_default_group():
+            raise RuntimeError("fastddp: only a DDP model on the default process group can be pickled")
+        if self._delayed is not None:
+            raise RuntimeError("fastddp: a DDP model with delay_all_reduce_named_params cannot be pickled")
+        for k in ("process_group", "reducer"):
+            attrs.pop(k, None)
+        attrs["config"] = dataclasses.replace(self.config, process_group=None, device_mesh=None)
+        return attrs
+
+    def __setstate__(self, state):
+        self.process_group = dist.distributed_c10d._get_default_group()
+        state["config"] = dataclasses.replace(state["config"], process_group=self.process_group)
+        torch.nn.Module.__setstate__(self, state)  # not torch DDP's: it would build a C++ reducer
+        params, names = self._build_params_for_reducer()
+        self._build_reducer(params, names, self.static_graph)
+
+    def _set_static_graph(self) -> None:
+        """Declare the graph static (torch's private API, public in spirit)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self.reducer.num_iterations > 0:
+            raise RuntimeError("fastddp: _set_static_graph() must be called before the first forward.")
+        self.static_graph = True
+        self._static_graph_delay_allreduce_enqueued = False
+        if not self.reducer.opts.static_graph:
+            params, names = self.reducer.params, self.reducer.names
+            self.reducer.remove_hooks()
+            self._build_reducer(params, names, True)
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, "
+                "`_set_static_graph` will detect unused parameters automatically, so you do not need "
+                "to set find_unused_parameters=true, just be sure these unused parameters will not "
+                "change during training loop while calling `_set_static_graph`.", stacklevel=2)
+
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
+            self.register_comm_hook(self.process_group, default_hooks.allreduce_hook)
+        elif comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
+            self.register_comm_hook(self.process_group, default_hooks.fp16_compress_hook)
+        else:
+            raise ValueError(f"Unknown built-in DDP comm hook type {comm_hook_type}.")
 
     # ------------------------------------------------- public, torch's behaviour
     def scatter(self, inputs, kwargs, device_ids):

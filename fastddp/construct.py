@@ -1,0 +1,51 @@
+"""Building a DDP module's reducer from its resolved options: the bucket
+config, the reducer's options, the collaborators the front hands it (mixed
+precision, the module watch)."""
+
+from __future__ import annotations
+
+from . import groups, planner, settings
+from .config import DDPConfig
+from .reducer import Collaborators, Reducer, ReducerOptions
+from .verify import ModuleWatch
+
+__all__ = ["bucket_config", "build_reducer"]
+
+_REFUSE_WITH_PARAM_DTYPE = ("with mixed_precision(param_dtype=...): the first backward's end put the "
+                            "full-precision parameters back and freed the low-precision copies its graph saved")
+
+
+def bucket_config(cfg: DDPConfig, find_unused_parameters: bool, static_graph: bool) -> planner.BucketConfig:
+    return planner.BucketConfig(bucket_cap_mb=cfg.bucket_cap_mb, bucket_cap_mb_list=cfg.bucket_cap_mb_list,
+                                static_graph=static_graph, find_unused_parameters=find_unused_parameters,
+                                set_last_bucket_as_small=settings.get().set_last_bucket_cap)
+
+
+def build_reducer(ddp, parameters, names, sparse_params, mp, static_graph: bool):
+    """``(module watch, reducer)`` for the DDP module ``ddp`` (its public,
+    torch-named attributes: the options as they stand now); ``mp``: its
+    :class:`~fastddp.mixed_precision.MixedPrecision` or None."""
+    cfg = ddp.config
+    opts = ReducerOptions(
+        bucket=bucket_config(cfg, ddp.find_unused_parameters, static_graph),
+        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        batched_grad_copy=ddp.batched_grad_copy,
+        find_unused_parameters=ddp.find_unused_parameters,
+        static_graph=static_graph,
+        skip_all_reduce_unused_params=ddp.skip_all_reduce_unused_params,
+        reduce_dtype=mp.reduce_dtype if mp is not None else None,
+        check_finite=cfg.check_finite,
+        auto_bucket_cap=cfg.auto_bucket_cap,
+    )
+    sparse = sparse_params if len(sparse_params) == len(parameters) else None
+    if sparse and any(sparse) and mp is not None:
+        raise ValueError("fastddp: mixed_precision does not support modules with sparse gradients")
+    watch = ModuleWatch(ddp.module, parameters, names, ddp.parameters_to_ignore,
+                        groups.rank(ddp.process_group), check_dtype=mp is None)
+    co = Collaborators(module_watch=watch)
+    if mp is not None:
+        refuse = (lambda: _REFUSE_WITH_PARAM_DTYPE) if mp.param_dtype is not None else None
+        co = Collaborators(pre_unpack=mp.restore_bucket, after_finalize=mp.restore_all,
+                           refuse_extra_backward=refuse, module_watch=watch)
+    return watch, Reducer(parameters, names, ddp.process_group, opts, sparse=sparse,
+                          debug=settings.get().debug_mode, collaborators=co)
