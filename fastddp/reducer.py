@@ -119,8 +119,9 @@ class Reducer:
         self.health = HealthCheck(options.check_finite, self.device) if options.check_finite else None
         self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
         self.rebuild_order: list[int] | None = None  # rank 0's ready order of the one rebuild
-        self.ready_probe: Callable[[int], None] | None = None  # autotune: sees each ready mark
         self._forward_syncs = False
+        self.base_config = options.bucket  # the tuner's host interface (autotune.TunerHost)
+        self._ready_observer: Callable[[int], None] | None = None  # set at arming: the tuner's probe
         self.tuner = autotune.Tuner(self) if options.auto_bucket_cap else None
         # post-accumulate-grad hooks fire as the post hook torch's reducer puts
         # on AccumulateGrad (also for undefined grads), without tuples of grads
@@ -156,6 +157,14 @@ class Reducer:
             b.reduction = self._sparse_mode if b.sparse else self._dense
 
     fused_path = property(lambda self: self._dense.fused)
+
+    @property
+    def wire_itemsize(self) -> int | None:
+        """Element size of the dense buckets' wire: a fused hook's dtype, else
+        mixed_precision's reduce_dtype; None: the params' own."""
+        fused = self.fused_path
+        wire = fused[1] if fused and fused[1] is not None else self.opts.reduce_dtype
+        return wire.itemsize if wire is not None else None
 
     def bucket_sizes(self) -> list[int]:  # bytes of each bucket (sparse: of its last gradient)
         return [b.nbytes() for b in self._buckets]
@@ -197,7 +206,7 @@ class Reducer:
         rebuilt = self._rebuild_once()
         syncs, self._forward_syncs = self._forward_syncs, False
         if self.tuner is not None and self.tuner.active and syncs:
-            rebuilt = self.tuner.boundary(self) or rebuilt
+            rebuilt = self.tuner.boundary() or rebuilt
         return rebuilt
 
     def plan_for(self, config: planner.BucketConfig) -> planner.BucketPlan:
@@ -222,7 +231,7 @@ class Reducer:
     def freeze_tuning(self, why: str) -> None:
         """End ``bucket_cap_mb="auto"``'s tuning now (join): no collectives."""
         if self.tuner is not None:
-            self.tuner.freeze(self, why)
+            self.tuner.freeze(why)
 
     def _rebuild_once(self) -> bool:
         self.ensure_prior_reduction_finished()
@@ -277,8 +286,10 @@ class Reducer:
                 self.abort_iteration()
                 raise
         self._fast_hooks = not (r.track_used or r.static or r.unused or r.collect_order or self.debug)
+        probe = self.tuner is not None and self.tuner.wants_ready_marks
+        self._ready_observer = self.tuner.on_ready if probe else None
         if self.native is not None:
-            fast = self._fast_hooks and self.ready_probe is None
+            fast = self._fast_hooks and not probe
             early, divide = self._early_scale() if fast else (-1.0, 0.0)
             self.native.arm(_native.FAST if fast else _native.PY, [b.size for b in self._buckets],
                             early, divide, self.view_mode)
@@ -463,8 +474,8 @@ class Reducer:
 
     def _mark_ready(self, index: int) -> None:
         self.ready.mark(index)
-        if self.ready_probe is not None:
-            self.ready_probe(index)
+        if self._ready_observer is not None:
+            self._ready_observer(index)
         bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
