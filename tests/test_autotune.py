@@ -570,3 +570,25 @@ def test_noisy_steps_are_measured_longer_and_ranked_by_their_fast_half(monkeypat
 def test_quiet_steps_take_three_per_layout(monkeypatch):
     t, r, truth = _drive(monkeypatch, _landscape(4e-3, 1e-3 / 2**20))
     assert {len(l["step_ms"]) for l in t.report()["tried"]} == {autotune.TRIAL_STEPS}
+
+
+def test_ready_marks_are_wanted_only_while_probing(monkeypatch):
+    """The reducer routes ready marks to the tuner only while
+    ``wants_ready_marks`` (the probe step); a mark routed at arming that
+    arrives once the probe is over (a second backward through an old
+    forward) is ignored."""
+    monkeypatch.setattr(autotune.Tuner, "_microbench", lambda self: (1e-4, 1e-9))
+    r = _FakeReducer()
+    t = autotune.Tuner(r)
+    assert not t.wants_ready_marks           # waiting for torch's rebuild
+    t.boundary()
+    assert t.wants_ready_marks and t.report()["state"] == "probe"
+    for i in r.rebuild_order:
+        t.on_ready(i)
+    t.on_all_issued()
+    t.on_finalized()
+    r.steps_reduced += 1
+    t.boundary()
+    assert t.report()["state"] == "trial" and not t.wants_ready_marks
+    t.on_ready(0)                            # late: ignored, the trial goes on
+    assert t.report()["state"] == "trial" and t.report()["model"]["backward_ms"] >= 0
