@@ -301,19 +301,20 @@ def test_constructor_configure_and_env(monkeypatch, tmp_path):
 
 # ----------------------------------------------- the search, on a fake clock
 class _FakeReducer:
-    """What the tuner reads of a reducer, with a clock the test drives."""
+    """The tuner's host interface (autotune.TunerHost) and nothing else of a
+    reducer (slots: the tuner can write no field of it), with a clock the
+    test drives."""
+
+    __slots__ = ("params", "pg", "world", "rank", "device", "base_config", "steps_reduced",
+                 "has_rebuilt_buckets", "wire_itemsize", "rebuild_order", "config", "installs")
 
     def __init__(self, n=16, numel=256 * 1024):
-        from fastddp.reducer import ReducerOptions
-
         self.params = [torch.empty(numel) for _ in range(n)]
-        self.sparse = (False,) * n
-        self.opts = ReducerOptions(bucket=planner.BucketConfig())
+        self.base_config = planner.BucketConfig()
         self.pg, self.world, self.rank, self.device = None, 1, 0, torch.device("cpu")
         self.rebuild_order = list(range(n))[::-1]
-        self.has_rebuilt_buckets, self.steps_reduced, self.fused_path = True, 1, None
-        self.ready_probe = None
-        self.config = self.opts.bucket
+        self.has_rebuilt_buckets, self.steps_reduced, self.wire_itemsize = True, 1, None
+        self.config = self.base_config
         self.installs = 0
 
     def plan_for(self, cfg):
@@ -330,26 +331,26 @@ def _drive(monkeypatch, true_cost, steps=40, alpha=1e-4, beta=1e-9):
     duration (s). Returns the tuner, the reducer and the true cost of every
     layout in the grid."""
     clock = [0.0]
-    monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(autotune.Tuner, "_microbench", lambda self, r: (alpha, beta))
+    monkeypatch.setattr(autotune.driver.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(autotune.Tuner, "_microbench", lambda self: (alpha, beta))
     r = _FakeReducer()
     t = autotune.Tuner(r)
     for _ in range(steps):
-        t.boundary(r)
+        t.boundary()
         if not t.active:
             break
         plan = r.plan_for(r.config)
         start = clock[0]
-        if r.ready_probe is not None:  # backward: param k of the ready order at k ms
+        if t.wants_ready_marks:  # backward: param k of the ready order at k ms
             for k, i in enumerate(r.rebuild_order):
                 clock[0] = start + 1e-3 * (k + 1)
-                r.ready_probe(i)
+                t.on_ready(i)
         clock[0] = start + true_cost(plan) - 1e-3
         t.on_all_issued()
         clock[0] = start + true_cost(plan)
         t.on_finalized()
         r.steps_reduced += 1
-    truth = {(l.first_mb, l.rest_mb): true_cost(r.plan_for(l.config)) for l in t.layouts}
+    truth = {(l.first_mb, l.rest_mb): true_cost(r.plan_for(l.config)) for l in t.search.layouts}
     return t, r, truth
 
 
@@ -371,8 +372,8 @@ def test_search_finds_the_minimum_the_model_misjudges(monkeypatch):
     assert len(rep["tried"]) <= autotune.MAX_LAYOUTS
     assert rep["tried"][0]["torch_args"] == {"bucket_cap_mb": None}
     # a 1 GB/s link on the CPU is at copy speed: the model's best, then the fewest buckets
-    fewest = min(t.layouts, key=lambda l: (l.buckets, l.predicted_s))
-    model_best = min(t.layouts, key=lambda l: l.predicted_s)
+    fewest = min(t.search.layouts, key=lambda l: (l.buckets, l.predicted_s))
+    model_best = min(t.search.layouts, key=lambda l: l.predicted_s)
     assert (rep["tried"][1]["first_mb"], rep["tried"][1]["rest_mb"]) == (model_best.first_mb, model_best.rest_mb)
     assert (rep["tried"][2]["first_mb"], rep["tried"][2]["rest_mb"]) == (fewest.first_mb, fewest.rest_mb)
 
@@ -383,11 +384,11 @@ def test_on_a_wire_the_models_best_comes_second(monkeypatch):
     the third trial)."""
     t, r, truth = _drive(monkeypatch, _landscape(4e-3, 1e-3 / 2**20), beta=1e-8)
     rep = t.report()
-    model_best = min(t.layouts, key=lambda l: l.predicted_s)
+    model_best = min(t.search.layouts, key=lambda l: l.predicted_s)
     assert (rep["tried"][1]["first_mb"], rep["tried"][1]["rest_mb"]) == (model_best.first_mb, model_best.rest_mb)
     t2, _, _ = _drive(monkeypatch, _landscape(4e-3, 1e-3 / 2**20), beta=1e-9)
     third = [(l["first_mb"], l["rest_mb"]) for l in t2.report()["tried"][2:3]]
-    fewest = min(t2.layouts, key=lambda l: (l.buckets, l.predicted_s))
+    fewest = min(t2.search.layouts, key=lambda l: (l.buckets, l.predicted_s))
     assert third == [(fewest.first_mb, fewest.rest_mb)]  # at copy speed it is
 
 
@@ -400,7 +401,7 @@ def test_search_never_tries_a_layout_known_to_be_bad(monkeypatch):
     for lay in rep["tried"]:
         assert truth[(lay["first_mb"], lay["rest_mb"])] <= best * 1.15 or lay["torch_args"] == {
             "bucket_cap_mb": None}, (lay, best)
-    never = [l for l in t.layouts if truth[(l.first_mb, l.rest_mb)] > 1.5 * best]
+    never = [l for l in t.search.layouts if truth[(l.first_mb, l.rest_mb)] > 1.5 * best]
     assert never, "the grid should hold clearly bad layouts"
     tried = {(l["first_mb"], l["rest_mb"]) for l in rep["tried"]}
     assert not tried & {(l.first_mb, l.rest_mb) for l in never}
@@ -421,9 +422,9 @@ def test_ties_at_copy_speed_take_the_fewest_buckets(monkeypatch):
     overlap), never one measured outside the noise."""
     t, r, truth = _ties_run(monkeypatch, beta=1e-9)
     rep = t.report()
-    ties = [l for l in t.order]  # all within 0.5% of each other
+    ties = [l for l in t.search.order]  # all within 0.5% of each other
     assert rep["chosen"]["buckets"] == min(l.buckets for l in ties), rep["reason"]
-    assert rep["chosen"]["buckets"] < t.default.buckets or t.default.buckets == 1
+    assert rep["chosen"]["buckets"] < t.search.default.buckets or t.search.default.buckets == 1
     assert "copy speed" in rep["reason"] and "fewest buckets" in rep["reason"], rep["reason"]
 
 
@@ -431,21 +432,19 @@ def test_ties_on_a_wire_take_the_models_pick(monkeypatch):
     """The same ties over a wire (0.1 GB/s): the model's pick among them."""
     t, r, truth = _ties_run(monkeypatch, beta=1e-8)
     rep = t.report()
-    want = min(t.order, key=lambda l: (l.predicted_s, l.cost))
+    want = min(t.search.order, key=lambda l: (l.predicted_s, l.cost))
     assert (rep["chosen"]["first_mb"], rep["chosen"]["rest_mb"]) == (want.first_mb, want.rest_mb), rep["reason"]
     assert "model's pick" in rep["reason"], rep["reason"]
 
 
 def _tuner_with(order_costs, device="cpu", gbps=1.0):
-    t = autotune.Tuner(_FakeReducer())
-    t.device = torch.device(device)
-    t.model = {"beta_gbps": gbps}
     lays = []
     for k, (first, rest, buckets, samples) in enumerate(order_costs):
         cfg = planner.BucketConfig() if k == 0 else planner.BucketConfig(bucket_cap_mb_list=(first, rest))
         lay = autotune.Layout(first, rest, cfg, key=(k,), buckets=buckets, predicted_s=float(k))
         lay.samples = list(samples)
         lays.append(lay)
+    t = autotune.Search(lays, lays[0], cpu=device == "cpu", link_gbps=gbps)
     t.order, t.best = lays, lays[0]
     return t, lays
 
@@ -454,7 +453,7 @@ def test_ties_never_take_a_layout_outside_the_noise():
     """A one-bucket layout measured clearly slower than the incumbent is not
     a tie: copy speed or not, it is never picked."""
     t, (default, one) = _tuner_with([(1, 25, 2, [10.0, 10.1, 10.0]), (25, 25, 1, [13.0, 13.1, 13.0])])
-    assert t._final_best() is default and t.tie_rule == ""
+    assert t.final_best() is default and t.tie_rule == ""
 
 
 def test_ties_on_cuda_keep_torchs_default():
@@ -462,33 +461,31 @@ def test_ties_on_cuda_keep_torchs_default():
     noise keeps torch's default, as before."""
     t, (default, one) = _tuner_with([(1, 25, 2, [10.0, 10.1, 10.0]), (25, 25, 1, [9.99, 10.0, 10.05])],
                                     device="cuda")
-    assert t._final_best() is default
+    assert t.final_best() is default
     t, (default, one) = _tuner_with([(1, 25, 2, [10.0, 10.1, 10.0]), (25, 25, 1, [9.99, 10.0, 10.05])])
-    assert t._final_best() is one and "fewest buckets" in t.tie_rule  # the same on the CPU
+    assert t.final_best() is one and "fewest buckets" in t.tie_rule  # the same on the CPU
 
 
-def test_noise_shrinks_with_the_steps_measured(monkeypatch):
+def test_noise_shrinks_with_the_steps_measured():
     """The threshold a gain must beat scales with sqrt(1/n_a + 1/n_b), the steps
     each layout was measured on: small at 1 Gbit/s measured torch's default and
     first 0.5 / rest 0.5 MiB on 9 noisy steps each (65.1 / 58.6 ms, steps spread
     ~9%); with the count fixed at 3 the 10% gain was "within noise" and auto kept
     the default, 1.067x the best fixed cap.  Counted, it is taken."""
-    monkeypatch.setattr(autotune.Tuner, "_microbench", lambda self, r: (1e-4, 1e-9))
-    r = _FakeReducer()
-    t = autotune.Tuner(r)
     default = autotune.Layout(1, 25, planner.BucketConfig(), key=("d",))
     other = autotune.Layout(0.5, 0.5, planner.BucketConfig(bucket_cap_mb=0.5), key=("o",))
     default.samples = [100.7, 62.5, 63.9, 67.8, 77.4, 65.1, 69.1, 72.8, 73.9]  # ms, as measured
     other.samples = [56.6, 59.6, 67.6, 56.9, 70.1, 78.4, 70.9, 58.6, 65.9]
     third = autotune.Layout(0.25, 5, planner.BucketConfig(bucket_cap_mb_list=(0.25, 5)), key=("t",))
     third.samples = [77.8, 79.5, 70.6, 83.7, 70.2, 71.7, 95.6, 72.5, 68.3]
+    t = autotune.Search([default, other, third], default, cpu=True, link_gbps=None)
     t.order, t.best = [default, other, third], default  # the three trials of that run, in order
     gain = default.cost - other.cost
     assert 6.0 < gain < 7.0
     counted = t.noise(default, other)
     fixed3 = t.noise(default)  # another layout measured on TRIAL_STEPS only
     assert counted < gain < fixed3, (counted, gain, fixed3)
-    assert t._final_best() is other  # taken once every trial is in
+    assert t.final_best() is other  # taken once every trial is in
     short = autotune.Layout(0.5, 0.5, planner.BucketConfig(bucket_cap_mb=0.5), key=("s",))
     short.samples = other.samples[:3]
     assert t.noise(default, short) > counted  # fewer steps: a larger gain needed
@@ -560,7 +557,7 @@ def test_noisy_steps_are_measured_longer_and_ranked_by_their_fast_half(monkeypat
             return land(plan) * (1.0 + (rng.uniform(0.2, 0.6) if rng.random() < 1 / 3 else 0.0))
 
         t, r, _ = _drive(monkeypatch, noisy, steps=150)
-        truth = {(l.first_mb, l.rest_mb): land(r.plan_for(l.config)) for l in t.layouts}
+        truth = {(l.first_mb, l.rest_mb): land(r.plan_for(l.config)) for l in t.search.layouts}
         rep = t.report()
         assert rep["state"] == "settled" and "faster half" in rep["reason"], rep
         ratios.append(truth[(rep["chosen"]["first_mb"], rep["chosen"]["rest_mb"])] / min(truth.values()))
@@ -573,3 +570,25 @@ def test_noisy_steps_are_measured_longer_and_ranked_by_their_fast_half(monkeypat
 def test_quiet_steps_take_three_per_layout(monkeypatch):
     t, r, truth = _drive(monkeypatch, _landscape(4e-3, 1e-3 / 2**20))
     assert {len(l["step_ms"]) for l in t.report()["tried"]} == {autotune.TRIAL_STEPS}
+
+
+def test_ready_marks_are_wanted_only_while_probing(monkeypatch):
+    """The reducer routes ready marks to the tuner only while
+    ``wants_ready_marks`` (the probe step); a mark routed at arming that
+    arrives once the probe is over (a second backward through an old
+    forward) is ignored."""
+    monkeypatch.setattr(autotune.Tuner, "_microbench", lambda self: (1e-4, 1e-9))
+    r = _FakeReducer()
+    t = autotune.Tuner(r)
+    assert not t.wants_ready_marks           # waiting for torch's rebuild
+    t.boundary()
+    assert t.wants_ready_marks and t.report()["state"] == "probe"
+    for i in r.rebuild_order:
+        t.on_ready(i)
+    t.on_all_issued()
+    t.on_finalized()
+    r.steps_reduced += 1
+    t.boundary()
+    assert t.report()["state"] == "trial" and not t.wants_ready_marks
+    t.on_ready(0)                            # late: ignored, the trial goes on
+    assert t.report()["state"] == "trial" and t.report()["model"]["backward_ms"] >= 0

@@ -157,10 +157,15 @@ def test_backend_leaves_other_wheels_alone(tmp_path):
 # ------------------------------------------------------------ import circles
 
 def _modules() -> dict[str, Path]:
+    """Dotted name -> source file, subpackages included (``fastddp/autotune/search.py``
+    is ``fastddp.autotune.search``; a subpackage's ``__init__.py`` is the subpackage)."""
     out = {}
     for pkg, folder in PACKAGES.items():
-        for f in sorted(folder.glob("*.py")):
-            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+        for f in sorted(folder.rglob("*.py")):
+            parts = [pkg, *f.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = f
     return out
 
 
