@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import pytest
 import torch
 from torch import nn
 
 from fastddp import autotune, planner
-from tests._dist import fastddp_only, torch_ddp_class, world2
+from tests._dist import fastddp_only, torch_ddp_class
 
 pytestmark = fastddp_only
 
@@ -59,29 +58,33 @@ def test_parse_and_resolve(monkeypatch):
         autotune.parse_cap([1])
     with pytest.raises(ValueError, match="both given"):
         autotune.resolve_cap("auto", [1, 5])
+    from fastddp import settings
+
     monkeypatch.delenv("FASTDDP_BUCKET_CAP_MB", raising=False)
+    settings.reload()
     assert autotune.resolve_cap("auto", None) == (None, True)
     assert autotune.resolve_cap(None, None) == (None, False)
+    assert autotune.resolve_cap(None, None, settings.default("bucket_cap_mb")) == (None, False)
     monkeypatch.setenv("FASTDDP_BUCKET_CAP_MB", "auto")
-    assert autotune.resolve_cap(None, None) == (None, True)
-    assert autotune.resolve_cap(5, None) == (5, False)          # the argument wins
-    assert autotune.resolve_cap(None, [1, 2]) == (None, False)  # so does a list
+    settings.reload()
+    assert autotune.resolve_cap(None, None, settings.default("bucket_cap_mb")) == (None, True)
+    assert autotune.resolve_cap(5, None, "auto") == (5, False)          # the argument wins
+    assert autotune.resolve_cap(None, [1, 2], "auto") == (None, False)  # so does a list
     monkeypatch.setenv("FASTDDP_BUCKET_CAP_MB", "nope")
     with pytest.raises(ValueError, match="FASTDDP_BUCKET_CAP_MB"):
-        autotune.resolve_cap(None, None)
+        settings.reload()
     monkeypatch.setenv("FASTDDP_BUCKET_CAP_MB", "10")
-    from fastddp.health import configured
-
+    settings.reload()
     try:
         fastddp.configure(bucket_cap_mb="auto")  # configure wins over the environment
-        assert autotune.resolve_cap(None, None, configured("bucket_cap_mb")) == (None, True)
+        assert autotune.resolve_cap(None, None, settings.default("bucket_cap_mb")) == (None, True)
         fastddp.configure(check_finite="warn")   # other options leave it alone
-        assert autotune.resolve_cap(None, None, configured("bucket_cap_mb")) == (None, True)
+        assert autotune.resolve_cap(None, None, settings.default("bucket_cap_mb")) == (None, True)
         with pytest.raises(ValueError, match="configure"):
             fastddp.configure(bucket_cap_mb="x")
     finally:
         fastddp.configure(bucket_cap_mb=None, check_finite=None)
-    assert autotune.resolve_cap(None, None, configured("bucket_cap_mb")) == (10, False)
+    assert autotune.resolve_cap(None, None, settings.default("bucket_cap_mb")) == (10, False)
 
 
 def test_predict_serial_wire():
@@ -268,7 +271,10 @@ def test_constructor_configure_and_env(monkeypatch, tmp_path):
     from fastddp import DistributedDataParallel as DDP
     from tests._dist import single_rank_group
 
+    from fastddp import settings
+
     monkeypatch.delenv("FASTDDP_BUCKET_CAP_MB", raising=False)
+    settings.reload()
     with single_rank_group(tmp_path):
         m = nn.Linear(4, 4)
         assert "autotune" not in DDP(m).stats()
@@ -284,6 +290,7 @@ def test_constructor_configure_and_env(monkeypatch, tmp_path):
         finally:
             fastddp.configure(bucket_cap_mb=None)
         monkeypatch.setenv("FASTDDP_BUCKET_CAP_MB", "auto")
+        settings.reload()
         d = DDP(m)
         assert d.stats()["autotune"]["state"] == "wait"
         # one rank: it tunes too (no collectives needed), settles, grads untouched
