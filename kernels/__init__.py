@@ -40,6 +40,20 @@ from ._ops import dequantize_fp8, quantize_fp8, reduce_fp8_shards, reduce_shards
 from . import reference
 from .reference import Health, first_nonfinite
 
+
+def prepare_fp8(device=None) -> None:
+    """Build (or load from the cache) the fp8 CPU loops now where they will
+    serve ``device``'s fp8 calls (the plain-torch backend on the CPU), so the
+    one-time build happens when the fp8 mode is chosen, not in a training
+    step.  Elsewhere, or with FASTDDP_FP8_NATIVE=0, it does nothing."""
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cpu" and backend(dev) == "reference":
+        from . import _fp8_native
+
+        _fp8_native.module()
+
 if _triton_available():
     # Import the kernels now: TRITON_INTERPRET is read when @triton.jit runs.
     try:
@@ -53,6 +67,7 @@ if _triton_available():
                       "CPU calls use the reference, kernel calls will raise", RuntimeWarning)
 
 __all__ = [
+    "prepare_fp8",
     "Health",
     "Layout",
     "backend",

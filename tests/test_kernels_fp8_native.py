@@ -220,3 +220,27 @@ def test_fp8_failed_build_warns_once_and_require_raises(monkeypatch):
         assert TP._native_fp8(torch.zeros(4)) is None and builds == [1]  # tried once per process
     with _env(FASTDDP_FP8_NATIVE="require"), pytest.raises(RuntimeError, match="could not be built"):
         _fp8_native.module()
+
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_FP8_NATIVE=0")
+def test_choosing_the_fp8_mode_builds_its_cpu_loops(monkeypatch):
+    """The fp8 mode's one-time build (or cache load) happens when the mode is
+    chosen (register_comm_hook), not in the first training step; a CUDA
+    device, a backend other than the plain-torch one, or the switch off asks
+    for nothing."""
+    from fastddp import hooks, kernels, reduction
+    from fastddp.kernels import _fp8_native
+
+    real, loads = _fp8_mod(), []
+    monkeypatch.setattr(_fp8_native.EXTENSION, "_module", None)
+    monkeypatch.setattr(_fp8_native.EXTENSION, "_load", lambda: loads.append(1) or real)
+
+    def choose(device):
+        reduction.choose(hooks.fp8_compress_hook, hooks.FP8CompressionState(), False, True, torch.device(device))
+    with _env(FASTDDP_FP8_NATIVE="0"):
+        choose("cpu")
+    choose("cuda")
+    assert loads == []
+    choose("cpu")
+    assert loads == ([1] if kernels.backend("cpu") == "reference" else [])

@@ -75,6 +75,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         fp8_state = state if isinstance(state, FP8CompressionState) else FP8CompressionState()
         if state is not None and not isinstance(state, FP8CompressionState):
             raise TypeError(f"fp8_compress_hook takes an FP8CompressionState (or None), got {type(state).__name__}")
+        kernels.prepare_fp8(device)  # its CPU loops' one-time build: now, not in a step
         return BlockFp8(fp8_state), PythonHook(hook, state)
     if error_feedback and kind not in (Kind.COMPRESS, Kind.FP32ACC):
         raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
