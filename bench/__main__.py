@@ -8,7 +8,7 @@ table and the verdicts (faster / slower / equal / undecided) and writes
 ``<out>/<device>/<date>-<label>.md`` + ``.json`` + PNG charts.
 Exits 1 when any fastddp row is unavailable or failed (the report is still
 written), 2 on bad arguments.
-See reports/README.md for what every column means.
+See docs/benchmarking.md for how it measures and what every column means.
 """
 
 from __future__ import annotations

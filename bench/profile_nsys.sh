@@ -9,7 +9,7 @@
 # Files:  fastddp.nsys-rep + nsys-summary.txt   (nsys pass)
 #         kernels.ncu-rep + ncu-summary.txt + ncu-details.txt   (ncu pass)
 #
-# What to look for in the timeline (README "Profiling"):
+# What to look for in the timeline (docs/profiling.md):
 #   NVTX  fastddp/pack[b]       one Triton launch per bucket on the comm stream
 #         fastddp/allreduce[b]  the NCCL kernel, overlapping backward's kernels
 #         fastddp/wait[b] + fastddp/unpack[b] at the end of backward

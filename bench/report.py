@@ -581,7 +581,7 @@ def to_markdown(report: Report, charts: Mapping[str, Sequence[str]] | None = Non
     charts = charts or {}
     m = report.meta
     out = [f"# fastddp-bench: {m.get('label', '')} on {m.get('device', '?')}", ""]
-    out += ["How this report is produced and how to read it: [reports/README.md](../README.md).", ""]
+    out += ["How this report is produced and how to read it: [docs/benchmarking.md](../../docs/benchmarking.md).", ""]
     out += ["## Setup", ""] + _meta_lines(m) + [""]
     models = m.get("model_descriptions") or {}
     if models:

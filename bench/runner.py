@@ -69,8 +69,8 @@ TUNE_ALONE_MAX = 120
 """Steps at most that a wrapper tuning its buckets (``bucket_cap_mb="auto"``)
 runs alone, back to back, before the warm-up rounds: as a training loop
 runs it, rather than one trial step per rotated round after the other
-wrappers' steps.  (Measured on the 2-core VM: its steps spread as much
-alone, 15-25% step to step; 2026-12-02-bucket-sweep-alone.md.)"""
+wrappers' steps.  (Measured: its steps spread as much alone, 15-25% step
+to step, as inside the rounds.)"""
 TRACE_STEPS = 3
 
 

@@ -65,7 +65,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     """Drop-in replacement for :class:`torch.nn.parallel.DistributedDataParallel`.
 
     Same constructor, same semantics, same gradients (bit for bit where the
-    arithmetic allows: see README); the reducer packs each bucket's gradients
+    arithmetic allows: docs/architecture.md); the reducer packs each bucket's gradients
     in one fused launch, overlaps its all-reduce with the rest of backward
     and unpacks it in one fused launch.
 

@@ -275,7 +275,7 @@ def bf16_fp32acc_hook(state, bucket):
 def fp8_compress_hook(state, bucket):
     """Block-scaled fp8 (e4m3) on the wire with fp32 accumulation and error
     feedback, 1-D parameters exempted (in fp32): see
-    :class:`FP8CompressionState` and the README.  A fused path of
+    :class:`FP8CompressionState` and docs/low-precision.md.  A fused path of
     fastddp.DistributedDataParallel only (pack, quantize and shard-sum
     launches around an all-to-all and an all-gather); called as a plain hook
     (on torch's DDP) it raises."""

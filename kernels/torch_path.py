@@ -270,7 +270,7 @@ def _pair_lut():
 def decode_fp8(q: torch.Tensor) -> torch.Tensor:
     """``q`` (uint8 bits of e4m3, CPU) -> a new fp32 tensor, exactly
     :func:`reference._fp8_decode` (torch's cast), ~4x faster on the CPU:
-    torch decodes element by element (~4.6 ns each on one EPYC core), a
+    torch decodes element by element (~4.6 ns each on one CPU core), a
     lookup of two bytes at a time in :func:`_pair_lut` costs ~1.2 ns."""
     n = q.numel()
     if n % 2 or q.device.type != "cpu" or not q.is_contiguous() or q.storage_offset() % 2:

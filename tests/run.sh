@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command (README "Run the tests"; .ci/run calls it).
+# The project's test command (README "The two commands"; .ci/run calls it).
 #
 # Two pytest sessions, because TRITON_INTERPRET is read when @triton.jit runs,
 # i.e. at import time, so the interpreter cannot be switched on mid-session:

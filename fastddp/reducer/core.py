@@ -43,7 +43,7 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 class Reducer(BucketPlans):
-    """Bucketed, overlapped gradient averaging for one DDP module (``debug``: see README)."""
+    """Bucketed, overlapped gradient averaging for one DDP module (``debug``: docs/options.md)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group,
                  options: ReducerOptions, sparse: Sequence[bool] | None = None, debug: bool = False,
