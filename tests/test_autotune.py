@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fastddp import autotune, planner
-from tests._dist import fastddp_only, torch_ddp_class
+from tests._dist import fastddp_only, torch_ddp_class, world2  # noqa: F401 (fixture)
 
 pytestmark = fastddp_only
 
