@@ -23,6 +23,7 @@ import torch
 import fastddp.kernels as K
 from fastddp.kernels import Layout, reference
 from fastddp.kernels import _triton_common as TC
+from tests._compare import assert_bits
 
 # The inputs are special values on purpose (inf, NaN, overflow to fp16, 1e300 ->
 # fp32): under TRITON_INTERPRET=1 the kernels' arithmetic runs in numpy, which
@@ -37,7 +38,6 @@ BLOCK = TC.BLOCK_INTERPRET if DEVICE.type == "cpu" else TC.BLOCK_GPU
 
 FP32, FP16, BF16, FP64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 DTYPES = [FP32, FP16, BF16, FP64]
-_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 THIRD = float(np.float32(1 / 3))  # the kind of scale torch's reducer uses: fp32(1/W)
 SCALINGS = {"scale": dict(scale=THIRD), "divide": dict(divide=3), "cast": dict()}
 
@@ -45,23 +45,6 @@ SCALINGS = {"scale": dict(scale=THIRD), "divide": dict(divide=3), "cast": dict()
 # ----------------------------------------------------------------- helpers
 def _name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
-
-
-def assert_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    """Bit-exact equality, NaN compared as NaN; a verbose report on mismatch."""
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, e = actual.detach().reshape(-1).cpu(), expected.detach().reshape(-1).cpu()
-    an, en = a.isnan(), e.isnan()
-    ai, ei = a.view(_INT[a.element_size()]), e.view(_INT[e.element_size()])
-    bad = (an != en) | (~an & ~en & (ai != ei))
-    if bool(bad.any()):
-        idx = bad.nonzero().reshape(-1)
-        lines = [f"{what}: {idx.numel()} of {a.numel()} elements differ (NaN counts {int(an.sum())} vs {int(en.sum())})"]
-        for i in idx[:8].tolist():
-            lines.append(f"  [{i}] got {a[i].item()!r} (0x{ai[i].item() & ((1 << 8 * a.element_size()) - 1):x})"
-                         f" want {e[i].item()!r} (0x{ei[i].item() & ((1 << 8 * e.element_size()) - 1):x})")
-        raise AssertionError("\n".join(lines))
 
 
 def _bits_to_f32(bits) -> torch.Tensor:

@@ -19,28 +19,16 @@ import torch
 
 import fastddp.kernels as K
 from fastddp.kernels import Layout, reference
+from tests._compare import assert_bits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 FP32, FP16, BF16, FP64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 DTYPES = [FP32, FP16, BF16, FP64]
-_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 THIRD = float(np.float32(1 / 3))
 
 
 def _name(dt):
     return str(dt).replace("torch.", "")
-
-
-def assert_bits(actual, expected, what=""):
-    """Bit-exact, NaN compared as NaN."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    a, e = actual.reshape(-1), expected.reshape(-1)
-    an, en = a.isnan(), e.isnan()
-    bad = (an != en) | (~an & ~en & (a.view(_INT[a.element_size()]) != e.view(_INT[e.element_size()])))
-    if bool(bad.any()):
-        i = bad.nonzero().reshape(-1)
-        raise AssertionError(f"{what}: {i.numel()}/{a.numel()} differ, first at {i[:5].tolist()}: "
-                             f"got {a[i[:5]].tolist()} want {e[i[:5]].tolist()}")
 
 
 def values(dtype, n=257, seed=0):
