@@ -64,28 +64,11 @@ def test_default_offsets():
     assert reference.default_offsets([3, 0, 5, 1]) == [0, 3, 3, 8]
 
 
-def _reference_scales_16bit_in_16bit() -> bool:
-    """Known deviation (reported): since commit 3129375 ``reference.pack_views``
-    scales same-dtype fp16/bf16 views with ``torch._foreach_mul_``, which on CPU
-    rounds the python scalar to the tensor's dtype; the contract (and
-    ``Tensor.mul``) computes in fp32.  Those cases xfail while it deviates."""
-    x = torch.tensor([65504.0], dtype=FP16)
-    out = torch.empty(1, dtype=FP16)
-    reference.pack([x], out, scale=THIRD)
-    return not torch.equal(out, (x.float() * THIRD).half())
-
-
-REF_16BIT_SCALE_DEVIATES = _reference_scales_16bit_in_16bit()
-
-
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("dst", DTYPES, ids=_name)
 @pytest.mark.parametrize("src", DTYPES, ids=_name)
 def test_pack_is_the_contract(src, dst, scaling):
     kw = SCALINGS[scaling]
-    if src == dst and src in (FP16, BF16) and scaling == "scale" and REF_16BIT_SCALE_DEVIATES:
-        pytest.xfail("reference.pack_views rounds the scale to fp16/bf16 (torch._foreach_mul_ on CPU); "
-                     "the contract computes in fp32")
     srcs = [values(src, n, seed=n) for n in (1, 33, 257)]
     flat = torch.full((300,), 7.0, dtype=dst)
     reference.pack(srcs, flat, **kw)
