@@ -21,6 +21,7 @@ given (:mod:`tests._compare`):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -146,10 +147,14 @@ def side_by_side(
             return loss
     opts = None if optim is None else [torch.optim.SGD(d.parameters(), **optim) for d in (ref, test)]
 
-    def both(step, micro, where, check_loss):
+    def backward_both(step, micro, where):
+        """One backward of each wrapper on the same batch (micro > 0: under no_sync)."""
         x, y = batch(step, micro)
-        losses = [step_fn(d, x, y, step, d is ref) for d in (ref, test)]
-        if check_loss and all(isinstance(v, torch.Tensor) for v in losses):
+        losses = []
+        for d in (ref, test):
+            with d.no_sync() if micro else contextlib.nullcontext():
+                losses.append(step_fn(d, x, y, step, d is ref))
+        if tol is None and all(isinstance(v, torch.Tensor) for v in losses):
             lr_, lt_ = (v.detach() for v in losses)
             assert torch.equal(lr_, lt_), f"{where}: loss differs: torch {lr_}, test {lt_}"
         compare_grads(ref, test, where, tol)
@@ -163,19 +168,10 @@ def side_by_side(
             for d in (ref, test):
                 d.module.zero_grad(set_to_none=True)
         compare_grads(ref, test, f"rank {rank} step {step} after zero_grad", tol)
-        for micro in range(no_sync_micro):
-            x, y = batch(step, micro + 1)
-            losses = []
-            for d in (ref, test):
-                with d.no_sync():
-                    losses.append(step_fn(d, x, y, step, d is ref))
-            if tol is None and all(isinstance(v, torch.Tensor) for v in losses):
-                assert torch.equal(losses[0].detach(), losses[1].detach()), \
-                    f"rank {rank} step {step} micro {micro}: loss differs"
-            compare_grads(ref, test, f"rank {rank} step {step} no_sync micro-step {micro}", tol)
-            checks += 1
-        both(step, 0, f"rank {rank} step {step} after backward", tol is None)
-        checks += 1
+        for micro in range(1, no_sync_micro + 1):
+            backward_both(step, micro, f"rank {rank} step {step} no_sync micro-step {micro - 1}")
+        backward_both(step, 0, f"rank {rank} step {step} after backward")
+        checks += no_sync_micro + 1
         if opts is not None:
             for o in opts:
                 o.step()
