@@ -31,6 +31,8 @@ Also here: :class:`World` (to drive ranks by hand), :class:`single_rank_group`
 tests), :func:`ddp_class` / :func:`torch_ddp_class`, :func:`torch_reference`
 and :func:`torch_ddp_accepts` (torch's DDP as the reference on every
 supported torch), :data:`STAND_IN` and the :data:`fastddp_only` mark.
+Training torch's DDP and the class under test side by side inside a rank:
+:func:`tests._parity.side_by_side`; comparing tensors: :mod:`tests._compare`.
 
 The class under test is chosen by the environment variable
 ``FASTDDP_TEST_IMPL``: ``torch`` makes :func:`ddp_class` return

@@ -357,25 +357,17 @@ def test_debug_mode_ranks_disagree_on_used_params(world2):
 
 def _debug_parity_body(rank, world_size):
     """Debug mode changes when buckets are issued, not the gradients."""
-    import copy
+    from tests._parity import side_by_side
 
-    from tests._dist import torch_ddp_class
-    from tests.test_parity import compare_grads
+    def make_test(module, **kwargs):
+        ddp = ddp_class()(module, **kwargs)
+        assert ddp.stats()["debug"] is True
+        return ddp
 
     _debug_env(True)
     try:
-        base = make_model("deep")
-        ref_m, test_m = copy.deepcopy(base), copy.deepcopy(base)
-        ref = torch_ddp_class()(ref_m, bucket_cap_mb=0.001)
-        test = ddp_class()(test_m, bucket_cap_mb=0.001)
-        assert test.stats()["debug"] is True
-        for step in range(3):
-            x, y = make_batch("deep", rank, step)
-            for d in (ref, test):
-                d.module.zero_grad(set_to_none=True)
-                loss_fn(d(x), y).backward()
-            compare_grads(ref_m, test_m, f"rank {rank} step {step}")
-        return True
+        return side_by_side(rank, world_size, "deep", kwargs=dict(bucket_cap_mb=0.001), make_test=make_test,
+                            steps=3, optim=None).checks == 3
     finally:
         _debug_env(False)
 

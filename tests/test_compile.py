@@ -3,7 +3,8 @@
 In every rank of ONE gloo group: torch's EAGER DDP is the reference; the
 class under test runs the same model compiled (``torch.compile`` of the DDP
 module, or eager forward + compiled autograd).  Steps are interleaved as in
-test_parity.py.  Gradients are compared after every backward:
+test_parity.py (:func:`tests._parity.side_by_side`).  Gradients are compared
+after every backward:
 
 * ``aot_eager`` (graph capture + AOTAutograd, no code generation): the same
   aten ops as eager, so bit for bit at W=2;
@@ -19,15 +20,15 @@ reads how many collectives the reducer has issued before that node runs.
 
 from __future__ import annotations
 
-import copy
+import functools
 
 import pytest
 import torch
 from torch import nn
 
 from fastddp.bench.compile_wrappers import first_grad_node
-from tests._dist import STAND_IN, ddp_class, torch_ddp_class, world2  # noqa: F401
-from tests.test_parity import compare_grads, compare_state
+from tests._dist import STAND_IN, ddp_class, world2  # noqa: F401
+from tests._parity import side_by_side
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(STAND_IN, reason="compares fastddp under compile with torch's eager DDP")]
@@ -144,23 +145,12 @@ def _forward_kwargs(model_name, step):
 def _compiled_run(rank, world_size, model_name, mode, ddp_kwargs, steps=3, backend="aot_eager",
                   no_sync_micro=0, hook=None, set_to_none=True, tol=None):
     """Train torch's eager DDP and the class under test (``mode``: "compile"
-    = torch.compile(ddp), "ca" = compiled autograd, "both") side by side."""
+    = torch.compile(ddp), "ca" = compiled autograd, "both") side by side
+    (:func:`side_by_side`)."""
     import torch._dynamo
 
     _fresh_dynamo()
-    m_ref = _build(model_name)
-    m_test = copy.deepcopy(m_ref)
-    ref = torch_ddp_class()(m_ref, **ddp_kwargs)
-    test = ddp_class()(m_test, **ddp_kwargs)
-    if hook == "fp16":
-        import fastddp.hooks
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        test.register_comm_hook(None, fastddp.hooks.fp16_compress_hook)
-    run = torch.compile(test, backend=backend) if mode in ("compile", "both") else test
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    opt_test = torch.optim.SGD(test.parameters(), lr=0.05, momentum=0.9)
+    compiled = []
 
     def backward(loss):
         if mode in ("ca", "both"):
@@ -169,25 +159,29 @@ def _compiled_run(rank, world_size, model_name, mode, ddp_kwargs, steps=3, backe
         else:
             loss.backward()
 
-    for step in range(steps):
+    def step_fn(ddp, x, y, step, is_ref):
         fk = _forward_kwargs(model_name, step)
-        for micro in range(no_sync_micro):
-            x, y = _batch(rank, step, micro + 1)
-            with ref.no_sync():
-                _loss(ref(x, **fk), y).backward()
-            with test.no_sync():
-                backward(_loss(run(x, **fk), y))
-            compare_grads(ref, test, f"rank {rank} step {step} no_sync micro {micro}", tol)
-        x, y = _batch(rank, step)
-        _loss(ref(x, **fk), y).backward()
-        backward(_loss(run(x, **fk), y))
-        compare_grads(ref, test, f"rank {rank} step {step} ({mode}, {backend})", tol)
-        opt_ref.step()
-        opt_test.step()
-        opt_ref.zero_grad(set_to_none=set_to_none)
-        opt_test.zero_grad(set_to_none=set_to_none)
-        compare_state(ref, test, f"rank {rank} step {step} after SGD", tol)
-    return test.stats()["collectives"]
+        if is_ref:
+            loss = _loss(ddp(x, **fk), y)
+            loss.backward()
+            return loss
+        if not compiled:
+            compiled.append(torch.compile(ddp, backend=backend) if mode in ("compile", "both") else ddp)
+        loss = _loss(compiled[0](x, **fk), y)
+        backward(loss)
+        return loss
+
+    def fp16_hook(is_ref):
+        import fastddp.hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return None, default_hooks.fp16_compress_hook if is_ref else fastddp.hooks.fp16_compress_hook
+
+    run = side_by_side(rank, world_size, functools.partial(_build, model_name), kwargs=ddp_kwargs,
+                       steps=steps, no_sync_micro=no_sync_micro, set_to_none=set_to_none, tol=tol,
+                       hook=fp16_hook if hook == "fp16" else None,
+                       batch=lambda step, micro: _batch(rank, step, micro), step_fn=step_fn)
+    return run.test.stats()["collectives"]
 
 
 def _compiled_case(rank, world_size, model_name, mode, ddp_kwargs, run_kwargs):

@@ -18,7 +18,8 @@ from torch import nn
 
 from tests._dist import ddp_class, torch_ddp_accepts, torch_ddp_class, torch_reference, world2  # noqa: F401
 from tests._models import D_IN, D_OUT, HID, loss_fn, make_batch, make_model
-from tests.test_parity import compare_grads, compare_state
+from tests._compare import compare_grads, compare_state
+from tests._parity import side_by_side
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -318,31 +319,24 @@ class IgnoredNet(nn.Module):
 
 
 def _ignored_body(rank, world_size):
-    torch.manual_seed(21)
-    m_ref = IgnoredNet()
-    with torch.no_grad():  # rank-local values for the ignored entries
-        m_ref.fc1.weight.add_(0.1 * rank)
-        m_ref.bn.running_mean.add_(1.0 + rank)
-        m_ref.bn.running_var.add_(1.0 + rank)
-    m_test = copy.deepcopy(m_ref)
-    ref = torch_ddp_class()(m_ref)
-    test = ddp_class()(m_test)
-    compare_state(ref, test, "after construction (ignored entries stay local)")
-    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt_t = torch.optim.SGD(test.parameters(), lr=0.1)
-    for step in range(3):
-        x, y = make_batch("mlp", rank, step)
-        loss_fn(ref(x), y).backward()
-        loss_fn(test(x), y).backward()
-        compare_grads(ref, test, f"rank {rank} step {step}")
-        opt_r.step(), opt_t.step()
-        opt_r.zero_grad(), opt_t.zero_grad()
-        compare_state(ref, test, f"rank {rank} after step {step}")
-    return True
+    def build():
+        torch.manual_seed(21)
+        m = IgnoredNet()
+        with torch.no_grad():  # rank-local values for the ignored entries
+            m.fc1.weight.add_(0.1 * rank)
+            m.bn.running_mean.add_(1.0 + rank)
+            m.bn.running_var.add_(1.0 + rank)
+        return m
+
+    # the ignored entries stay local: compared with torch's after construction
+    # and after every step, and not the same on every rank
+    run = side_by_side(rank, world_size, build, steps=3, optim=dict(lr=0.1), check_synced=False,
+                       batch=lambda step, micro: make_batch("mlp", rank, step, micro))
+    return run.checks == 3
 
 
 def test_params_and_buffers_to_ignore(world2):
-    world2.run(_ignored_body)
+    assert world2.run(_ignored_body) == [True, True]
 
 
 # --------------------------------------------------------------------------

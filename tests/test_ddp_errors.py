@@ -21,7 +21,8 @@ from torch import nn
 from tests._dist import (STAND_IN, ddp_class, single_rank_group,  # noqa: F401
                          torch_ddp_accepts, torch_ddp_class, world2)
 from tests._models import loss_fn, make_batch, make_model
-from tests.test_parity import compare_grads
+from tests._compare import compare_grads
+from tests._parity import side_by_side
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -351,23 +352,18 @@ def test_param_marked_ready_twice_after_the_rebuild(world2):
 
 def _static_graph_unused_body(rank, world_size):
     """static_graph tolerates a parameter that never gets a gradient (torch)."""
-    m_ref = make_model("branch_never")
-    m_test = copy.deepcopy(m_ref)
-    ref = torch_ddp_class()(m_ref, static_graph=True)
-    test = ddp_class()(m_test, static_graph=True)
-    for step in range(3):
-        x, y = make_batch("branch_never", rank, step)
-        loss_fn(ref(x), y).backward()
-        loss_fn(test(x), y).backward()
-        compare_grads(ref, test, f"rank {rank} step {step}")
-        assert m_test.branch.weight.grad is None
-        for p in list(m_ref.parameters()) + list(m_test.parameters()):
-            p.grad = None
-    return True
+    def step_fn(ddp, x, y, step, is_ref):
+        loss = loss_fn(ddp(x, step=step, rank=rank), y)
+        loss.backward()
+        assert ddp.module.branch.weight.grad is None
+        return loss
+
+    return side_by_side(rank, world_size, "branch_never", kwargs=dict(static_graph=True), steps=3,
+                        step_fn=step_fn, optim=None).checks == 3
 
 
 def test_static_graph_with_never_used_param(world2):
-    world2.run(_static_graph_unused_body)
+    assert world2.run(_static_graph_unused_body) == [True, True]
 
 
 # --------------------------------------------------------------------------

@@ -19,35 +19,22 @@ from torch import nn
 
 from tests._dist import STAND_IN, ddp_class, fastddp_only, torch_ddp_class, world2  # noqa: F401
 from tests._models import loss_fn, make_batch, make_model
-from tests.test_parity import compare_grads, compare_state
+from tests._parity import side_by_side
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _train_pair(rank, model_name, kwargs, steps=3, hook=None, make=None, batch=None, pg=None,
                 torch_pg=None):
-    """torch DDP and the class under test on copies of one model, same data,
-    interleaved; grads compared after every backward, state at the end."""
-    base = make() if make is not None else make_model(model_name)
-    ref_m, test_m = copy.deepcopy(base), copy.deepcopy(base)
-    extra = {} if pg is None else {"process_group": pg}
-    ref = torch_ddp_class()(ref_m, **kwargs, **({} if torch_pg is None else {"process_group": torch_pg}))
-    test = ddp_class()(test_m, **kwargs, **extra)
-    if hook is not None:
-        ref.register_comm_hook(*hook)
-        test.register_comm_hook(*hook)
-    opt_r = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    opt_t = torch.optim.SGD(test.parameters(), lr=0.05, momentum=0.9)
-    for step in range(steps):
-        x, y = batch(rank, step) if batch is not None else make_batch(model_name, rank, step)
-        for ddp, opt in ((ref, opt_r), (test, opt_t)):
-            opt.zero_grad(set_to_none=True)
-            loss_fn(ddp(x), y).backward()
-        compare_grads(ref_m, test_m, f"rank {rank} step {step}")
-        opt_r.step()
-        opt_t.step()
-    compare_state(ref_m, test_m, f"rank {rank} after {steps} steps")
-    return True
+    """torch DDP and the class under test side by side (:func:`side_by_side`):
+    grads compared after every backward, the state after every step."""
+    world = dist.get_world_size()
+    run = side_by_side(
+        rank, world, model_name if make is None else make, kwargs=kwargs, steps=steps, hook=hook,
+        ref_kwargs=None if torch_pg is None else {"process_group": torch_pg},
+        test_kwargs=None if pg is None else {"process_group": pg},
+        batch=None if batch is None else (lambda step, micro: batch(rank, step)))
+    return run.checks == steps
 
 
 # --------------------------------------------------------------------------
@@ -282,21 +269,18 @@ class _SharedNet(nn.Module):
 def _ckpt_whole_body(rank, world_size, kwargs):
     from torch.utils.checkpoint import checkpoint
 
-    torch.manual_seed(31415)
-    base = _SharedNet()
-    ref_m, test_m = copy.deepcopy(base), copy.deepcopy(base)
-    ref = torch_ddp_class()(ref_m, bucket_cap_mb=1, **kwargs)
-    test = ddp_class()(test_m, bucket_cap_mb=1, **kwargs)
-    for step in range(4):
+    def batch(step, micro):
         g = torch.Generator().manual_seed(rank * 7 + step)
-        x = torch.rand(16, 20, generator=g, requires_grad=True)
-        y = torch.randn(16, 20, generator=g)
-        for ddp in (ref, test):
-            ddp.module.zero_grad(set_to_none=True)
-            out = checkpoint(ddp, x, use_reentrant=False)
-            nn.functional.mse_loss(out, y).backward()
-        compare_grads(ref_m, test_m, f"rank {rank} step {step}")
-    return True
+        return torch.rand(16, 20, generator=g, requires_grad=True), torch.randn(16, 20, generator=g)
+
+    def step_fn(ddp, x, y, step, is_ref):
+        loss = nn.functional.mse_loss(checkpoint(ddp, x, use_reentrant=False), y)
+        loss.backward()
+        return loss
+
+    run = side_by_side(rank, world_size, _SharedNet, kwargs=dict(bucket_cap_mb=1, **kwargs), steps=4,
+                       batch=batch, step_fn=step_fn, optim=None)
+    return run.checks == 4
 
 
 @pytest.mark.parametrize("view", [False, True])

@@ -113,26 +113,6 @@ def _install_ddp(impl: str, late: bool = False) -> type:
     return CPUVariant
 
 
-def _reduction_trail(n: int = 8):
-    """The last ``n`` reductions of every fastddp module in this process (for
-    the open bug's record): iteration, steps reduced, each bucket's reduced
-    values, the grads written back.  Test-only instrumentation."""
-    import collections
-
-    from fastddp.reducer import Reducer
-
-    trail = collections.deque(maxlen=n)
-    finalize = Reducer._finalize
-
-    def recorded(self):
-        finalize(self)
-        trail.append((self.num_iterations, self.steps_reduced,
-                      [[round(float(x), 7) for x in b.flat[:4]] for b in self.buckets if b.flat is not None],
-                      [round(float(p.grad.flatten()[0]), 7) for p in self.params[:4] if p.grad is not None]))
-    Reducer._finalize = recorded
-    return trail
-
-
 def _seed_regression_data(rank: int) -> None:
     """accelerate's ``RegressionDataset`` draws fresh OS entropy for every
     dataset it builds (``np.random.default_rng(None)``): each run of its
@@ -160,7 +140,7 @@ def _record_steps(script_globals: dict, n: int = 4):
     of the module).  A no_sync step whose increment is the local one is right
     whatever the check after it says (the data are drawn fresh each run: two
     ranks' local grads can agree to allclose's tolerance, ~1e-4 of runs).
-    Test-only instrumentation for the open bug's record."""
+    Only read into the failure message."""
     import collections
     import copy
 
@@ -218,7 +198,6 @@ def _accelerate_worker(args: argparse.Namespace) -> None:
     assert issubclass(cls, torch.nn.parallel.distributed.DistributedDataParallel)
 
     # test_sync.py: its main() as shipped (it destroys the process group at the end).
-    trail = _reduction_trail() if args.impl == "fastddp" else None
     sync = runpy.run_path(str(scripts / "test_sync.py"), run_name="accelerate_test_sync")
     steps = _record_steps(sync["main"].__globals__)
     try:
@@ -228,8 +207,7 @@ def _accelerate_worker(args: argparse.Namespace) -> None:
         detail = " | ".join(str(e).splitlines())[:600]  # the grads it compared: which check, how far
         where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__)[-3:]))
         env = {k: v for k, v in os.environ.items() if k.startswith(("FASTDDP", "TRITON", "OMP", "GLOO", "TORCH"))}
-        seen = "" if trail is None else f"; last reductions {list(trail)}"
-        results["test_sync.main"] = (f"failed: {type(e).__name__}: {detail} [at {where}; env {env}{seen}; "
+        results["test_sync.main"] = (f"failed: {type(e).__name__}: {detail} [at {where}; env {env}; "
                                      f"last DDP steps {list(steps)}]")
         traceback.print_exc()
         if PartialState().use_distributed:
@@ -263,12 +241,10 @@ def test_accelerate_shipped_ddp_scripts_torch_vs_fastddp(tmp_path):
     table = "\n".join(f"  {name:72s} torch: {torch_res[0][name]:10.10s}  fastddp: {fast_res[0][name]}"
                       for name in torch_res[0])
     print("accelerate's shipped DDP scripts, 2 gloo CPU ranks:\n" + table)
-    # No rerun.  accelerate's test_sync failed with fastddp twice in whole-suite runs on
-    # 2026-12-01 (torch 2.11 leg, "Gradients not in sync when they should be"), never since
-    # (~170 runs, instrumented) nor with collectives made late on purpose
-    # (test_accelerate_scripts_with_late_collectives, tests/test_late_collectives.py). Should it
-    # fail again, the record below names the check, the grads it compared, the last reductions
-    # and whether each DDP step's increment was the local one (issue 16).
+    # No rerun.  A gradient read before its collective is caught on every run by the
+    # late-collectives tests (test_accelerate_scripts_with_late_collectives below,
+    # tests/test_late_collectives.py); should test_sync fail here anyway, its record names
+    # the check, the grads it compared and whether each DDP step's increment was the local one.
     for r in range(2):
         assert torch_res[r].keys() == fast_res[r].keys()
         assert len(torch_res[r]) >= 11, torch_res[r]  # 10 hook configurations + test_sync
@@ -282,10 +258,9 @@ def test_accelerate_shipped_ddp_scripts_torch_vs_fastddp(tmp_path):
 @pytest.mark.slow
 def test_accelerate_scripts_with_late_collectives(tmp_path):
     """accelerate's scripts as above, fastddp's DDPs on a process group whose
-    collectives complete late (random delays, in order): the open bug of
-    issue 16 (test_sync's "not in sync when they should be", twice in
-    whole-suite runs) would be a gradient read before its collective; here
-    that read would happen on every run.  No rerun: every case must pass."""
+    collectives complete late (random delays, in order): a gradient read
+    before its collective (test_sync's "not in sync when they should be")
+    would happen on every run here.  No rerun: every case must pass."""
     pytest.importorskip("accelerate")
     res = _run_accelerate(tmp_path, "fastddp", late=True)
     for r in range(2):

@@ -40,6 +40,7 @@ import tempfile
 import pytest
 import torch
 
+from tests._compare import mismatch
 from tests._dist import world2  # noqa: F401  (module-scoped 2-rank gloo fixture)
 
 ON_CPU = os.environ.get("FASTDDP_GPU_TESTS_ON_CPU", "0") not in ("", "0")
@@ -91,28 +92,11 @@ def _in_features(m: torch.nn.Module) -> int:
     return next(m.parameters()).shape[1]
 
 
-def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
-    """None when bit-identical (NaN where NaN), else what differs."""
-    if (a is None) != (b is None):
-        return f"None-ness differs: want {a is None and 'None' or 'a tensor'}, got {b is None and 'None' or 'a tensor'}"
-    if a is None:
-        return None
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return f"want {a.dtype} {tuple(a.shape)}, got {b.dtype} {tuple(b.shape)}"
-    if torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all()):
-        return None
-    bad = a != b
-    d = (a.double() - b.double()).abs()
-    i = int(d.flatten().argmax())
-    return (f"{int(bad.sum())}/{a.numel()} elements differ, max |diff| {d.max().item():.3e} at flat "
-            f"index {i} (want {a.flatten()[i].item()!r}, got {b.flatten()[i].item()!r})")
-
-
 def _compare_grads(want_model, got_model, where: str) -> int:
     bad = []
     n = 0
     for (name, pw), pg in zip(want_model.named_parameters(), got_model.parameters()):
-        why = _diff(pw.grad, pg.grad)
+        why = mismatch(pg.grad, pw.grad)
         n += 1
         if why:
             bad.append(f"  {name}: {why}")
@@ -122,7 +106,7 @@ def _compare_grads(want_model, got_model, where: str) -> int:
 
 def _compare_params(want_model, got_model, where: str) -> None:
     bad = [f"  {name}: {why}" for (name, pw), pg in zip(want_model.named_parameters(), got_model.parameters())
-           if (why := _diff(pw.detach(), pg.detach()))]
+           if (why := mismatch(pg.detach(), pw.detach()))]
     assert not bad, f"{where}: parameters differ:\n" + "\n".join(bad)
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from tests._dist import STAND_IN, single_rank_group, torch_ddp_class, torch_reference, world2  # noqa: F401
 from tests._models import loss_fn, make_batch, make_model
+from tests._parity import side_by_side
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(STAND_IN, reason="fastddp hook paths (stand-in mode runs torch only)")]
@@ -45,29 +46,13 @@ def _grads(model):
 
 def _same_hook_both(rank, world, hook_name, opts, steps=4):
     """torch's hook on torch's DDP and on fastddp, same group, same data:
-    every grad bit for bit, every step."""
+    every grad bit for bit, every step (:func:`side_by_side`)."""
     from fastddp import DistributedDataParallel as F
 
-    base = make_model("mlp")
-    a, b = torch_reference(copy.deepcopy(base), hook=True, **opts), F(copy.deepcopy(base), **opts)
-    sa, ha = _torch_hook(hook_name)
-    sb, hb = _torch_hook(hook_name)
-    a.register_comm_hook(sa, ha)
-    b.register_comm_hook(sb, hb)
-    oa = torch.optim.SGD(a.parameters(), lr=0.05)
-    ob = torch.optim.SGD(b.parameters(), lr=0.05)
-    mismatches = []
-    for step in range(steps):
-        x, y = make_batch("mlp", rank, step)
-        for m, o in ((a, oa), (b, ob)):
-            o.zero_grad(set_to_none=True)
-            loss_fn(m(x), y).backward()
-        for i, (ga, gb) in enumerate(zip(_grads(a), _grads(b))):
-            if (ga is None) != (gb is None) or (ga is not None and not torch.equal(ga, gb)):
-                mismatches.append((step, i))
-        oa.step()
-        ob.step()
-    return mismatches
+    run = side_by_side(rank, world, "mlp", kwargs=opts, make_test=F, steps=steps, optim=dict(lr=0.05),
+                       hook=lambda is_ref: _torch_hook(hook_name),
+                       check_synced=hook_name != "noop")  # the no-op hook does not average
+    return run.checks
 
 
 HOOK_OPTS = [{}, {"gradient_as_bucket_view": True}, {"batched_grad_copy": True},
@@ -77,7 +62,7 @@ HOOK_OPTS = [{}, {"gradient_as_bucket_view": True}, {"batched_grad_copy": True},
 @pytest.mark.parametrize("hook_name", ["allreduce", "fp16", "fp16_wrapper", "noop", "allgather"])
 @pytest.mark.parametrize("opts", HOOK_OPTS, ids=["default", "view", "batched", "tiny"])
 def test_torch_hooks_match_torch_ddp(world2, hook_name, opts):
-    assert world2.run(_same_hook_both, hook_name, opts) == [[], []]
+    assert world2.run(_same_hook_both, hook_name, opts) == [4, 4]
 
 
 @pytest.mark.parametrize("opts", [{}, {"gradient_as_bucket_view": True}, {"batched_grad_copy": True}],
@@ -86,7 +71,7 @@ def test_powersgd_matches_torch_ddp(world2, opts):
     # One bucket: PowerSGD issues collectives from Future callbacks, which on
     # gloo races across buckets (torch's own DDP aborts with a collective
     # mismatch at tiny bucket caps too), so keep it to a single bucket.
-    assert world2.run(_same_hook_both, "powersgd", opts, 6) == [[], []]
+    assert world2.run(_same_hook_both, "powersgd", opts, 6) == [6, 6]
 
 
 # ---------------------------------------------------------------- bf16 (gloo)

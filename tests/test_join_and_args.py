@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from tests._dist import (STAND_IN, single_rank_group, torch_ddp_accepts, torch_ddp_class,  # noqa: F401
                          torch_reference, world2, world3)
 from tests._models import loss_fn, make_batch, make_model
+from tests._parity import side_by_side
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(STAND_IN, reason="fastddp side by side with torch inside the test")]
@@ -173,22 +173,22 @@ def test_join_with_zero_redundancy_optimizer(world2):
 def _delay_parity(rank, world):
     from fastddp import DistributedDataParallel as F
 
-    base = make_model("mlp")
-    out = []
-    for cls in (torch_ddp_class(), F):
-        m = copy.deepcopy(base)
-        named = [("fc3.weight", m.fc3.weight), ("fc3.bias", m.fc3.bias)]
-        d = cls(m, delay_all_reduce_named_params=named, param_to_hook_all_reduce=m.fc1.weight)
-        grads = []
-        for step in range(3):
-            x, y = make_batch("mlp", rank, step)
-            d.zero_grad(set_to_none=True)
-            loss_fn(d(x), y).backward()
-            if cls is torch_ddp_class():
-                dist.barrier()  # torch never waits for its delayed all-reduce
-            grads.append([p.grad.clone() for p in d.parameters()])
-        out.append(grads)
-    return all(torch.equal(a, b) for ga, gb in zip(*out) for a, b in zip(ga, gb))
+    def delayed(cls):
+        def build(m, **kwargs):
+            named = [("fc3.weight", m.fc3.weight), ("fc3.bias", m.fc3.bias)]
+            return cls(m, delay_all_reduce_named_params=named, param_to_hook_all_reduce=m.fc1.weight, **kwargs)
+        return build
+
+    def step_fn(ddp, x, y, step, is_ref):
+        loss = loss_fn(ddp(x), y)
+        loss.backward()
+        if is_ref:
+            dist.barrier()  # torch never waits for its delayed all-reduce
+        return loss
+
+    run = side_by_side(rank, world, "mlp", make_ref=delayed(torch_ddp_class()), make_test=delayed(F), steps=3,
+                       step_fn=step_fn, optim=None)
+    return run.checks == 3
 
 
 def test_delay_all_reduce_named_params_equal_torch(world2):
@@ -200,12 +200,9 @@ def _mesh_parity(rank, world):
     from fastddp import DistributedDataParallel as F
 
     mesh = init_device_mesh("cpu", (world,))
-    base = make_model("mlp")
-    a, b = torch_ddp_class()(copy.deepcopy(base), device_mesh=mesh), F(copy.deepcopy(base), device_mesh=mesh)
-    for m in (a, b):
-        x, y = make_batch("mlp", rank, 0)
-        loss_fn(m(x), y).backward()
-    return all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+    run = side_by_side(rank, world, "mlp", kwargs=dict(device_mesh=mesh), make_ref=torch_ddp_class(), make_test=F,
+                       steps=1, optim=None)
+    return run.checks == 1
 
 
 def test_device_mesh_1d_equals_torch(world2):

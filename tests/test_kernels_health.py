@@ -13,8 +13,9 @@ import torch
 
 import fastddp.kernels as K
 from fastddp.kernels import Health, Layout, reference
+from tests._compare import assert_bits
 
-from .test_kernels import (BF16, BLOCK, DEVICE, DTYPES, FP16, FP32, FP64, SCALINGS, THIRD, _name, assert_bits,
+from .test_kernels import (BF16, BLOCK, DEVICE, DTYPES, FP16, FP32, FP64, SCALINGS, THIRD, _name,
                            grads, sentinel)
 
 from .test_kernels import SPECIAL_VALUES  # noqa: E402 (the expected interpreter warnings)

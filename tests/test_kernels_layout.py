@@ -17,8 +17,9 @@ import torch
 import fastddp.kernels as K
 from fastddp.kernels import Layout, reference
 from fastddp.kernels import _triton_common as TC
+from tests._compare import assert_bits
 
-from .test_kernels import BF16, BLOCK, DEVICE, FP16, FP32, INTERPRET, THIRD, assert_bits, make, sentinel
+from .test_kernels import BF16, BLOCK, DEVICE, FP16, FP32, INTERPRET, THIRD, make, sentinel
 
 from .test_kernels import SPECIAL_VALUES  # noqa: E402 (the expected interpreter warnings)
 

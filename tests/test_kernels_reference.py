@@ -19,28 +19,16 @@ import torch
 
 import fastddp.kernels as K
 from fastddp.kernels import Layout, reference
+from tests._compare import assert_bits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 FP32, FP16, BF16, FP64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 DTYPES = [FP32, FP16, BF16, FP64]
-_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 THIRD = float(np.float32(1 / 3))
 
 
 def _name(dt):
     return str(dt).replace("torch.", "")
-
-
-def assert_bits(actual, expected, what=""):
-    """Bit-exact, NaN compared as NaN."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    a, e = actual.reshape(-1), expected.reshape(-1)
-    an, en = a.isnan(), e.isnan()
-    bad = (an != en) | (~an & ~en & (a.view(_INT[a.element_size()]) != e.view(_INT[e.element_size()])))
-    if bool(bad.any()):
-        i = bad.nonzero().reshape(-1)
-        raise AssertionError(f"{what}: {i.numel()}/{a.numel()} differ, first at {i[:5].tolist()}: "
-                             f"got {a[i[:5]].tolist()} want {e[i[:5]].tolist()}")
 
 
 def values(dtype, n=257, seed=0):
@@ -76,28 +64,11 @@ def test_default_offsets():
     assert reference.default_offsets([3, 0, 5, 1]) == [0, 3, 3, 8]
 
 
-def _reference_scales_16bit_in_16bit() -> bool:
-    """Known deviation (reported): since commit 3129375 ``reference.pack_views``
-    scales same-dtype fp16/bf16 views with ``torch._foreach_mul_``, which on CPU
-    rounds the python scalar to the tensor's dtype; the contract (and
-    ``Tensor.mul``) computes in fp32.  Those cases xfail while it deviates."""
-    x = torch.tensor([65504.0], dtype=FP16)
-    out = torch.empty(1, dtype=FP16)
-    reference.pack([x], out, scale=THIRD)
-    return not torch.equal(out, (x.float() * THIRD).half())
-
-
-REF_16BIT_SCALE_DEVIATES = _reference_scales_16bit_in_16bit()
-
-
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("dst", DTYPES, ids=_name)
 @pytest.mark.parametrize("src", DTYPES, ids=_name)
 def test_pack_is_the_contract(src, dst, scaling):
     kw = SCALINGS[scaling]
-    if src == dst and src in (FP16, BF16) and scaling == "scale" and REF_16BIT_SCALE_DEVIATES:
-        pytest.xfail("reference.pack_views rounds the scale to fp16/bf16 (torch._foreach_mul_ on CPU); "
-                     "the contract computes in fp32")
     srcs = [values(src, n, seed=n) for n in (1, 33, 257)]
     flat = torch.full((300,), 7.0, dtype=dst)
     reference.pack(srcs, flat, **kw)

@@ -1,10 +1,9 @@
 """Collectives that complete late: no gradient is read before its collective.
 
-issue 16 left one failure unexplained: accelerate's ``test_sync`` saw
-"Gradients not in sync when they should be" twice in whole-suite runs
-(no_sync steps, then a synchronising one; or three forwards under no_sync
-whose last backward is forced to synchronise), never in isolation.  On a
-quiet machine gloo finishes a 2-scalar all-reduce long before anything reads
+The patterns of accelerate's ``test_sync`` ("Gradients not in sync when
+they should be"): no_sync steps, then a synchronising one; or three forwards
+under no_sync whose last backward is forced to synchronise.  On a quiet
+machine gloo finishes a 2-scalar all-reduce long before anything reads
 it, so a read that comes too early (a missed wait, a Future callback that
 runs after the value is used, a bucket reused while in flight) only shows
 under load.  Here every collective is made late on purpose, with a random

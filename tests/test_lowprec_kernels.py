@@ -22,7 +22,7 @@ import fastddp.kernels as K
 from fastddp.kernels import reference, torch_path
 from tests._dist import STAND_IN, world2  # noqa: F401
 from tests._models import loss_fn, make_batch, make_model
-from tests.test_kernels import assert_bits
+from tests._compare import assert_bits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")

@@ -1,4 +1,5 @@
-"""Gradient parity: the class under test against torch's own DDP.
+"""Gradient parity: the class under test against torch's own DDP, every
+option, through the one side-by-side harness (:func:`tests._parity.side_by_side`).
 
 Inside every rank of ONE gloo process group: the same model is built twice
 (same seed, ``copy.deepcopy``), one copy wrapped in torch's DDP, the other in
@@ -16,148 +17,18 @@ Run the suite against torch itself with ``FASTDDP_TEST_IMPL=torch``.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from tests._dist import (EMULATED_ARGS, STAND_IN, ddp_class, fastddp_only,  # noqa: F401
-                         torch_ddp_accepts, torch_ddp_class, torch_reference, world2, world3)
+                         torch_ddp_accepts, torch_reference, world2, world3)
 from tests._models import loss_fn, make_batch, make_model
+from tests._parity import side_by_side
 
 pytestmark = pytest.mark.timeout(300)
 
 #: tolerance at world size >= 3 (see DESIGN.md "Contracts" 1)
 W3_TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-# --------------------------------------------------------------------------
-# worker-side helpers
-# --------------------------------------------------------------------------
-
-def _describe(t):
-    if t is None:
-        return "None"
-    return f"{tuple(t.shape)} {t.dtype}"
-
-
-def _mismatch(a, b, tol):
-    """None when equal (bitwise if tol is None), else a human-readable reason."""
-    if (a is None) != (b is None):
-        return f"None-ness differs: torch {_describe(a)}, test {_describe(b)}"
-    if a is None:
-        return None
-    if a.is_sparse or b.is_sparse:
-        if a.is_sparse != b.is_sparse:
-            return f"layout differs: torch {a.layout}, test {b.layout}"
-        a, b = a.coalesce().to_dense(), b.coalesce().to_dense()
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return f"dtype/shape differ: torch {_describe(a)}, test {_describe(b)}"
-    if tol is None:
-        if torch.equal(a, b):
-            return None
-    else:
-        try:
-            torch.testing.assert_close(b, a, **tol)
-            return None
-        except AssertionError as e:
-            return str(e).splitlines()[0]
-    diff = (a.double() - b.double()).abs()
-    n_bad = int((a != b).sum())
-    idx = int(diff.flatten().argmax())
-    return (f"{n_bad}/{a.numel()} elements differ, max |diff| {diff.max().item():.3e} "
-            f"at flat index {idx} (torch {a.flatten()[idx].item()!r}, test {b.flatten()[idx].item()!r})")
-
-
-def compare_grads(ref, test, where, tol=None):
-    ref_named = list(ref.named_parameters())
-    test_named = list(test.named_parameters())
-    names_r = [n for n, _ in ref_named]
-    names_t = [n for n, _ in test_named]
-    assert names_r == names_t, f"{where}: named_parameters differ: torch {names_r} vs test {names_t}"
-    bad = []
-    for (n, pr), (_, pt) in zip(ref_named, test_named):
-        why = _mismatch(pr.grad, pt.grad, tol)
-        if why:
-            bad.append(f"  {n}: {why}")
-    assert not bad, f"{where}: .grad differs from torch DDP's:\n" + "\n".join(bad)
-
-
-def compare_state(ref, test, where, tol=None):
-    bad = []
-    sr, st = ref.state_dict(), test.state_dict()
-    assert list(sr) == list(st), f"{where}: state_dict keys differ: {list(sr)} vs {list(st)}"
-    for k in sr:
-        why = _mismatch(sr[k], st[k], tol)
-        if why:
-            bad.append(f"  {k}: {why}")
-    assert not bad, f"{where}: parameters/buffers differ from torch DDP's:\n" + "\n".join(bad)
-
-
-def _fwd_bwd(ddp, model_name, rank, step, micro=0):
-    x, y = make_batch(model_name, rank, step, micro)
-    out = ddp(x, step=step, rank=rank)
-    loss = loss_fn(out, y)
-    loss.backward()
-    return loss.detach()
-
-
-def parity_run(rank, world_size, model_name, ddp_kwargs, steps=4, set_to_none=True,
-               no_sync_micro=0, tol=None, perturb_buffers=False, perturb_params=False,
-               make_ref=None, make_test=None):
-    """Train torch DDP and the class under test side by side; return counts.
-
-    ``make_ref(module, **ddp_kwargs)`` builds the reference (default:
-    :func:`torch_reference`, torch's DDP, adapted where this torch lacks an
-    argument), ``make_test`` the wrapper under test (default: ``ddp_class()``)."""
-    torch.manual_seed(1234)
-    m_ref = make_model(model_name, seed=7)
-    if perturb_buffers:  # rank-local buffers: init sync (or not) must show
-        with torch.no_grad():
-            for b in m_ref.buffers():
-                if b.is_floating_point():
-                    b.add_(0.25 * (rank + 1))
-    if perturb_params:
-        with torch.no_grad():
-            for p in m_ref.parameters():
-                p.add_(0.01 * rank)
-    m_test = copy.deepcopy(m_ref)
-
-    ref = (make_ref or torch_reference)(m_ref, **ddp_kwargs)
-    test = (make_test or ddp_class())(m_test, **ddp_kwargs)
-    compare_state(ref, test, "after construction", tol)
-
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    opt_test = torch.optim.SGD(test.parameters(), lr=0.05, momentum=0.9)
-    n_grad_checks = 0
-    for step in range(steps):
-        for micro in range(no_sync_micro):
-            with ref.no_sync():
-                lr_ = _fwd_bwd(ref, model_name, rank, step, micro + 1)
-            with test.no_sync():
-                lt_ = _fwd_bwd(test, model_name, rank, step, micro + 1)
-            assert torch.equal(lr_, lt_) or tol is not None, f"step {step} micro {micro}: loss differs"
-            compare_grads(ref, test, f"rank {rank} step {step} no_sync micro-step {micro}", tol)
-            n_grad_checks += 1
-        lr_ = _fwd_bwd(ref, model_name, rank, step)
-        lt_ = _fwd_bwd(test, model_name, rank, step)
-        if tol is None:
-            assert torch.equal(lr_, lt_), f"rank {rank} step {step}: loss differs {lr_} vs {lt_}"
-        compare_grads(ref, test, f"rank {rank} step {step} after backward", tol)
-        n_grad_checks += 1
-        opt_ref.step()
-        opt_test.step()
-        opt_ref.zero_grad(set_to_none=set_to_none)
-        opt_test.zero_grad(set_to_none=set_to_none)
-        compare_grads(ref, test, f"rank {rank} step {step} after zero_grad", tol)
-        compare_state(ref, test, f"rank {rank} step {step} after SGD step", tol)
-    # every rank holds the same parameters (DDP's invariant)
-    flat = torch.cat([p.detach().double().flatten() for p in test.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world_size)]
-    torch.distributed.all_gather(gathered, flat)
-    for r in range(world_size):
-        assert torch.equal(gathered[r], flat), f"parameters on rank {r} differ from rank {rank}'s"
-    return n_grad_checks
 
 
 # --------------------------------------------------------------------------
@@ -167,7 +38,7 @@ def parity_run(rank, world_size, model_name, ddp_kwargs, steps=4, set_to_none=Tr
 TINY = dict(bucket_cap_mb=0.001)  # ~1 KiB buckets: many buckets
 
 CASES_W2 = {
-    # name: (model, ddp kwargs, parity_run kwargs)
+    # name: (model, ddp kwargs, side_by_side arguments)
     "default": ("mlp", {}, {}),
     "default_deep": ("deep", {}, {}),
     "tiny_buckets": ("deep", TINY, {}),
@@ -223,7 +94,7 @@ def test_parity_w2(world2, case):
 
 
 def _parity_case(rank, world_size, model, kwargs, run_kwargs):
-    return parity_run(rank, world_size, model, kwargs, **run_kwargs)
+    return side_by_side(rank, world_size, model, kwargs=kwargs, **run_kwargs).checks
 
 
 # --------------------------------------------------------------------------
@@ -247,6 +118,40 @@ def test_parity_w3(world3, case):
 
 
 # --------------------------------------------------------------------------
+# the harness's control: a wrapper that gets it wrong fails side_by_side
+# --------------------------------------------------------------------------
+
+def _harness_control(rank, world_size, fault):
+    import contextlib
+
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
+
+    hook, make_test = None, None
+    if fault == "unreduced":  # the test's grads are the rank's own, not the average
+        hook = lambda is_ref: None if is_ref else (None, debugging_hooks.noop_hook)  # noqa: E731
+    elif fault == "no_sync_ignored":  # the test reduces in its no_sync micro-steps too
+        def make_test(module, **kwargs):
+            ddp = ddp_class()(module, **kwargs)
+            ddp.no_sync = contextlib.nullcontext
+            return ddp
+    try:
+        side_by_side(rank, world_size, "mlp", hook=hook, make_test=make_test, steps=2,
+                     no_sync_micro=1 if fault == "no_sync_ignored" else 0)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("fault,where", [("unreduced", "step 0 after backward"),
+                                         ("no_sync_ignored", "step 0 no_sync micro-step 0")])
+def test_the_harness_catches_a_wrong_gradient(world2, fault, where):
+    for rank, msg in enumerate(world2.run(_harness_control, fault)):
+        assert msg is not None, f"rank {rank}: side_by_side passed a wrapper with fault {fault!r}"
+        assert f"rank {rank} {where}: .grad differs from torch DDP's" in msg, msg
+        assert "elements differ, first at" in msg, msg
+
+
+# --------------------------------------------------------------------------
 # the reference on a torch without some argument: the emulation is exact
 # --------------------------------------------------------------------------
 
@@ -257,7 +162,8 @@ def _emulated_reference(module, **kwargs):
 def _emulation_case(rank, world_size, model, kwargs, run_kwargs):
     """torch's DDP with the argument (reference) against torch's DDP with the
     emulation :func:`torch_reference` uses where torch lacks it."""
-    return parity_run(rank, world_size, model, kwargs, make_test=_emulated_reference, **run_kwargs)
+    return side_by_side(rank, world_size, model, kwargs=kwargs, make_test=_emulated_reference,
+                        **run_kwargs).checks
 
 
 def _emulated(cases):
@@ -294,9 +200,8 @@ def test_torch_reference_emulation_w3(world3, case):
 # --------------------------------------------------------------------------
 
 def n_buckets(ddp_model) -> int:
-    """Number of buckets of the class under test (adjust here if it moves)."""
-    reducer = getattr(ddp_model, "_reducer", None) or ddp_model.reducer
-    return len(reducer.plan.buckets)
+    """Number of buckets of the class under test (its public ``stats()``)."""
+    return len(ddp_model.stats()["buckets"])
 
 
 def expected_launches(ddp_model, grads_are_views: bool) -> dict:

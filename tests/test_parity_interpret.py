@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tests._dist import STAND_IN, world2  # noqa: F401
-from tests.test_parity import CASES_W2, parity_run
+from tests._parity import side_by_side
+from tests.test_parity import CASES_W2
 
 pytestmark = [pytest.mark.interpret, pytest.mark.timeout(600),
               pytest.mark.skipif(STAND_IN, reason="fastddp's kernels")]
@@ -27,7 +28,7 @@ def _case(rank, world_size, name):
     assert K.backend("cpu") == "interpret", K.backend("cpu")
     model, kwargs, run_kwargs = CASES_W2[name]
     K.reset_launch_count()
-    checks = parity_run(rank, world_size, model, kwargs, **run_kwargs)
+    checks = side_by_side(rank, world_size, model, kwargs=kwargs, **run_kwargs).checks
     return checks, K.launch_count(), K.stats()["reference_calls"]
 
 
@@ -62,34 +63,34 @@ def _channels_last_body(rank, world_size, view):
     """A channels_last conv net: every conv grad is non-contiguous (dense in
     channels_last order), the buckets keep the params' strides, and each
     bucket still costs one pack and one unpack launch -- with torch's grads."""
-    import copy
-
     import torch
     from torch import nn
 
     import fastddp.kernels as K
-    from tests._dist import ddp_class, torch_ddp_class
-    from tests.test_parity import compare_grads
 
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
-    base = base.to(memory_format=torch.channels_last)
-    ref_m, test_m = copy.deepcopy(base), copy.deepcopy(base)
-    ref = torch_ddp_class()(ref_m, gradient_as_bucket_view=view)
-    test = ddp_class()(test_m, gradient_as_bucket_view=view)
-    launches = []
-    for step in range(3):
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                            nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+        return net.to(memory_format=torch.channels_last)
+
+    def batch(step, micro):
         g = torch.Generator().manual_seed(rank * 11 + step)
-        x = torch.randn(2, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
-        for d in (ref, test):
-            d.module.zero_grad(set_to_none=True)
-            K.reset_launch_count()
-            d(x).square().mean().backward()
-            if d is test:
-                launches.append((K.launch_count(), K.stats()["fallback_tensors"], test.reducer.num_buckets))
-        compare_grads(ref_m, test_m, f"rank {rank} step {step}")
-    conv_grad = test_m[0].weight.grad
+        return torch.randn(2, 3, 8, 8, generator=g).to(memory_format=torch.channels_last), None
+
+    launches = []
+
+    def step_fn(d, x, y, step, is_ref):
+        K.reset_launch_count()
+        loss = d(x).square().mean()
+        loss.backward()
+        if not is_ref:
+            launches.append((K.launch_count(), K.stats()["fallback_tensors"], d.reducer.num_buckets))
+        return loss
+
+    run = side_by_side(rank, world_size, build, kwargs=dict(gradient_as_bucket_view=view), steps=3,
+                       batch=batch, step_fn=step_fn, optim=None)
+    conv_grad = run.test.module[0].weight.grad
     return launches, conv_grad.is_contiguous(memory_format=torch.channels_last)
 
 

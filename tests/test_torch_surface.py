@@ -32,7 +32,7 @@ from fastddp import surface
 from fastddp._torch_ddp import TorchDDP
 from tests._dist import STAND_IN, single_rank_group, world2  # noqa: F401
 from tests.test_compile import count_nodes
-from tests.test_parity import compare_grads, compare_state
+from tests._compare import compare_grads, compare_state
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(STAND_IN, reason="about fastddp's class itself")]
