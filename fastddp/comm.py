@@ -73,6 +73,11 @@ class Comm:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        # the second phase of the two-phase reductions, queued at issue (CUDA)
+        self.phase2 = torch.cuda.Stream(device=device) if self.cuda else None
+        # persistent events for the joins (Stream.wait_stream makes a new one per call)
+        self._joined = torch.cuda.Event() if self.cuda else None
+        self._phase2_done = torch.cuda.Event() if self.cuda else None
         self.compute_stream = None  # the stream backward ran on (seen at the first pack)
         self.bytes_on_wire = 0  # cumulative payload bytes handed to collectives
         self.collectives = 0
@@ -107,6 +112,16 @@ class Comm:
             return _NULL
         return torch.cuda.stream(self.stream)
 
+    def phase2_context(self):
+        """Context in which a two-phase reduction's second phase (wait for
+        its all-to-all, the shard sum, the all-gather) is queued as soon as
+        the bucket is issued: on CUDA its own side stream, so the next
+        bucket's pack on the comm stream does not queue behind this bucket's
+        all-to-all.  Only tensors the mode owns for its life are used there."""
+        if not self.cuda:
+            return _NULL
+        return torch.cuda.stream(self.phase2)
+
     def hand_over(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor allocated on the comm stream that the compute stream will
         own (a new ``.grad``): tell the caching allocator, so its memory is
@@ -122,11 +137,17 @@ class Comm:
         if self.cuda:
             t.record_stream(self.stream)
 
-    def join_compute_stream(self) -> None:
-        """The compute stream waits for everything queued on the comm stream."""
+    def join_compute_stream(self, compute=None) -> None:
+        """The compute stream (default: the current one) waits for everything
+        queued on the comm stream (which first waits for the second-phase
+        stream: after a caught error its work may not have been waited for).
+        Stream waits only."""
         if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self.stream)
+            compute = compute if compute is not None else torch.cuda.current_stream(self.device)
+            self._phase2_done.record(self.phase2)
+            self.stream.wait_event(self._phase2_done)
+            self._joined.record(self.stream)
+            compute.wait_event(self._joined)
             if self._ev_current >= 0:
                 self._ev_pairs[self._ev_current][1].record(compute)
                 self._ev_open[self._ev_current] = True

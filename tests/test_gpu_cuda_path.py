@@ -77,6 +77,35 @@ def test_steady_state_step_does_not_sync_the_host(nccl1, monkeypatch):
     assert calls == [], f"{len(calls)} Event.synchronize calls in a steady-state backward"
 
 
+@pytest.mark.parametrize("hook", [None, "bf16_fp32acc_hook", "fp8_compress_hook"])
+def test_steady_state_step_makes_no_cuda_event(nccl1, monkeypatch, hook):
+    """The joins of the comm streams reuse their events (Stream.wait_stream
+    would make one per call), and the two-phase modes' second phase, queued
+    at issue on its own stream, adds none and no host sync."""
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as F
+
+    m = F(_model(), device_ids=[0], bucket_cap_mb=0.25)
+    if hook is not None:
+        m.register_comm_hook(None, getattr(fh, hook))
+    x = torch.randn(32, 256, device="cuda")
+    for _ in range(10):  # past the rebuild and the exposed-comm timer's 8 event pairs
+        m.zero_grad(set_to_none=False)
+        m(x).sum().backward()
+    torch.cuda.synchronize()
+    made = []
+    real = torch.cuda.Event.__init__
+    monkeypatch.setattr(torch.cuda.Event, "__init__", lambda self, *a, **k: (made.append(1), real(self, *a, **k))[1])
+    loss = m(x).sum()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert made == [], f"{len(made)} CUDA events made in a steady-state backward"
+
+
 def test_multi_device_module_refused(nccl1):
     from fastddp import DistributedDataParallel as F
 

@@ -346,10 +346,11 @@ def test_sparse_gradients_are_refused_clearly(world2):
 
 
 # --------------------------------------------------------------- overlap
-def _order_of_events(rank, world):
+def _order_of_events(rank, world, eager=False):
     """Every bucket's all-to-all is issued during backward, as its bucket is
     ready (before the last bucket's pack), and the shard sums and
-    all-gathers run after the last bucket is issued, in bucket order."""
+    all-gathers run after the last bucket is issued, in bucket order
+    (``eager``: phase 2 queued at issue, CUDA's schedule)."""
     from fastddp import groups, kernels
 
     events = []
@@ -374,6 +375,7 @@ def _order_of_events(rank, world):
         return real_pack(srcs, dst, *a, **k)
 
     m = _fused(make_model("deep"), bucket_cap_mb=0.001)
+    m.reducer.mode.eager = eager
     for step in range(2):  # the second step runs in the rebuilt buckets
         m.zero_grad(set_to_none=True)
         x, y = make_batch("deep", rank, step)
@@ -397,6 +399,53 @@ def test_all_to_all_overlaps_backward(world2):
         assert kinds.index("a2a") < last_pack < first_sum, kinds  # a2a of bucket 0 while backward runs
         assert all(k in ("pack", "a2a") for k in kinds[:first_sum]), kinds
         assert kinds[first_sum:] == ["sum", "ag"] * nb, kinds
+
+
+def _order_of_events_eager(rank, world):
+    """With phase 2 queued at issue (CUDA's schedule, forced here on gloo):
+    every bucket's shard sum and all-gather follow its own all-to-all
+    straight away, before the next bucket is packed."""
+    return _order_of_events(rank, world, eager=True)
+
+
+def test_phase2_at_issue_runs_during_backward(world2):
+    for events, nb in world2.run(_order_of_events_eager):
+        kinds = [k for k, _ in events]
+        assert nb > 2 and kinds.count("a2a") == nb and kinds.count("ag") == nb and kinds.count("sum") == nb
+        last_pack = max(i for i, k in enumerate(kinds) if k == "pack")
+        assert kinds.index("sum") < last_pack, kinds  # bucket 0's phase 2 while backward runs
+        assert [k for k in kinds if k != "pack"] == ["a2a", "sum", "ag"] * nb, kinds
+
+
+def _eager_matches_deferred(rank, world, hook_name):
+    """Phase 2 at issue and at the end of backward: the same collectives in
+    the same order per bucket, so the same bits."""
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as F
+
+    from tests._compare import mismatch
+
+    hook = getattr(fh, hook_name)
+    base = make_model("deep")
+    out = []
+    for eager in (False, True):
+        m = F(copy.deepcopy(base), bucket_cap_mb=0.001)
+        m.register_comm_hook(None, hook)
+        m.reducer.mode.eager = eager
+        grads = []
+        for step in range(3):
+            m.zero_grad(set_to_none=True)
+            x, y = make_batch("deep", rank, step)
+            loss_fn(m(x), y).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        out.append(grads)
+    return [mismatch(a, b) for ga, gb in zip(*out) for a, b in zip(ga, gb) if mismatch(a, b)]
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+@pytest.mark.parametrize("hook_name", ["bf16_fp32acc_hook", "fp8_compress_hook"])
+def test_phase2_at_issue_gives_the_same_bits(world2, hook_name):
+    assert world2.run(_eager_matches_deferred, hook_name) == [[], []]
 
 
 # ------------------------------------------------------- chunked phases

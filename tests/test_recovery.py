@@ -224,3 +224,35 @@ def test_recovers_after_a_missing_sparse_gradient(world2):
     for err, oks in world2.run(_finalize_error_body, "sparse"):
         assert err.startswith("Expected sparse gradient to be defined.") and "'emb.weight'" in err, err
         assert oks == [True, True], (err, oks)
+
+
+# ------------------------------------------------ streams after a caught error
+@pytest.mark.parametrize("where", ["issue", "finalize"])
+def test_a_caught_error_joins_the_compute_stream(tmp_path, monkeypatch, where):
+    """An error raised inside an iteration (a hook raising at issue, a hook's
+    Future of the wrong size at finalize) still makes the compute stream wait
+    for the comm stream before the error reaches the user: on CUDA the packs
+    already queued read gradients that the user may free right after catching
+    it (``zero_grad(set_to_none=True)``), and without the join their blocks
+    return to the compute stream's pool while the comm stream still reads
+    them.  On the CPU the join is a no-op; counted here."""
+    from fastddp import DistributedDataParallel as F, comm
+    from tests._dist import single_rank_group
+
+    joins = []
+    real = comm.Comm.join_compute_stream
+    monkeypatch.setattr(comm.Comm, "join_compute_stream", lambda self, *a: (joins.append(1), real(self, *a))[1])
+
+    def bad_hook(state, bucket):
+        if where == "issue":
+            raise RuntimeError("hook failed")
+        fut = torch.futures.Future()
+        fut.set_result(torch.zeros(1))  # not the bucket's numel
+        return fut
+
+    with single_rank_group(tmp_path):
+        m = F(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+        m.register_comm_hook(None, bad_hook)
+        with pytest.raises((RuntimeError, ValueError)):
+            m(torch.randn(4, 8)).sum().backward()
+        assert joins, "the compute stream never waited for the comm stream after the error"

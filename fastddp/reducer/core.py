@@ -188,8 +188,7 @@ class Reducer(BucketPlans):
                     self.mark_ready(i)
 
     def _native_bucket_ready(self, b: int) -> None:
-        """The native countdown: bucket ``b``'s last parameter is ready (its
-        marks stay on the C++ side until :meth:`_sync_native_marks`)."""
+        """The native countdown: bucket ``b``'s last parameter is ready (marks stay in C++)."""
         bucket = self._buckets[b]
         bucket.pending = 0
         bucket.prefilled = self.arming.filled(b)
@@ -269,8 +268,7 @@ class Reducer(BucketPlans):
             self._next_bucket += 1
 
     # -------------------------------------------------------------- finalize
-    def delay_all_reduce(self) -> None:
-        """static_graph's first backward (torch's ``_delay_all_reduce``): learn the unused params, reduce all."""
+    def delay_all_reduce(self) -> None:  # static_graph's first backward: learn the unused, reduce all
         with self._lock:
             self.ready.learn_static_unused()
             for b in self._buckets:
@@ -322,7 +320,10 @@ class Reducer(BucketPlans):
 
     # ------------------------------------------------------------ join, errors
     def abort_iteration(self) -> None:
-        """An error is raised in this iteration: the next well-formed one starts clean."""
+        """An error is raised in this iteration: the next one starts clean.
+        First the stream backward ran on waits for the comm stream (no host
+        sync): queued packs read grads the user may free after catching it."""
+        self.comm.join_compute_stream(self.comm.compute_stream)
         self._sync_native_marks()
         self.ready.abort()
         self.arming.every_hook()

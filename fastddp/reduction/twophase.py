@@ -9,12 +9,15 @@ staging) plus the mode's pack and unpack::
               chunk-major pieces if chunked; ONE all-to-all per piece (a
               codec may send more than one tensor per piece); the codec's
               extra collectives (async)
-    finish    at the end of backward, for every bucket in flight, in bucket
-              order (the same collectives in the same order on every rank):
-              per piece, wait its all-to-all, sum this rank's slice of every
+    phase 2   per piece, wait its all-to-all, sum this rank's slice of every
               rank's shard (ONE launch, fp32, in rank order), all-gather the
-              sums (async); then wait this bucket's all-gathers and extras and
-              unstage
+              sums (async).  On CUDA (NCCL: a wait is a stream wait) it is
+              queued right after the bucket's all-to-all, on the comm engine's
+              second side stream, so it runs during backward; where a wait
+              blocks the host (gloo, the interpreter) it runs at the end of
+              backward, for every bucket in flight, in bucket order.  Either
+              way every rank issues the same collectives in the same order.
+    finish    wait this bucket's all-gathers and extras and unstage
 
 A step's collectives are never issued from a collective's callback thread
 (the Triton interpreter is not thread-safe, and collectives issued from
@@ -127,6 +130,10 @@ class TwoPhase:
     scaling = Scaling.MUL
     fused = True
 
+    #: phase 2 at issue (True), at the end of backward (False), or where the
+    #: device makes waits stream waits (None: CUDA)
+    eager: bool | None = None
+
     def __init__(self, chunk_bytes: int | None = None):
         self.chunk_bytes = chunk_bytes
         self.open: list[ShardStep] = []  # in issue order
@@ -158,19 +165,25 @@ class TwoPhase:
                  for k in range(len(wire.bounds))]
         step = ShardStep(self, wire, bucket, pg, works, ctx.iteration, health, wire.start_extra(pg))
         self.open.append(step)
+        if self.eager if self.eager is not None else ctx.comm.cuda:
+            with ctx.comm.phase2_context():
+                self._phase2(step)
         return ctx.comm.hook(step, wire.nbytes)
 
+    @staticmethod
+    def _phase2(s: ShardStep) -> None:
+        s.ag = []
+        for k, works in enumerate(s.a2a):
+            for w in works:
+                groups.wait(w)
+            s.ag.extend(groups.all_gather_into_tensor(o, i, s.pg) for o, i in s.wire.reduce_piece(k, s.health))
+
     def finish(self, step: ShardStep) -> None:
-        """Sum and all-gather every open step not yet gathered (in issue
-        order), then wait for ``step``'s all-gathers and extras."""
+        """Phase 2 of every open step not yet gathered (in issue order), then
+        wait for ``step``'s all-gathers and extras."""
         for s in self.open:
             if s.ag is None:
-                s.ag = []
-                for k, works in enumerate(s.a2a):
-                    for w in works:
-                        groups.wait(w)
-                    s.ag.extend(groups.all_gather_into_tensor(o, i, s.pg)
-                                for o, i in s.wire.reduce_piece(k, s.health))
+                self._phase2(s)
         for w in list(step.ag) + list(step.extra):
             groups.wait(w)
         step.wire.stage_in()
