@@ -21,9 +21,11 @@ The chunk table depends only on (numels, offsets, dtypes, BLOCK): a
 The pointer table is each Layout's own (:class:`Binding`) and is rewritten
 only when a pointer (the residual's and the flag's included) or the scale
 changed since that layout's last call.  On CUDA it is written into a pinned
-host buffer and copied with ``non_blocking=True``, into a slot of a small
-ring that no launch can still be reading (``Event.query()``), so the host
-never waits unless a layout has :data:`MAX_SLOTS` rewrites in flight.
+host buffer and copied with ``non_blocking=True``, into a slot of a ring
+(:mod:`fastddp.kernels._table_ring`) that no launch can still be reading
+(``Event.query()``); a content the ring still holds (gradients whose
+addresses cycle, as fresh ones every step do) is reused without a copy, and
+the host never waits unless a layout has :data:`MAX_SLOTS` tables in flight.
 
 Alignment is decided per chunk, at run time, inside the one launch: a full
 chunk whose addresses are 16-byte aligned takes the vectorised accesses, any
@@ -46,7 +48,7 @@ from __future__ import annotations
 import collections
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Sequence
 
@@ -54,8 +56,8 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from ._counters import bump as _bump
 from ._strides import row_major_strides, same_memory_order
+from ._table_ring import MAX_SLOTS, TableRing  # noqa: F401 (MAX_SLOTS: read by tests and benches)
 
 # ----------------------------------------------------------------- dtype codes
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -74,11 +76,6 @@ BLOCK_GPU = 2048
 NUM_WARPS_GPU = 4
 
 _HEAD = 5  # ptr-table slots before the tensors' pointers
-
-# Pointer-table slots per Layout on CUDA.  A slot is reused once the launches
-# that read it are done, so the ring only grows while a layout's pointers
-# change faster than the GPU drains them; at the cap the host waits.
-MAX_SLOTS = 4
 
 _dtype_of = attrgetter("dtype")
 _data_ptr = torch.Tensor.data_ptr
@@ -188,29 +185,16 @@ class Plan:
         self.shared: Binding | None = None  # the binding of the public API's per-call Layouts
 
 
-@dataclass
-class _Slot:
-    host: torch.Tensor          # int64 [_HEAD + n]; pinned on CUDA
-    host_np: np.ndarray
-    dev: torch.Tensor           # == host on CPU
-    events: dict = field(default_factory=dict)  # stream handle -> Event recorded after its last launch
-    upload: "torch.cuda.Event | None" = None    # recorded after the copy into ``dev``
-    ordered: set = field(default_factory=set)   # streams known to run after that copy
-
-    def idle(self) -> bool:
-        """No launch that read this slot (nor the copy that filled it) may still run."""
-        return all(ev.query() for ev in self.events.values())
-
-
 class Binding:
     """One Layout's pointer tables for one :class:`Plan`.
 
     A steady-state call (the same addresses and scale as the previous call of
     this layout, which the caching allocator gives a bucket's grads step after
-    step) writes nothing and copies nothing.  When a pointer changes, the new
-    table goes into a slot no launch can still read (``Event.query()``): a
-    ring of up to :data:`MAX_SLOTS` pinned slots on CUDA, so the host blocks
-    only when that many rewrites of ONE layout are all still in flight.
+    step) writes nothing and copies nothing.  Other contents live in a
+    :class:`~fastddp.kernels._table_ring.TableRing`: a content seen before and
+    still held is reused without a copy, a new one goes into a slot no launch
+    can still read, and the host waits only when :data:`MAX_SLOTS` tables of
+    ONE layout are all in flight.
 
     The tensors are also matched with their layout slots here: a tensor whose
     memory order is its slot's (contiguous for a row-major slot; the slot's
@@ -227,46 +211,9 @@ class Binding:
         self._shapes = layout.shapes
         # every tensor's strides when each has its slot's (row-major slots: row-major strides)
         self._want = [row_major_strides(sh) if st is None else st for sh, st in zip(layout.shapes, self._strides)]
-        self._slots: list[_Slot] = []
-        self._cur = -1
+        self.ring = TableRing(_HEAD + plan.n, plan.device)
         self._last: list[int] | None = None
-        self._fallback: list[int] = []
         self._stream = None  # the stream of the call in progress (CUDA)
-
-    def _new_slot(self) -> _Slot:
-        n = _HEAD + self.plan.n
-        if self.plan.cuda:
-            host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-            dev = torch.empty(n, dtype=torch.int64, device=self.plan.device)
-        else:
-            host = torch.empty(n, dtype=torch.int64)
-            dev = host
-        return _Slot(host, host.numpy(), dev)
-
-    def _take_slot(self) -> _Slot:
-        """A slot safe to rewrite: an idle one (the current one included), else a
-        new one while the ring is short, else wait for the oldest."""
-        slots = self._slots
-        if not self.plan.cuda:
-            if not slots:
-                slots.append(self._new_slot())
-            self._cur = 0
-            return slots[0]
-        k = len(slots)
-        for step in range(k):
-            i = (self._cur + step) % k  # the current slot first: its copy is the oldest-but-one
-            if slots[i].idle():
-                self._cur = i
-                return slots[i]
-        if k < MAX_SLOTS:
-            slots.append(self._new_slot())
-            self._cur = k
-            return slots[k]
-        self._cur = (self._cur + 1) % k  # the least recently written slot
-        _bump("table_waits")
-        for ev in slots[self._cur].events.values():
-            ev.synchronize()  # genuinely in flight: MAX_SLOTS rewrites are queued
-        return slots[self._cur]
 
     def match(self, tensors: Sequence[torch.Tensor]) -> list[int]:
         """Indices of the tensors the kernels cannot serve in memory order."""
@@ -296,26 +243,21 @@ class Binding:
         fallback = self.match(tensors)
         for i in fallback:
             vals[_HEAD + i] = 0
-        stream = self._stream = torch.cuda.current_stream(self.plan.device) if self.plan.cuda else None
+        ring = self.ring
+        stream = self._stream = ring.stream()
         if vals == self._last:
-            slot = self._slots[self._cur]
-            if stream is not None and stream.cuda_stream not in slot.ordered:
-                stream.wait_event(slot.upload)  # a stream new to this table: after its copy (no host wait)
-                slot.ordered.add(stream.cuda_stream)
-            return slot.dev, self._fallback
-        self._vet(flat, tensors)  # new tensors: vet them once
-        slot = self._take_slot()
-        slot.host_np[:] = vals
-        if stream is not None:
-            slot.dev.copy_(slot.host, non_blocking=True)
-            if slot.upload is None:
-                slot.upload = torch.cuda.Event()
-            slot.upload.record(stream)
-            slot.ordered = {stream.cuda_stream}
-        _bump("table_uploads")
+            slot = ring.cur
+            ring.use(slot, stream)
+            return slot.dev, slot.fallback
+        self._vet(flat, tensors)  # other tensors: vet them (numels, devices)
+        key = tuple(vals) if ring.queue is not None else None
+        slot = ring.find(key)
+        if slot is not None:
+            ring.use(slot, stream)  # a content still held: no write, no copy
+        else:
+            slot = ring.write(vals, key, fallback, stream)
         self._last = vals
-        self._fallback = fallback
-        return slot.dev, fallback
+        return slot.dev, slot.fallback
 
     def _vet(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Numels and devices of a new set of tensors (C-speed maps; the slow
@@ -332,14 +274,8 @@ class Binding:
                     raise ValueError(f"tensor {i} is on {t.device} but the flat buffer is on {flat.device}")
 
     def after_launch(self) -> None:
-        """Record that the current slot was read by work on the current stream."""
-        stream = self._stream
-        if stream is not None and self._cur >= 0:
-            events = self._slots[self._cur].events
-            ev = events.get(stream.cuda_stream)
-            if ev is None:
-                ev = events[stream.cuda_stream] = torch.cuda.Event()
-            ev.record(stream)
+        """Record that the current table was read by work on the current stream."""
+        self.ring.after_launch(self._stream)
 
 
 _LRU: "collections.OrderedDict[tuple, Plan]" = collections.OrderedDict()

@@ -77,6 +77,48 @@ def test_steady_state_step_does_not_sync_the_host(nccl1, monkeypatch):
     assert calls == [], f"{len(calls)} Event.synchronize calls in a steady-state backward"
 
 
+def test_fresh_grads_with_bucket_views_never_wait_for_a_table(nccl1, monkeypatch):
+    """zero_grad(set_to_none=True) with bucket views: fresh gradients every step,
+    record_stream'ed, so their addresses change while the GPU lags.  Behind a
+    long GPU sleep the host queues eight whole steps (their pack tables
+    included) with no table wait and no Event.synchronize, and the gradients
+    are still torch's."""
+    import fastddp.kernels as K
+    from fastddp import DistributedDataParallel as F
+
+    ref = _model()
+    m = F(_model(), device_ids=[0], bucket_cap_mb=0.25, gradient_as_bucket_view=True)
+    x = torch.randn(32, 256, device="cuda")
+    for _ in range(3):  # past the rebuild
+        m.zero_grad(set_to_none=True)
+        m(x).sum().backward()
+    torch.cuda.synchronize()
+    calls = []
+    orig = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: (calls.append(1), orig(self))[1])
+    before = K.stats()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s: every step below queues behind it
+    t1.record()
+    for _ in range(8):
+        m.zero_grad(set_to_none=True)
+        loss = m(x).sum()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lagged = not t1.query()  # the host queued all eight steps before the sleep ended
+    torch.cuda.synchronize()
+    waits = K.stats()["table_waits"] - before["table_waits"]
+    assert waits == 0 and calls == [], f"{waits} table waits, {len(calls)} Event.synchronize calls"
+    assert lagged, "the host did not get ahead of the GPU: the check saw no lag"
+    ref(x).sum().backward()
+    for p, q in zip(m.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("hook", [None, "bf16_fp32acc_hook", "fp8_compress_hook"])
 def test_steady_state_step_makes_no_cuda_event(nccl1, monkeypatch, hook):
     """The joins of the comm streams reuse their events (Stream.wait_stream

@@ -346,7 +346,7 @@ def test_gpu_new_addresses_wait_only_when_every_slot_is_in_flight(monkeypatch):
     before = K.stats()
     torch.cuda._sleep(100_000_000)  # every launch below queues behind this
     for _ in range(TC.MAX_SLOTS):
-        call()  # the first reuses the idle slot, the others grow the ring
+        call()  # the first reuses the idle slot, the others take new ones (the ring doubles)
     assert _delta(before, "table_uploads") == TC.MAX_SLOTS and _delta(before, "table_waits") == 0 and not syncs
     call()  # every slot is behind the sleep: now, and only now, the host waits
     assert _delta(before, "table_waits") == 1 and len(syncs) >= 1
