@@ -27,7 +27,7 @@ Inside a kernel call, a tensor whose memory order is not its layout slot's
 (a transposed gradient, say) is copied with torch, alone; the rest of the
 call stays in its one launch per dtype.
 
-Modules: ``_ops`` (op layer), ``_layout`` (``Layout``), ``pack_kernel`` / ``unpack_kernel`` /
+Modules: ``_ops`` (op layer), ``_layout`` (``Layout``), ``_table_ring`` (the pointer tables of the launches), ``pack_kernel`` / ``unpack_kernel`` /
 ``shard_kernel`` / ``fp8_kernel`` (kernel + launcher), ``_triton_common`` (tables shared by the launchers),
 ``torch_path`` (fast plain torch), ``reference`` (the arithmetic contract).
 """
