@@ -211,3 +211,28 @@ def test_health_argument_checks():
         K.pack(srcs, wire, health=torch.zeros(2, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="health is on meta"):
         K.pack(srcs, wire, health=torch.zeros(1, dtype=torch.int32, device="meta"))
+
+
+# ------------------------------------------------------------- in place
+@pytest.mark.parametrize("plant", PLANTS)
+@pytest.mark.parametrize("scaling", ["divide", "cast", "scale"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_in_place_pack_divides_and_flags_in_one_launch(dtype, scaling, plant):
+    """The flat bucket as its own source (how check_finite checks a bucket
+    whose grads are already its views): one launch, the bits of torch's
+    ``flat.div_(W)`` (or the contract's scale / plain copy), the flag of the
+    values as they were read."""
+    flat = torch.cat(_planted(dtype, plant, seed=3))
+    lay = Layout([flat.shape])
+    before = flat.clone()
+    want = before.clone()
+    f_want, f_got = _flag(), _flag()
+    reference.pack_views([before], lay.views(want), health=f_want, **SCALINGS[scaling])
+    if scaling == "divide":
+        assert_bits(want, before.clone().div_(3), "reference vs torch's div_")
+    n0 = K.launch_count()
+    K.pack([flat], flat, layout=lay, health=f_got, **SCALINGS[scaling])
+    assert K.launch_count() - n0 == 1
+    assert_bits(flat, want, f"in place {_name(dtype)} {scaling}")
+    assert int(f_got) == int(f_want), (Health(int(f_got)), Health(int(f_want)))
+    assert bool(int(f_got) & Health.SOURCE_NONFINITE) == (plant in ("nan", "inf"))
