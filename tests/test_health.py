@@ -275,3 +275,39 @@ def test_each_gradient_value_is_flagged_once(hook, view):
     with single_rank_group():
         per_step, n = _flag_reads(hook, view)
     assert per_step[1:] == [n] * (len(per_step) - 1), (per_step, n)
+
+
+def _gather_body(rank, world_size, steps=4):
+    """The flags' all-gather writes into one buffer made once, step after step."""
+    from fastddp import groups
+
+    m = make_model("mlp")
+    ddp = ddp_class()(m, check_finite="raise")
+    outs, lists = [], []
+    into, listed = groups.all_gather_into_tensor, groups.all_gather
+
+    def rec_into(out, t, pg):
+        if t.dtype == torch.int32:
+            outs.append(out)
+        return into(out, t, pg)
+
+    def rec_list(out, t, pg):
+        lists.append(out)
+        return listed(out, t, pg)
+
+    groups.all_gather_into_tensor, groups.all_gather = rec_into, rec_list
+    try:
+        for step in range(steps):
+            m.zero_grad()
+            x, y = make_batch("mlp", rank, step)
+            loss_fn(ddp(x), y).backward()
+            if step == 0:
+                outs.clear()  # the first iteration rebuilds the buckets (new flags, new buffers)
+    finally:
+        groups.all_gather_into_tensor, groups.all_gather = into, listed
+    return len(outs), all(o is outs[0] for o in outs), len(lists)
+
+
+def test_flags_gather_allocates_nothing_per_step(world2):
+    for calls, same, listed in world2.run(_gather_body):
+        assert calls == 3 and same and listed == 0, (calls, same, listed)
