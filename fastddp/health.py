@@ -9,7 +9,8 @@ result) one device-side reduction sets it.  Nothing syncs during backward.
 
 At the end of backward, after the collectives and BEFORE any reduced value is
 written into ``.grad``, the ranks all-gather their flags (``n_buckets`` int32
-each) and read them (the step's one host sync).  A set flag raises on every
+each, into one buffer made once) and read them (the step's one host sync; on
+CUDA through a pinned host buffer made once).  A set flag raises on every
 rank (or warns, in ``"warn"`` mode): the rank whose local gradient was bad
 names the first bad parameter (found by a second pass, in that case only);
 the others say which rank's gradient made the average non-finite.  Healthy
@@ -40,24 +41,54 @@ class HealthCheck:
     def __init__(self, mode: str, device: torch.device):
         self.mode, self.device = mode, device
         self.flags = torch.zeros(0, dtype=torch.int32, device=device)
+        self._reset()
 
     def install(self, buckets) -> None:
         self.flags = torch.zeros(len(buckets), dtype=torch.int32, device=self.device)
         for b in buckets:
             b.health = self.flags[b.index:b.index + 1]
+        self._reset()
+
+    def _reset(self) -> None:
+        # The all-gather's output, its [world, n_buckets] view, its host copy
+        # and a joined rank's zeros: made at the first check after an install
+        # (the world is known then), reused every step after.
+        self._out = self._table = self._host = self._zeros = None
+        self._any = torch.zeros((), dtype=torch.bool)
+
+    def _buffers(self, world: int) -> torch.Tensor:
+        """The persistent gather output ``[world * n_buckets]`` (world 1: the flags themselves)."""
+        if self._out is None:
+            n = self.flags.numel()
+            self._out = self.flags if world == 1 else torch.zeros(world * n, dtype=torch.int32, device=self.device)
+            self._table = self._out.view(world, n)
+            # CUDA: a pinned host buffer, so the read-back is a DMA into memory
+            # made once (a pageable .cpu() allocates and stages every step)
+            self._host = (torch.zeros(world, n, dtype=torch.int32, pin_memory=True)
+                          if self.device.type == "cuda" else self._table)
+        return self._out
+
+    def _gather(self, r, flags: torch.Tensor) -> None:
+        out = self._buffers(r.world)
+        if r.world > 1:
+            groups.wait(groups.all_gather_into_tensor(out, flags, r.pg))
 
     def check(self, r) -> None:
         """Every rank, end of backward, before the unpacks."""
-        if r.world > 1:
-            every = [torch.empty_like(self.flags) for _ in range(r.world)]
-            groups.all_gather(every, self.flags, r.pg)
-            table = torch.stack(every).cpu()  # [world, n_buckets]
-        else:
-            table = self.flags.cpu().unsqueeze(0)
-        if not bool(table.any()):
+        self._gather(r, self.flags)
+        table = self._host
+        if table is not self._table:
+            # The step's one host sync, and it must stay: check_finite="raise"
+            # raises on the host before any reduced value is written into
+            # .grad, so the host has to see every rank's flags first.  The
+            # copy is queued behind the packs and the all-gather on this
+            # stream; waiting for the stream covers exactly that work.
+            table.copy_(self._table, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        if not bool(torch.any(table, out=self._any)):
             return
+        msg = self._message(r, table)  # (world 1 on the CPU: table is the flags, read before the zeroing)
         self.flags.zero_()  # failure case only
-        msg = self._message(r, table)
         if self.mode == "warn":
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             return
@@ -66,8 +97,9 @@ class HealthCheck:
     def shadow(self, r) -> None:
         """join(): a joined rank's part of the flags' all-gather (healthy: zeros)."""
         if r.world > 1:
-            zeros = torch.zeros_like(self.flags)
-            groups.all_gather([torch.empty_like(zeros) for _ in range(r.world)], zeros, r.pg)
+            if self._zeros is None:
+                self._zeros = torch.zeros_like(self.flags)
+            self._gather(r, self._zeros)
 
     def _message(self, r, table: torch.Tensor) -> str:
         H = kernels.Health

@@ -158,7 +158,14 @@ def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
     cast overflowed (bit 1), a residual value NaN/inf (bit 2).  The kernel
     never clears it: zero it once per step (keep every bucket's flag in one
     tensor: one fill for all), read it when the step is done.  On failure,
-    :func:`first_nonfinite` names the tensor.  Returns ``dst``."""
+    :func:`first_nonfinite` names the tensor.
+
+    In place: a source may be its own slot of ``dst`` (``pack([flat], flat,
+    layout=Layout([flat.shape]), divide=W, health=h)`` divides and checks a
+    filled bucket in one launch): every element is read before it is
+    written, by the same program, and the health bits describe the values
+    as they were read.  Other overlaps of a source with ``dst`` are not
+    supported.  Returns ``dst``."""
     # With a Layout the caller (the reducer) vouches for the tensors: only the
     # counts are checked, keeping the per-step host cost O(1) in Python; the
     # launcher vets new tensors when it builds their pointer table.

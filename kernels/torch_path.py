@@ -45,15 +45,32 @@ def pack_views(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
     res_ok = None
     if residuals is not None and not all(bool(torch.isfinite(r).all()) for r in residuals):
         res_ok = [torch.isfinite(r).reshape(v.shape) for r, v in zip(residuals, views)]
+    src_ok = None
+    in_place = any(map(_same_start, srcs, views))
+    if in_place:  # the pack overwrites its sources: what the bits need of them is read first
+        if not bool(torch.isfinite(_ends(srcs, None)).all()):
+            src_ok = [torch.isfinite(s).reshape(v.shape) for s, v in zip(srcs, views)]
     _pack_plain(srcs, views, scale, divide, residuals, flat)
-    if flat is not None:  # min and max: NaN propagates, an inf is one of them; no overflow
-        ends = torch.stack(torch.aminmax(flat))
-    else:
-        ends = torch.stack(torch._foreach_norm(list(views), float("inf")))
-    if res_ok is None and bool(torch.isfinite(ends).all()):
+    if src_ok is None and res_ok is None and bool(torch.isfinite(_ends(views, flat)).all()):
         return
-    src_ok = [torch.isfinite(s).reshape(v.shape) for s, v in zip(srcs, views)]
+    if src_ok is None:  # (in place: the sources were all finite)
+        src_ok = [torch.isfinite(s).reshape(v.shape) if not in_place else torch.ones(v.shape, dtype=torch.bool)
+                  for s, v in zip(srcs, views)]
     reference.health_update(health, views, src_ok, res_ok)
+
+
+def _ends(tensors: Sequence[torch.Tensor], flat: torch.Tensor | None) -> torch.Tensor:
+    """The extreme values of ``tensors`` (``flat``: the one tensor they tile):
+    finite exactly when every element is (NaN propagates through min/max and
+    the inf-norm, an inf is one of the ends; neither overflows)."""
+    if flat is not None:
+        return torch.stack(torch.aminmax(flat))
+    return torch.stack(torch._foreach_norm(list(tensors), float("inf")))
+
+
+def _same_start(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """A source that is its own destination slot (an in-place pack)."""
+    return a.data_ptr() == b.data_ptr()
 
 
 def _pack_plain(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor], scale: float,

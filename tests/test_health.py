@@ -212,3 +212,102 @@ def _join_body(rank, world_size):
 
 def test_check_finite_with_join(world2):
     assert world2.run(_join_body, timeout=120) == [True, True]
+
+
+# ------------------------------------------- each value flagged once; gather buffers made once
+def _flag_reads(hook, view, steps=4):
+    """One rank: per step, how many gradient elements the calls that set a
+    check_finite flag read (a value read by two of them counts twice), and
+    how many gradient elements the model has."""
+    import fastddp.hooks as fh
+    import fastddp.kernels as K
+    from fastddp import DistributedDataParallel as F
+    from fastddp.reduction import datapath
+
+    m = make_model("mlp")
+    ddp = F(m, check_finite="raise", gradient_as_bucket_view=view)
+    if hook == "fp16":
+        ddp.register_comm_hook(None, fh.fp16_compress_hook)
+    elif hook == "fp8":
+        ddp.register_comm_hook(None, fh.fp8_compress_hook)
+    reads = [0]
+    pack, quantize, flag = K.pack, K.quantize_fp8, datapath.flag_nonfinite
+
+    def counted_pack(srcs, dst, *a, health=None, **k):
+        if health is not None:
+            reads[0] += sum(s.numel() for s in srcs)
+        return pack(srcs, dst, *a, health=health, **k)
+
+    def counted_quantize(x, *a, health=None, **k):
+        if health is not None:  # the stage's gradient values (the rest are zeros)
+            wires = [d for b in ddp.reducer.buckets for d in b.reduction.wires.values() if d.stage is x]
+            reads[0] += sum(wires[0].lay8.numels)
+        return quantize(x, *a, health=health, **k)
+
+    def counted_flag(health, t, bit):
+        reads[0] += t.numel()
+        return flag(health, t, bit)
+
+    K.pack, K.quantize_fp8, datapath.flag_nonfinite = counted_pack, counted_quantize, counted_flag
+    try:
+        per_step = []
+        for step in range(steps):
+            m.zero_grad(set_to_none=not view)  # view: the grads stay bucket views (no pack reads them)
+            reads[0] = 0
+            x, y = make_batch("mlp", 0, step)
+            loss_fn(ddp(x), y).backward()
+            per_step.append(reads[0])
+    finally:
+        K.pack, K.quantize_fp8, datapath.flag_nonfinite = pack, quantize, flag
+    return per_step, sum(p.numel() for p in m.parameters())
+
+
+FLAG_CASES = [(h, v) for h in (None, "fp16", "fp8") for v in (False, True)]
+
+
+@pytest.mark.parametrize("hook,view", FLAG_CASES)
+def test_each_gradient_value_is_flagged_once(hook, view):
+    """A bucket is flagged by exactly one launch per value: the compressed
+    paths' cast and fp8's quantize do not re-check what an earlier pack (or
+    fill_flat) already flagged."""
+    from tests._dist import single_rank_group
+
+    with single_rank_group():
+        per_step, n = _flag_reads(hook, view)
+    assert per_step[1:] == [n] * (len(per_step) - 1), (per_step, n)
+
+
+def _gather_body(rank, world_size, steps=4):
+    """The flags' all-gather writes into one buffer made once, step after step."""
+    from fastddp import groups
+
+    m = make_model("mlp")
+    ddp = ddp_class()(m, check_finite="raise")
+    outs, lists = [], []
+    into, listed = groups.all_gather_into_tensor, groups.all_gather
+
+    def rec_into(out, t, pg):
+        if t.dtype == torch.int32:
+            outs.append(out)
+        return into(out, t, pg)
+
+    def rec_list(out, t, pg):
+        lists.append(out)
+        return listed(out, t, pg)
+
+    groups.all_gather_into_tensor, groups.all_gather = rec_into, rec_list
+    try:
+        for step in range(steps):
+            m.zero_grad()
+            x, y = make_batch("mlp", rank, step)
+            loss_fn(ddp(x), y).backward()
+            if step == 0:
+                outs.clear()  # the first iteration rebuilds the buckets (new flags, new buffers)
+    finally:
+        groups.all_gather_into_tensor, groups.all_gather = into, listed
+    return len(outs), all(o is outs[0] for o in outs), len(lists)
+
+
+def test_flags_gather_allocates_nothing_per_step(world2):
+    for calls, same, listed in world2.run(_gather_body):
+        assert calls == 3 and same and listed == 0, (calls, same, listed)

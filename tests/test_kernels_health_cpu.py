@@ -54,3 +54,30 @@ def test_cpu_path_health_bits_equal_the_reference(case, dst_dtype, with_res):
     assert torch.equal(out["torch_path"][1].float().nan_to_num(), out["reference"][1].float().nan_to_num())
     if case == "clean":
         assert out["reference"][0] == 0
+
+
+@pytest.mark.parametrize("case", ["clean", "nan", "inf", "overflow"])
+@pytest.mark.parametrize("scaling", [{"divide": 3}, {"scale": 4.0}, {}])
+def test_cpu_path_in_place_pack_bits(case, scaling):
+    """The flat bucket as its own source: the bits describe the values as they
+    were read, before the pack overwrote them (an in-place overflow is
+    OVERFLOW, not SOURCE_NONFINITE)."""
+    g = torch.Generator().manual_seed(2)
+    flat = torch.randn(4099, generator=g)
+    if case == "nan":
+        flat[77] = float("nan")
+    elif case == "inf":
+        flat[4098] = float("-inf")
+    elif case == "overflow":
+        flat[5] = 3e38  # finite; times 4 it is not
+    out = {}
+    for name, impl in (("reference", reference.pack_views), ("torch_path", torch_path.pack_views)):
+        t = flat.clone()
+        health = torch.zeros(1, dtype=torch.int32)
+        kwargs = {"flat": t} if name == "torch_path" else {}
+        impl([t], [t], health=health, **scaling, **kwargs)
+        out[name] = (int(health), t)
+    assert out["torch_path"][0] == out["reference"][0], (case, scaling, out["reference"][0], out["torch_path"][0])
+    assert torch.equal(out["torch_path"][1].nan_to_num(), out["reference"][1].nan_to_num())
+    assert out["reference"][0] == {"clean": 0, "nan": 1, "inf": 1,
+                                   "overflow": 2 if scaling.get("scale") == 4.0 else 0}[case]

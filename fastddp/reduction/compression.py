@@ -109,8 +109,10 @@ class FusedCompression(ResidualBook, Reduction):
         if self.reference:
             # CPU (no Triton): the bucket is the scratch, scaled in place
             # (x * fp32(1/W), as the kernel) and cast into the wire: no
-            # bucket-sized temporary, a few ops per bucket.
-            fill_flat(ctx, bucket, grads, Scaling.MUL, health)
+            # bucket-sized temporary, a few ops per bucket.  The flag is the
+            # cast's alone: it reads every value fill_flat wrote (x * fp32(1/W)
+            # is finite exactly when x is), so fill_flat does not flag them too.
+            fill_flat(ctx, bucket, grads, Scaling.MUL)
             kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, residual=residual, health=health)
             return
         scale = 1.0 / ctx.divisor()
@@ -120,7 +122,7 @@ class FusedCompression(ResidualBook, Reduction):
                          residual=residual, health=health)
             alias_views(ctx, bucket, grads)
             return
-        fill_flat(ctx, bucket, grads, Scaling.NONE, health)
+        fill_flat(ctx, bucket, grads, Scaling.NONE)  # flagged once, by the cast that reads it all
         kernels.pack([bucket.flat], wire, layout=bucket.flat_layout, scale=scale, residual=residual,
                      health=health)
 

@@ -215,13 +215,16 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
         if plain:
             src = grads
         else:  # missing grads (zeros), or grads already bucket views: through the flat bucket
-            fill_flat(ctx, bucket, grads, Scaling.NONE, health)
-            src, health = bucket.views, None  # flagged by fill_flat
+            fill_flat(ctx, bucket, grads, Scaling.NONE)
+            src = bucket.views
+        # Each value flagged once: the exempt ones by their pack, the others by
+        # the quantize, which reads all of the stage (x * fp32(1/W) is finite
+        # exactly when x is; the stage's other slots hold zeros).
         if d.q8:
-            kernels.pack([src[k] for k in d.q8], d.stage, layout=d.lay8, scale=scale, health=health)
+            kernels.pack([src[k] for k in d.q8], d.stage, layout=d.lay8, scale=scale)
         if d.ex:
             kernels.pack([src[k] for k in d.ex], d.exbuf, layout=d.lay_ex, scale=scale, health=health)
-        kernels.quantize_fp8(d.stage, d.q, d.s, self.block, residual=res, health=bucket.health)
+        kernels.quantize_fp8(d.stage, d.q, d.s, self.block, residual=res, health=health)
         if plain:
             alias_views(ctx, bucket, grads)
 
