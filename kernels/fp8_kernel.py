@@ -135,16 +135,16 @@ def _dequantize_kernel(
     tl.store(out_ptr + o_0 + o, _decode(b_q) * b_s[:, None], mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["world"])  # one binary for every world size
 def _reduce_fp8_kernel(
-    src_q,  # *Pointer* to uint8 [WORLD * n]: every rank's slice, rank order
-    src_s,  # *Pointer* to fp32 [WORLD * n / B]: their scales
+    src_q,  # *Pointer* to uint8 [world * n]: every rank's slice, rank order
+    src_s,  # *Pointer* to fp32 [world * n / B]: their scales
     out_q,  # *Pointer* to uint8 [n] (may be src_q's first slice)
     out_s,  # *Pointer* to fp32 [n / B] (may be src_s's first slice)
     flag_ptr,  # *Pointer* to the int32 health flag (unused without HAS_HEALTH)
     n,  # elements per slice
     n_blocks,  # blocks per slice
-    WORLD: tl.constexpr,  # slices
+    world,  # slices (the world size): a runtime bound, so the loop is not unrolled per rank
     B: tl.constexpr,  # elements per block
     G: tl.constexpr,  # blocks per program
     HAS_HEALTH: tl.constexpr,  # OR Health.OVERFLOW where finite inputs sum to NaN/inf
@@ -157,19 +157,25 @@ def _reduce_fp8_kernel(
     o = o_b[:, None] * B + tl.arange(0, B)[None, :]  # [G, B] int32 (G * B: one tile), from o_0
     m = m_b[:, None] & (tl.arange(0, B)[None, :] < B)  # [G, B]
     # slice k starts at k * n (k * n_blocks scales): int64, as it passes 2^31
-    # once (WORLD - 1) * n >= 2^31 while n itself is still an int32 argument
+    # once (world - 1) * n >= 2^31 while n itself is still an int32 argument
     n_64 = n.to(tl.int64)
     nb_64 = n_blocks.to(tl.int64)
+    # slice 0 starts the sum, slices 1 .. world-1 are added in rank order by a
+    # runtime while loop (why not static_range or range(): the bf16 shard
+    # sum's comment in shard_kernel.py)
+    b_acc = _decode(tl.load(src_q + o_0 + o, mask=m, other=0)) \
+        * tl.load(src_s + ob_0 + o_b, mask=m_b, other=1.0)[:, None]  # [G, B]
     m_in = m
-    for k in tl.static_range(WORLD):
+    if HAS_HEALTH:
+        m_in = m_in & (tl.abs(b_acc) < float("inf"))
+    k = 1
+    while k < world:
         b_v = _decode(tl.load(src_q + o_0 + k * n_64 + o, mask=m, other=0)) \
             * tl.load(src_s + ob_0 + k * nb_64 + o_b, mask=m_b, other=1.0)[:, None]  # [G, B]
         if HAS_HEALTH:
             m_in = m_in & (tl.abs(b_v) < float("inf"))
-        if k == 0:
-            b_acc = b_v
-        else:
-            b_acc = b_acc + b_v
+        b_acc = b_acc + b_v
+        k += 1
     m_fin = tl.abs(b_acc) < float("inf")
     b_amax = tl.max(tl.where(m_fin, tl.abs(b_acc), 0.0), axis=1)  # [G]
     b_k = _scale_exp(b_amax)
@@ -220,6 +226,6 @@ def launch_reduce_fp8_shards(src_q, src_s, out_q, out_s, world, block, health) -
     g = _tile(block)
     _reduce_fp8_kernel[(triton.cdiv(nb, g),)](
         src_q, src_s, out_q, out_s, health if health is not None else out_s, n, nb,
-        WORLD=world, B=block, G=g, HAS_HEALTH=health is not None,
+        world, B=block, G=g, HAS_HEALTH=health is not None,
         num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False)
     _bump("launches")

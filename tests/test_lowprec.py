@@ -214,7 +214,8 @@ def _no_sync_and_bytes(rank, world):
     loss_fn(m(x3), y3).backward()  # after the rebuild: several tiny buckets
     per_step = m.stats()["bytes_on_wire"] - mid
     numels = [b["numel"] for b in m.stats()["buckets"]]
-    want = sum(-(-n // world) * world * 2 for n in numels)
+    # W shards of S elements, S = ceil(N / W) rounded up to a multiple of 64, 2 bytes each
+    want = sum(-(-(-(-n // world)) // 64) * 64 * world * 2 for n in numels)
     return ok, before, per_step, want, len(numels)
 
 
@@ -222,6 +223,47 @@ def test_no_sync_and_bytes_on_the_wire(world3):
     for ok, before, per_step, want, nb in world3.run(_no_sync_and_bytes):
         assert all(ok) and before == 0 and nb > 1
         assert per_step == want, (per_step, want)
+
+
+def _shard_layout(rank, world, opts):
+    """Each bucket's wire after a step: its size, its pieces, its padded tail."""
+    local = make_model("deep")
+    m = _fused(copy.deepcopy(local), **opts)
+    x, y = make_batch("deep", rank, 0)
+    loss_fn(m(x), y).backward()
+    red = m.reducer.buckets[0].reduction
+    out = []
+    for b in m.reducer.buckets:
+        w = red.wires[b.index]
+        n = b.flat.numel()
+        out.append((n, w.wire.numel(), list(w.bounds), bool((w.wire[n:] == 0).all())))
+    return out
+
+
+@pytest.mark.parametrize("opts", [{}, {"bucket_cap_mb": 0.0005}], ids=["default", "tiny"])
+def test_shards_are_padded_to_64_elements(world3, opts):
+    """The wire is W shards of S elements, S the least multiple of 64 that
+    holds ceil(N / W); the tail past N is 0 (packed as 0, summed as 0);
+    the pieces cut the shard whole, at multiples of 64.  (The oracle tests
+    above check the values are unchanged.)"""
+    results = world3.run(_shard_layout, opts)
+    assert results[0] == results[1] == results[2]
+    for n, numel, bounds, tail_zero in results[0]:
+        per = -(-n // 3)
+        S = numel // 3
+        assert numel == 3 * S and S % 64 == 0 and per <= S < per + 64, (n, numel)
+        assert tail_zero, n
+        assert bounds[0][0] == 0 and bounds[-1][1] == S and all(a % 64 == 0 for a, _ in bounds), bounds
+        assert all(b1 == a2 for (_, b1), (a2, _) in zip(bounds, bounds[1:])), bounds
+
+
+def test_shard_numel_rule():
+    from fastddp.reduction.fp32acc import SHARD_ALIGN, shard_numel
+
+    assert SHARD_ALIGN == 64
+    for n, w, s in [(1, 1, 64), (64, 1, 64), (65, 1, 128), (128, 2, 64), (129, 2, 128), (1000, 3, 384),
+                    (10**6, 8, 125_056), (7, 300, 64)]:
+        assert shard_numel(n, w) == s, (n, w)
 
 
 def _join(rank, world):

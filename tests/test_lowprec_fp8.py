@@ -215,7 +215,7 @@ def test_quantize_kernel_matches_reference(block, with_res):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 257])  # 257: hundreds of ranks, a runtime loop
 def test_reduce_kernel_matches_reference(world):
     block, n = 32, 32 * 40
     g = torch.Generator().manual_seed(world)
@@ -403,6 +403,58 @@ def test_launches_per_bucket(world2):
         for nb, mixed, only_ex, launches, ref in per_rank:
             assert ref == 0
             assert launches == 5 * nb + 2 * mixed + only_ex, (nb, mixed, only_ex, launches)
+
+
+# ------------------------------------------- the exempt slots, zeroed per bucket
+def _zeroing_calls(rank, world, opts):
+    """Per step, the zeroing calls each bucket's unpack makes: one
+    ``torch._foreach_zero_`` over the exempt slots, no ``Tensor.zero_``."""
+    import fastddp
+    import fastddp.hooks as fh
+    from fastddp.reduction import fp8 as fp8_mode
+
+    m = fastddp.DistributedDataParallel(make_model("deep"), **opts)
+    m.register_comm_hook(fh.FP8CompressionState(block_size=32), fh.fp8_compress_hook)
+    calls, inside = {"zero_": 0, "_foreach_zero_": 0}, [False]
+    real_zero, real_foreach, real_unpack = torch.Tensor.zero_, torch._foreach_zero_, fp8_mode.BlockFp8.unpack
+
+    def zero_(self):
+        calls["zero_"] += inside[0]
+        return real_zero(self)
+
+    def foreach_zero_(tensors):
+        calls["_foreach_zero_"] += inside[0]
+        return real_foreach(tensors)
+
+    def unpack(self, *args, **kwargs):
+        inside[0] = True
+        try:
+            return real_unpack(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    out = []
+    torch.Tensor.zero_, torch._foreach_zero_, fp8_mode.BlockFp8.unpack = zero_, foreach_zero_, unpack
+    try:
+        for step in range(2):
+            m.zero_grad(set_to_none=True)
+            x, y = make_batch("deep", rank, step)
+            calls.update(zero_=0, _foreach_zero_=0)
+            loss_fn(m(x), y).backward()
+            exempt = [sum(1 for p in b.params if p.dim() <= 1) for b in m.reducer.buckets]
+            out.append((dict(calls), sum(1 for e in exempt if e), max(exempt)))
+    finally:
+        torch.Tensor.zero_, torch._foreach_zero_, fp8_mode.BlockFp8.unpack = real_zero, real_foreach, real_unpack
+    return out
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+@pytest.mark.parametrize("opts", [{}, {"bucket_cap_mb": 0.001}], ids=["default", "tiny"])
+def test_exempt_slots_zeroed_in_one_call_per_bucket(world2, opts):
+    for per_rank in world2.run(_zeroing_calls, opts):
+        for calls, with_exempt, most in per_rank:
+            assert calls == {"zero_": 0, "_foreach_zero_": with_exempt}, (calls, with_exempt)
+        assert with_exempt >= 1 and (opts or most > 1), per_rank  # the default bucket has several
 
 
 # ------------------------------------------------------- the CPU path

@@ -12,7 +12,20 @@ from .compression import FusedCompression
 from .kinds import Kind
 from .twophase import ShardWire, TwoPhase
 
-__all__ = ["Fp32Accumulate"]
+__all__ = ["SHARD_ALIGN", "shard_numel", "Fp32Accumulate"]
+
+#: Elements each bf16 shard is padded to a multiple of (128 bytes): every
+#: shard, and so every rank's slice the shard sum reads and every offset the
+#: all-to-all and the all-gather see, starts 128-byte aligned, which lets the
+#: sum kernel take vector accesses.
+SHARD_ALIGN = 64
+
+
+def shard_numel(n: int, world: int) -> int:
+    """Elements per shard of an ``n``-element bucket over ``world`` ranks:
+    ``ceil(n / world)`` rounded up to a multiple of :data:`SHARD_ALIGN`."""
+    per = -(-n // world)
+    return -(-per // SHARD_ALIGN) * SHARD_ALIGN
 
 
 @dataclass(eq=False)
@@ -61,16 +74,18 @@ class _Bf16Shards(ShardWire):
 class Fp32Accumulate(TwoPhase, FusedCompression):
     """bf16 on the wire, summed in fp32 (``bf16_fp32acc_hook``)::
 
-        pack      grads * fp32(1/W) -> bf16 wire of W*S elements (S = ceil(N/W);
-                  the tail past the bucket's N stays 0), error feedback as the
-                  fp16/bf16 path; ONE launch
+        pack      grads * fp32(1/W) -> bf16 wire of W*S elements (S: ceil(N/W)
+                  rounded up to a multiple of SHARD_ALIGN; the tail past the
+                  bucket's N stays 0), error feedback as the fp16/bf16 path;
+                  ONE launch
         issue     all-to-all of the W shards (the engine)
         finish    ONE launch per piece sums the shard from every rank in fp32,
                   in rank order, rounded once to bf16 (kernels.reduce_shards);
                   all-gather it into the wire (the engine)
         unpack    the wire -> .grad (ONE launch)
 
-    Bytes on the wire equal a bf16 all-reduce's; the sum's error no longer
+    Bytes on the wire equal a bf16 all-reduce's (plus the padding, under
+    128 bytes per rank and bucket); the sum's error no longer
     grows with the world size (one rounding instead of one per ring hop).
     Chunked, the same elements meet in the same order, so the result is bit
     for bit the unchunked one."""
@@ -82,15 +97,14 @@ class Fp32Accumulate(TwoPhase, FusedCompression):
         TwoPhase.__init__(self, chunk_bytes)
 
     def wire_numel(self, ctx, bucket) -> int:
-        w = ctx.world
-        return -(-bucket.flat.numel() // w) * w
+        return ctx.world * shard_numel(bucket.flat.numel(), ctx.world)
 
     def shard_wire(self, ctx, bucket) -> _Bf16Shards:
         wire = self._wire(ctx, bucket)
         s = self.wires.get(bucket.index)
         if s is None or s.wire is not wire:
             W = ctx.world
-            bounds = self._bounds(wire.numel() // W, W, wire.element_size(), 1, wire.device)
+            bounds = self._bounds(wire.numel() // W, W, wire.element_size(), SHARD_ALIGN, wire.device)
             s = self.wires[bucket.index] = _Bf16Shards(
                 W, wire, torch.empty_like(wire), bounds,
                 torch.empty_like(wire) if len(bounds) > 1 else None, wire.numel() * wire.element_size())

@@ -22,7 +22,9 @@ class Fp8Wire(ShardWire):
     """A bucket's fp8 buffers.  ``stage``: the bucket's non-exempt values in
     fp32, laid out like the bucket, padded to W shards of ``shard`` elements
     (whole blocks); ``q``/``s``: their fp8 bits and one scale per block;
-    ``exbuf``: the exempt values, compact, fp32.  ``rq``/``rs``: the shard
+    ``exbuf``: the exempt values, compact, fp32; ``ex_views``: the exempt
+    parameters' slots inside ``stage`` (made once: the unpack fills them and
+    zeroes them again in one call per bucket).  ``rq``/``rs``: the shard
     sum's input (every rank's slice): the all-to-all's receive when in one
     piece, else one chunk's, reused chunk after chunk.  Chunked
     (:meth:`layout_wire`): ``wire``/``recv`` and each piece's offset and size."""
@@ -38,6 +40,7 @@ class Fp8Wire(ShardWire):
     q: torch.Tensor
     s: torch.Tensor
     exbuf: torch.Tensor
+    ex_views: list      # views of ``stage`` at the ``ex`` positions
     bounds: list        # fp8 pieces of whole blocks
     s_bounds: list      # ... and their scales
     rq: torch.Tensor
@@ -147,7 +150,8 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
                   shard, adds them in fp32 in rank order and quantizes the sum
                   again; all-gather fp8 + scales (the engine)
         unpack    dequantize into the stage (ONE launch), the exempt values
-                  into their slots (one launch), the stage -> .grad (ONE launch)
+                  into their slots (one launch), the stage -> .grad (ONE launch),
+                  the exempt slots back to 0 (one call)
 
     Bytes: 1 per element + 4 per block of scales, + 4 per exempt element.
     The residual (error feedback) keeps this rank's quantization error; the
@@ -194,10 +198,12 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
         q = torch.zeros(W * shard, dtype=torch.uint8, device=dev)
         s = torch.ones(W * shard // B, dtype=torch.float32, device=dev)
         exbuf = torch.zeros(sum(ex_numels), dtype=torch.float32, device=dev)
+        stage = torch.zeros(W * shard, dtype=torch.float32, device=dev)
+        stage_views = lay.views(stage)
         d = Fp8Wire(world=W, block=B, shard=shard, ex=ex, q8=q8,
                     lay8=sub(q8, [lay.offsets[k] for k in q8]),
                     lay_ex=sub(ex, kernels.reference.default_offsets(ex_numels)),
-                    stage=torch.zeros(W * shard, dtype=torch.float32, device=dev), q=q, s=s, exbuf=exbuf,
+                    stage=stage, q=q, s=s, exbuf=exbuf, ex_views=[stage_views[k] for k in ex],
                     bounds=bounds, s_bounds=[(a // B, b // B) for a, b in bounds],
                     rq=torch.empty(W * n, dtype=torch.uint8, device=dev),
                     rs=torch.empty(W * n // B, dtype=torch.float32, device=dev),
@@ -233,13 +239,10 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
         d = self.wires[bucket.index]
         kernels.dequantize_fp8(d.q, d.s, d.stage, self.block)
         if d.ex:
-            views = bucket.layout.views(d.stage)
-            kernels.unpack(d.exbuf, [views[k] for k in d.ex], layout=d.lay_ex)
+            kernels.unpack(d.exbuf, d.ex_views, layout=d.lay_ex)
         unpack_grads(ctx, bucket, d.stage, track_unused)
         if d.ex:  # the stage is the next pack's destination: exempt slots must read 0 again
-            views = bucket.layout.views(d.stage)
-            for k in d.ex:
-                views[k].zero_()
+            torch._foreach_zero_(d.ex_views)  # one call (torch's multi-tensor launch on CUDA), not one per slot
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """Residuals follow their parameters into the rebuilt buckets (a stale
