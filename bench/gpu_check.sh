@@ -30,7 +30,8 @@
 #                           pip -e --no-build-isolation
 #                           --no-deps, else a symlink shim
 #   2 kernels     105 s     tests/test_kernels{,_layout,_health} test_kernels.py alone under
-#                           .py -m "interpret or gpu": the      TRITON_INTERPRET=1 (150 s)
+#                           .py, test_lowprec_kernels.py        TRITON_INTERPRET=1 (150 s)
+#                           -m "interpret or gpu": the
 #                           suite compiled for the GPU + the
 #                           gpu-marked tests, KSHARDS parallel
 #                           pytest processes, 60 s per test,
@@ -435,7 +436,7 @@ else
     # on the GPU every kernel file; the CPU twin keeps to the main suite (CI
     # runs the rest under the interpreter anyway)
     kfiles=(tests/test_kernels.py)
-    if [ "$DRY" = 1 ]; then export TRITON_INTERPRET=1; else kfiles+=(tests/test_kernels_layout.py tests/test_kernels_health.py); fi
+    if [ "$DRY" = 1 ]; then export TRITON_INTERPRET=1; else kfiles+=(tests/test_kernels_layout.py tests/test_kernels_health.py tests/test_lowprec_kernels.py); fi
     # no native code here (its tests need none): no shard waits for the build
     FASTDDP_NATIVE=0 run_stage kernels $D_KERN "$TESTS_LOG" \
         "$py" bench/pytest_shards.py --shards "$KSHARDS" --logdir "$work/kernels-shards" -- \
