@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import groups
 
-__all__ = ["Readiness"]
+__all__ = ["PinnedStaging", "Readiness", "UsedMap"]
 
 
 class Readiness:
@@ -36,10 +36,8 @@ class Readiness:
         self.marked_unused = False
         self.unused: list[int] = []
         self.foreign: list[torch.Tensor] = []  # the last walk's leaves that are not DDP's params
-        self.local_used = bytearray(n)
-        self.global_used: list[int] | None = None
-        self.used_work = None
-        self.used_tensor: torch.Tensor | None = None
+        self.used_map = UsedMap(n, pg, device)
+        self.local_used = self.used_map.local  # the hooks' marks: the same bytearray for good
         self.hook_counts = [0] * n        # static graph: hooks per param in the first backward
         self.per_iter_counts: list[int] = []
         self.ready_order: list[int] = []  # for the one bucket rebuild
@@ -87,7 +85,7 @@ class Readiness:
         self.marked_unused = False
         self.armed[extra] += 1
         if self.dynamic_find_unused:
-            self.global_used = None
+            self.used_map.forget()
             self.unused = unused()
         if self.static:
             self.per_iter_counts = list(self.hook_counts)
@@ -170,8 +168,7 @@ class Readiness:
 
     # ---------------------------------------------------------- unused map
     def all_reduce_used_map(self) -> None:
-        self.used_tensor = torch.tensor(list(self.local_used), dtype=torch.int32, device=self.device)
-        self.used_work = groups.all_reduce(self.used_tensor, self.pg, async_op=True)
+        self.used_map.all_reduce()
 
     def learn_static_unused(self) -> None:
         """static_graph, end of the first backward: the params that never fired."""
@@ -184,26 +181,23 @@ class Readiness:
         static_graph the map of the first iteration holds for good."""
         if self.local_used[index]:
             return False
-        if self.global_used is None:
-            if self.used_work is None:
+        used = self.used_map.global_used
+        if used is None:
+            if not self.used_map.fresh:
                 return False  # no map was reduced: nothing is known to be unused
-            self._wait_used_map()
-        return self.global_used[index] == 0
-
-    def _wait_used_map(self) -> None:
-        groups.wait(self.used_work)
-        self.used_work = None
-        self.global_used = self.used_tensor.tolist()
+            used = self.used_map.read_back()
+        return used[index] == 0
 
     def finish(self) -> None:
         """The iteration's buckets are reduced."""
         self.expect_hooks = False
         self.first_hook_called = False
-        if self.used_work is not None:
-            self._wait_used_map()  # never let the next iteration's map race this one
+        m = self.used_map
+        if self.static and m.fresh and 0 in self.local_used:
+            m.read_back()  # the first iteration's map holds for good
+        m.settle()  # never let the next iteration's map race this one
         if self.dynamic_find_unused:
-            self.local_used = bytearray(len(self.names))
-            self.global_used = None
+            m.clear()
         if self.static_after_first_iteration and self.should_rebuild():
             self.ready_order.extend(self.unused)
 
@@ -272,3 +266,115 @@ class Readiness:
                     "every rank must use the same parameters each iteration (otherwise a rank "
                     "waits forever in a bucket's all-reduce). Pass "
                     "find_unused_parameters=True, or make the graphs agree.")
+
+
+class UsedMap:
+    """The used-parameter map and its all-reduce (torch's ``local_used_map_``
+    and ``local_used_map_dev_``), allocated once, at the first reduction.
+
+    ``local`` holds this rank's marks (1: the param got a gradient); the
+    reduced map tells, for a param unused here, whether another rank used
+    it.  A step queues the map's upload and its all-reduce and nothing else:
+    the host reads the reduced map back (one blocking copy) only when asked,
+    i.e. when some param was unused on this rank (torch's rule), so a step
+    that used every param never waits for the device.
+    """
+
+    __slots__ = ("local", "pg", "device", "global_used", "fresh", "work", "_zeros", "_local_u8",
+                 "_map", "_staging")
+
+    def __init__(self, n: int, pg, device):
+        self.local = bytearray(n)  # never replaced: ``_local_u8`` views its memory
+        self.pg, self.device = pg, torch.device(device)
+        self.global_used: list[int] | None = None  # the reduced map, once read back
+        self.fresh = False  # a map was reduced and not read back yet
+        self.work = None
+        self._zeros = bytes(n)
+        self._map: torch.Tensor | None = None
+        self._staging: PinnedStaging | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The map on the params' device (None before the first reduction)."""
+        return self._map
+
+    def _allocate(self) -> None:
+        n = len(self.local)
+        self._local_u8 = torch.frombuffer(self.local, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
+        self._map = torch.zeros(n, dtype=torch.int32, device=self.device)
+        if self.device.type == "cuda":
+            self._staging = PinnedStaging(n, pinned=True, event=torch.cuda.Event())
+
+    def all_reduce(self) -> None:
+        """Queue the upload of ``local`` and the map's all-reduce."""
+        if self._map is None:
+            self._allocate()
+        # The previous reduction writes the map (still pending only after an
+        # aborted iteration): the upload must follow it.  A stream wait on
+        # NCCL; finish() made the same wait otherwise.  A read-back is a
+        # blocking copy, done by now.  The map is never freed: no record_stream.
+        self.settle()
+        if self._staging is None:
+            self._map.copy_(self._local_u8)  # CPU: the map itself is the persistent buffer
+        else:
+            self._staging.upload(self.local, self._local_u8, self._map,
+                                 torch.cuda.current_stream(self._map.device))
+        self.work = groups.all_reduce(self._map, self.pg, async_op=True)
+        self.global_used, self.fresh = None, True
+
+    def settle(self) -> None:
+        """Wait for the reduction (a stream wait on NCCL; gloo: blocks)."""
+        if self.work is not None:
+            work, self.work = self.work, None
+            groups.wait(work)
+
+    def read_back(self) -> list[int]:
+        """The reduced map on the host: one blocking copy on CUDA."""
+        self.settle()
+        if self.global_used is None:
+            self.global_used = self._map.tolist()
+        self.fresh = False
+        return self.global_used
+
+    def forget(self) -> None:
+        """A new iteration: nothing is known of its map yet."""
+        self.global_used, self.fresh = None, False
+
+    def clear(self) -> None:
+        """No marks for the next iteration (in place: ``_local_u8`` views them)."""
+        self.local[:] = self._zeros
+        self.forget()
+
+
+class PinnedStaging:
+    """The host buffer the map is uploaded from, with ``non_blocking=True``.
+
+    The copy engine reads it whenever the queued copy runs, possibly steps
+    after the host queued it (the host runs ahead of the device), so the host
+    must not rewrite it while an earlier upload may still read it.  It is
+    rewritten only when the marks differ from what it holds: with the same
+    params used every step (all of them, most often) it never is, and every
+    upload reads the same values whenever it runs.  Before a rewrite, the
+    event recorded after the last upload is queried (no sync) and waited for
+    only if that upload has not run yet.  The used set changed, so this step
+    or the previous one had a param unused here, and such a step reads the
+    reduced map back (a blocking copy queued after its upload), which in the
+    common case has completed the upload already.
+    """
+
+    __slots__ = ("buffer", "_holds", "_copied")
+
+    def __init__(self, n: int, *, pinned: bool, event):
+        self.buffer = torch.zeros(n, dtype=torch.int32, pin_memory=pinned)
+        self._holds = bytearray(n)  # what ``buffer`` holds
+        self._copied = event        # recorded after each upload out of ``buffer``
+
+    def upload(self, local: bytearray, local_u8: torch.Tensor, dst: torch.Tensor, stream) -> None:
+        """Queue ``dst <- local`` on ``stream`` (the current one)."""
+        if local != self._holds:
+            if not self._copied.query():
+                self._copied.synchronize()
+            self.buffer.copy_(local_u8)
+            self._holds[:] = local
+        dst.copy_(self.buffer, non_blocking=True)
+        self._copied.record(stream)

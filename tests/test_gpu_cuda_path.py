@@ -53,12 +53,16 @@ def test_exposed_comm_timed_with_cuda_events(nccl1):
     assert len(ms) >= 3 and all(t >= 0 for t in ms), s
 
 
-def test_steady_state_step_does_not_sync_the_host(nccl1, monkeypatch):
+@pytest.mark.parametrize("find_unused", [False, True], ids=["default", "find_unused"])
+def test_steady_state_step_does_not_sync_the_host(nccl1, monkeypatch, find_unused):
     """After the rebuild, a step queues work only: no event/stream/device
-    synchronize and no synchronizing copy (torch's sync debug mode errors)."""
+    synchronize and no synchronizing copy (torch's sync debug mode errors).
+    With find_unused_parameters and every parameter used, the used map is
+    uploaded from pinned memory without a wait and never read back."""
     from fastddp import DistributedDataParallel as F
 
-    m = F(_model(), device_ids=[0], bucket_cap_mb=0.25, gradient_as_bucket_view=True)
+    m = F(_model(), device_ids=[0], bucket_cap_mb=0.25, gradient_as_bucket_view=True,
+          find_unused_parameters=find_unused)
     x = torch.randn(32, 256, device="cuda")
     for _ in range(3):
         m.zero_grad(set_to_none=False)
@@ -75,6 +79,8 @@ def test_steady_state_step_does_not_sync_the_host(nccl1, monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert calls == [], f"{len(calls)} Event.synchronize calls in a steady-state backward"
+    if find_unused:
+        assert m.reducer.ready.used_map.tensor.is_cuda
 
 
 def test_fresh_grads_with_bucket_views_never_wait_for_a_table(nccl1, monkeypatch):
