@@ -38,6 +38,16 @@ def _model(n=12):
     return torch.nn.Sequential(*layers).cuda()
 
 
+def _backward_without_sync(loss) -> None:
+    """``loss.backward()`` under torch's sync debug mode "error": a host-device
+    sync or a synchronizing copy inside it raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_exposed_comm_timed_with_cuda_events(nccl1):
     from fastddp import DistributedDataParallel as F
 
@@ -71,12 +81,7 @@ def test_steady_state_step_does_not_sync_the_host(nccl1, monkeypatch, find_unuse
     calls = []
     orig = torch.cuda.Event.synchronize
     monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: (calls.append(1), orig(self))[1])
-    loss = m(x).sum()  # the forward's loss is built outside the checked region
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        loss.backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _backward_without_sync(m(x).sum())  # the forward's loss is built outside the checked region
     torch.cuda.synchronize()
     assert calls == [], f"{len(calls)} Event.synchronize calls in a steady-state backward"
     if find_unused:
@@ -109,12 +114,7 @@ def test_fresh_grads_with_bucket_views_never_wait_for_a_table(nccl1, monkeypatch
     t1.record()
     for _ in range(8):
         m.zero_grad(set_to_none=True)
-        loss = m(x).sum()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        _backward_without_sync(m(x).sum())
     lagged = not t1.query()  # the host queued all eight steps before the sleep ended
     torch.cuda.synchronize()
     waits = K.stats()["table_waits"] - before["table_waits"]
@@ -144,12 +144,7 @@ def test_steady_state_step_makes_no_cuda_event(nccl1, monkeypatch, hook):
     made = []
     real = torch.cuda.Event.__init__
     monkeypatch.setattr(torch.cuda.Event, "__init__", lambda self, *a, **k: (made.append(1), real(self, *a, **k))[1])
-    loss = m(x).sum()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        loss.backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _backward_without_sync(m(x).sum())
     torch.cuda.synchronize()
     assert made == [], f"{len(made)} CUDA events made in a steady-state backward"
 
