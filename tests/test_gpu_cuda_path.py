@@ -149,6 +149,30 @@ def test_steady_state_step_makes_no_cuda_event(nccl1, monkeypatch, hook):
     assert made == [], f"{len(made)} CUDA events made in a steady-state backward"
 
 
+def test_check_finite_syncs_once_per_step(nccl1, monkeypatch):
+    """check_finite must read the flags on the host before any reduced value
+    reaches .grad ("raise" raises there): one stream synchronize per step,
+    after a non_blocking copy into pinned memory made once; no event
+    synchronize, no CUDA event made, no other sync."""
+    from fastddp import DistributedDataParallel as F
+
+    m = F(_model(), device_ids=[0], bucket_cap_mb=0.25, gradient_as_bucket_view=True, check_finite="raise")
+    x = torch.randn(32, 256, device="cuda")
+    for _ in range(10):
+        m.zero_grad(set_to_none=True)
+        m(x).sum().backward()
+    torch.cuda.synchronize()
+    syncs, made = [], []
+    real_sync, real_ev = torch.cuda.Stream.synchronize, torch.cuda.Event.__init__
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: (syncs.append("stream"), real_sync(self))[1])
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: syncs.append("event"))
+    monkeypatch.setattr(torch.cuda.Event, "__init__", lambda self, *a, **k: (made.append(1), real_ev(self, *a, **k))[1])
+    m.zero_grad(set_to_none=True)
+    m(x).sum().backward()
+    torch.cuda.synchronize()
+    assert syncs == ["stream"] and made == [], (syncs, len(made))
+
+
 def test_multi_device_module_refused(nccl1):
     from fastddp import DistributedDataParallel as F
 
