@@ -64,13 +64,15 @@ def _ends(tensors: Sequence[torch.Tensor], flat: torch.Tensor | None) -> torch.T
     finite exactly when every element is (NaN propagates through min/max and
     the inf-norm, an inf is one of the ends; neither overflows)."""
     if flat is not None:
-        return torch.stack(torch.aminmax(flat))
-    return torch.stack(torch._foreach_norm(list(tensors), float("inf")))
+        return torch.stack(torch.aminmax(flat)) if flat.numel() else flat
+    tensors = [t for t in tensors if t.numel()]  # no inf-norm of an empty tensor
+    return torch.stack(torch._foreach_norm(tensors, float("inf"))) if tensors else torch.empty(0)
 
 
 def _same_start(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """A source that is its own destination slot (an in-place pack)."""
-    return a.data_ptr() == b.data_ptr()
+    """A source that is its own destination slot (an in-place pack); empty
+    tensors share no memory (their data_ptr may be 0 for both)."""
+    return a.numel() > 0 and a.data_ptr() == b.data_ptr()
 
 
 def _pack_plain(srcs: Sequence[torch.Tensor], views: Sequence[torch.Tensor], scale: float,
