@@ -101,7 +101,7 @@ class Reducer(BucketPlans):
         """Bytes per element on the wire where the mode or mixed precision fixes it."""
         dtype = self._dense.wire_dtype if self._dense.fused and self._dense.wire_dtype is not None \
             else self.opts.reduce_dtype
-        return None if dtype is None else torch.empty((), dtype=dtype).element_size()
+        return None if dtype is None else dtype.itemsize
 
     def name(self, p) -> str:
         return self.ctx.name(p)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import groups
+from .. import groups, settings
 from ..comm import Pending
 from .datapath import Scaling
 
@@ -56,7 +56,6 @@ def chunk_bounds(shard: int, world: int, elem_bytes: int, align: int,
     pieces and issues the same calls.  One piece: the phases run unchunked
     (no staging)."""
     if target is None:
-        from .. import settings
         target = settings.get().chunk_bytes
         if target is None:
             target = CHUNK_BYTES if device is None or device.type == "cpu" else 0
