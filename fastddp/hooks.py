@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .hook_states import CompressionState, FP8CompressionState, HierarchicalState
 from .reduction.kinds import Kind
 
 __all__ = ["GradBucket"]
@@ -80,71 +81,6 @@ class GradBucket:
 # the wire buffer; all-reduce on the wire; unpack: cast back + scatter), 2
 # launches per bucket.
 # --------------------------------------------------------------------------
-
-
-def _check_chunk_bytes(value, owner: str) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ValueError(f"{owner}: chunk_bytes={value!r} must be None or a whole number of bytes >= 0 "
-                         "(0: one collective call per phase)")
-    return value
-
-
-class CompressionState:
-    """State for fastddp's fused compression hooks.
-
-    ``process_group``: the group to reduce over (None: the DDP module's group).
-    ``error_feedback``: keep, per bucket, the fp32 residual
-    ``r <- x - decompress(compress(x))`` of ``x = g / W + r`` and add it to
-    the next step's gradient, inside the same pack launch.  Compression
-    error then accumulates into later steps instead of being lost.
-    ``chunk_bytes``: the two-phase reductions (``bf16_fp32acc_hook``) move a
-    big bucket in collective calls of about this many bytes each way (None:
-    FASTDDP_CHUNK_BYTES, else 1 MiB on the CPU and one call on CUDA; 0: one
-    call per phase).
-    """
-
-    def __init__(self, process_group=None, error_feedback: bool = False, chunk_bytes: int | None = None):
-        self.process_group = process_group
-        self.error_feedback = bool(error_feedback)
-        self.chunk_bytes = _check_chunk_bytes(chunk_bytes, type(self).__name__)
-
-    def __repr__(self) -> str:
-        return f"CompressionState(error_feedback={self.error_feedback})"
-
-
-class FP8CompressionState(CompressionState):
-    """State of :func:`fp8_compress_hook`.
-
-    ``block_size``: elements per fp8 scale (a power of two, 16 to 4096; 256:
-    4 bytes of scale per 256 bytes of fp8, 1.6 %).  ``error_feedback``
-    (default True): this rank's quantization error is added to its next
-    step's gradient, inside the quantize launch.  ``exempt``: which
-    parameters travel in fp32 instead: None (default) exempts 1-D parameters
-    (norm weights, biases: few bytes, most sensitive), or a callable
-    ``param -> bool``, or a collection of parameters (empty: none).
-    ``chunk_bytes``: as :class:`CompressionState`'s."""
-
-    def __init__(self, process_group=None, block_size: int = 256, error_feedback: bool = True,
-                 exempt=None, chunk_bytes: int | None = None):
-        super().__init__(process_group, error_feedback, chunk_bytes)
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 16 <= block_size <= 4096 \
-                or block_size & (block_size - 1):
-            raise ValueError(f"FP8CompressionState: block_size={block_size!r} must be a power of two "
-                             "from 16 to 4096 (e.g. 128 or 256)")
-        if exempt is not None and not callable(exempt):
-            try:
-                exempt = tuple(exempt)
-            except TypeError:
-                raise TypeError("FP8CompressionState: exempt must be None, a callable param -> bool, or "
-                                f"a collection of parameters, got {type(exempt).__name__}") from None
-            if not all(isinstance(p, torch.Tensor) for p in exempt):
-                raise TypeError("FP8CompressionState: exempt must hold parameters (tensors)")
-        self.block_size = block_size
-        self.exempt = exempt
-
-    def __repr__(self) -> str:
-        return (f"FP8CompressionState(block_size={self.block_size}, error_feedback={self.error_feedback}, "
-                f"exempt={'1-D params' if self.exempt is None else self.exempt!r})")
 
 
 def state_group(state):
@@ -284,6 +220,17 @@ def fp8_compress_hook(state, bucket):
                        "group); torch's DDP cannot run it")
 
 
+def hierarchical_hook(state, bucket):
+    """The hierarchical reduction (see :class:`HierarchicalState`): fp32
+    reduce-scatter inside each host, the host's shard reduced across the
+    hosts in the state's ``wire``, all-gathered inside the host.  A fused
+    path of fastddp.DistributedDataParallel only; called as a plain hook (on
+    torch's DDP) it raises."""
+    raise RuntimeError("fastddp.hooks.hierarchical_hook runs only as the fused path of "
+                       "fastddp.DistributedDataParallel (register it there with a HierarchicalState); "
+                       "torch's DDP cannot run it")
+
+
 def noop_hook(_, bucket):
     """No communication: grads stay local (measures what comm costs)."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -354,7 +301,8 @@ _tag(bf16_compress_hook, Kind.COMPRESS, torch.bfloat16)
 _tag(noop_hook, Kind.NOOP, None)
 _tag(bf16_fp32acc_hook, Kind.FP32ACC, torch.bfloat16)
 _tag(fp8_compress_hook, Kind.FP8, torch.float8_e4m3fn)
+_tag(hierarchical_hook, Kind.HIER, None)
 
-__all__ += ["FP8CompressionState", "fp8_compress_hook", "CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+__all__ += ["HierarchicalState", "hierarchical_hook", "FP8CompressionState", "fp8_compress_hook", "CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
             "noop_hook", "bf16_fp32acc_hook", "allgather_then_aggregate_hook", "fp16_compress_wrapper",
             "bf16_compress_wrapper", "check_hook", "state_group"]

@@ -101,6 +101,7 @@ def reducer_stats(r) -> dict:
         "check_finite": r.opts.check_finite,
         "buckets": [b.describe(r.names) for b in r.buckets],
         **({"autotune": r.tuner.report()} if r.tuner is not None else {}),
+        **(r.mode.stats() if hasattr(r.mode, "stats") else {}),
     }
 
 

@@ -9,6 +9,9 @@
 | `FASTDDP_BUCKET_CAP_MB` | MiB >= 0, auto | unset | bucket cap where the constructor gets no `bucket_cap_mb(_list)` |
 | `FASTDDP_CHUNK_BYTES` | bytes >= 0 | unset | bytes each way per two-phase call (unset: the mode's; 0: unchunked) |
 | `FASTDDP_NATIVE` | switch, require | on | native readiness hooks (off: Python hooks; require: a failed build raises) |
+| `FASTDDP_RANKS_PER_HOST` | whole number | unset | the hierarchical reduction's topology: this many consecutive ranks per host (unset: detected) |
+| `LOCAL_WORLD_SIZE` | whole number | unset | torchrun's: ranks on this host (checked against the detected topology) |
+| `GROUP_RANK` | whole number | unset | torchrun's: this host's (node's) rank, the host key of the detected topology |
 | `CXX` | command | unset | C++ compiler of the native build without ninja (unset: c++ or g++ on PATH) |
 | `FASTDDP_EXIT_DRAIN_S` | seconds >= 0 | 0.5 | the most the exit drain waits (`fastddp._exit`; 0: no drain) |
 | `PYTORCH_DDP_USE_SIDE_STREAM` | switch | on | torch's: copy inputs to `device_ids` on a side stream |
@@ -116,6 +119,17 @@ def _bytes(name: str, text: str) -> int:
     return value
 
 
+def _count(name: str, text: str) -> int:
+    """A whole number >= 0 (torchrun's LOCAL_WORLD_SIZE, GROUP_RANK; ranks per host)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"fastddp: {name}={text!r} is not a whole number >= 0")
+    return value
+
+
 def _cap(name: str, text: str):
     return parse_bucket_cap(text, name)
 
@@ -140,6 +154,9 @@ VARIABLES = (
     _Variable("FASTDDP_BUCKET_CAP_MB", "bucket_cap_mb", _cap, None),
     _Variable("FASTDDP_CHUNK_BYTES", "chunk_bytes", _bytes, None),
     _Variable("FASTDDP_NATIVE", "native", _native, NativeMode.ON),
+    _Variable("FASTDDP_RANKS_PER_HOST", "ranks_per_host", _count, None),
+    _Variable("LOCAL_WORLD_SIZE", "local_world_size", _count, None),
+    _Variable("GROUP_RANK", "group_rank", _count, None),
     _Variable("CXX", "cxx", _text, None),
     _Variable("FASTDDP_EXIT_DRAIN_S", "exit_drain_s", _seconds, 0.5),
     _Variable("PYTORCH_DDP_USE_SIDE_STREAM", "use_side_stream", _switch, True),
@@ -177,6 +194,13 @@ class Settings:
     """``FASTDDP_CHUNK_BYTES``: bytes, or None (unset: the mode chooses)."""
     native: NativeMode = NativeMode.ON
     """``FASTDDP_NATIVE``."""
+    ranks_per_host: int | None = None
+    """``FASTDDP_RANKS_PER_HOST``: the hierarchical reduction's explicit
+    topology (consecutive ranks share a host), or None (detected)."""
+    local_world_size: int | None = None
+    """``LOCAL_WORLD_SIZE`` (set by torchrun): ranks on this host."""
+    group_rank: int | None = None
+    """``GROUP_RANK`` (set by torchrun): this host's (node's) rank."""
     cxx: str | None = None
     """``CXX``, or None (unset)."""
     exit_drain_s: float = 0.5

@@ -225,7 +225,7 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[in
 
 
 # ============================================================ shard sum
-_SHARD_DTYPES = (torch.bfloat16,)
+_SHARD_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _dispatch(device: torch.device, cpu_fn, module: str, launcher: str, *args) -> None:
@@ -246,7 +246,7 @@ def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int, *,
     """Sum this rank's shard as received from every rank: ``src`` holds
     ``world`` slices of ``out.numel()`` elements back to back (rank order,
     what an equal-split all-to-all delivers); ``out`` gets their fp32 sum,
-    taken in rank order and rounded once (the contract:
+    taken in rank order and rounded once (bf16) or stored as it is (fp32) (the contract:
     :func:`fastddp.kernels.reference.reduce_shards`).  ``out`` may be
     ``src``'s first slice.  ``health``: the bucket's flag; ``OVERFLOW`` is
     ORed in where finite inputs sum to NaN/inf.  One launch (Triton
@@ -256,9 +256,12 @@ def reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int, *,
         raise ValueError(f"reduce_shards: world must be >= 1, got {world}")
     for what, t in (("src", src), ("out", out)):
         if t.dtype not in _SHARD_DTYPES:
-            raise TypeError(f"reduce_shards: {what} has dtype {t.dtype}; the shard sum takes bfloat16")
+            raise TypeError(f"reduce_shards: {what} has dtype {t.dtype}; the shard sum takes bfloat16 "
+                            "or float32")
         if t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"reduce_shards: {what} must be a contiguous 1-D tensor")
+    if src.dtype != out.dtype:
+        raise TypeError(f"reduce_shards: src is {src.dtype} but out is {out.dtype}; both must be one dtype")
     if out.device != src.device:
         raise ValueError(f"reduce_shards: out is on {out.device} but src is on {src.device}")
     if src.numel() != world * out.numel():

@@ -1,4 +1,5 @@
-"""Fused shard sum: the reduce step of bf16 transport with fp32 accumulation.
+"""Fused shard sum: the reduce step of bf16 transport with fp32 accumulation
+(and of the fp32 reduce-scatter inside a host: :func:`_reduce_shards_f32_kernel`).
 
 Two of the three layers (kernel -> launcher -> op): the private
 ``@triton.jit`` :func:`_reduce_shards_kernel` and its launcher
@@ -72,6 +73,42 @@ def _reduce_shards_kernel(
             tl.atomic_or(flag_ptr, tl.max(b_h, axis=0))
 
 
+@triton.jit(do_not_specialize=["world"])
+def _reduce_shards_f32_kernel(
+    src_ptr,  # *Pointer* to float32 [world * n]: every rank's slice, rank order
+    out_ptr,  # *Pointer* to float32 [n]: the sum (may be src's first slice)
+    flag_ptr,  # *Pointer* to the int32 health flag (unused without HAS_HEALTH)
+    n,  # elements per slice
+    world,  # slices to add: a runtime bound (one binary for every world size)
+    BLOCK: tl.constexpr,  # elements per program
+    HAS_HEALTH: tl.constexpr,  # OR Health.OVERFLOW into the flag where finite inputs sum to NaN/inf
+):
+    # The fp32 twin of the kernel above: the same offsets, the same rank
+    # order, no rounding step (the sum is the output's dtype).
+    i_p = tl.program_id(0)
+    o_0 = i_p.to(tl.int64) * BLOCK
+    n_64 = n.to(tl.int64)
+    o = tl.arange(0, BLOCK)  # [BLOCK] int32, from o_0
+    m = o < n_64 - o_0  # [BLOCK]
+    p_src = src_ptr + o_0
+    b_acc = tl.load(p_src + o, mask=m, other=0.0)  # [BLOCK] fp32, slice 0 starts the sum
+    m_in = m
+    if HAS_HEALTH:
+        m_in = m_in & (tl.abs(b_acc) < float("inf"))
+    k = 1
+    while k < world:
+        b_x = tl.load(p_src + k * n_64 + o, mask=m, other=0.0)  # [BLOCK]
+        if HAS_HEALTH:
+            m_in = m_in & (tl.abs(b_x) < float("inf"))
+        b_acc = b_acc + b_x
+        k += 1
+    tl.store(out_ptr + o_0 + o, b_acc, mask=m)
+    if HAS_HEALTH:
+        b_h = tl.where(m_in & ~(tl.abs(b_acc) < float("inf")), 2, 0)  # [BLOCK] Health.OVERFLOW
+        if tl.max(b_h, axis=0) != 0:
+            tl.atomic_or(flag_ptr, tl.max(b_h, axis=0))
+
+
 _INTERPRETED = C.is_interpreted(_reduce_shards_kernel)
 
 
@@ -83,6 +120,13 @@ def launch_reduce_shards(src: torch.Tensor, out: torch.Tensor, world: int,
     if n == 0:
         return []
     block = C.block_for(_INTERPRETED)
+    if src.dtype == torch.float32:
+        _reduce_shards_f32_kernel[(triton.cdiv(n, block),)](
+            src, out, health if health is not None else out, n, world, BLOCK=block,
+            HAS_HEALTH=health is not None, num_warps=C.NUM_WARPS_GPU, enable_fp_fusion=False,
+        )
+        _bump("launches")
+        return []
     _reduce_shards_kernel[(triton.cdiv(n, block),)](
         src.view(torch.int16), out.view(torch.int16), health if health is not None else out,
         n, world, BLOCK=block, HAS_HEALTH=health is not None,

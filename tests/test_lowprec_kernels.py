@@ -104,7 +104,9 @@ def test_health_bit_only_for_finite_inputs_that_overflow():
 @pytest.mark.parametrize("case, exc, words", [
     (lambda: K.reduce_shards(torch.zeros(6, dtype=BF16), torch.zeros(2, dtype=BF16), world=2),
      ValueError, "2 slices"),
-    (lambda: K.reduce_shards(torch.zeros(4), torch.zeros(2), world=2), TypeError, "bfloat16"),
+    (lambda: K.reduce_shards(torch.zeros(4, dtype=torch.float16), torch.zeros(2, dtype=torch.float16), world=2),
+     TypeError, "bfloat16 or float32"),
+    (lambda: K.reduce_shards(torch.zeros(4), torch.zeros(2, dtype=BF16), world=2), TypeError, "one dtype"),
     (lambda: K.reduce_shards(torch.zeros(4, dtype=BF16), torch.zeros(2, dtype=BF16), world=0),
      ValueError, "world"),
     (lambda: K.reduce_shards(torch.zeros(4, 1, dtype=BF16), torch.zeros(2, dtype=BF16), world=2),
@@ -267,3 +269,69 @@ def test_three_launches_per_bucket(world2):
             assert launches == 3 * nb and packs == nb and unpacks == nb and ref_calls == 0, \
                 (nb, packs, unpacks, launches, ref_calls)
         assert per_rank[-1][0] > 1
+
+
+# ------------------------------------------- the fp32 shard sum (inside a host)
+def _values32(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g).float())
+    if n > 8:
+        x[3::13] = 3.0e38  # pairs overflow fp32
+        x[6::19] = float("inf")
+        x[7::23] = float("nan")
+        x[8::29] = 1e-44  # subnormal
+    return x
+
+
+def _oracle32(src: torch.Tensor, world: int) -> torch.Tensor:
+    parts = src.numpy().reshape(world, -1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        acc = parts[0].copy()
+        for k in range(1, world):
+            acc = (acc + parts[k]).astype(np.float32)
+    return torch.from_numpy(acc)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_fp32_shard_sum_is_the_rule(world):
+    """fp32 slices added in rank order, no rounding step: the reference and
+    the CPU path equal a numpy oracle bit for bit, in place too; the health
+    bit only where finite inputs overflow."""
+    for n in (1, 7, 300, 70_001):
+        src = _values32(world * n, world * 31 + n)
+        want = _oracle32(src, world)
+        for fn in (reference.reduce_shards, torch_path.reduce_shards):
+            out = torch.empty(n)
+            fn(src, out, world)
+            assert_bits(out, want, f"{fn.__module__} W={world} n={n}")
+            inplace = src.clone()
+            fn(inplace, inplace[:n], world)
+            assert_bits(inplace[:n], want, "in place")
+    for fn in (reference.reduce_shards, torch_path.reduce_shards):
+        h = torch.zeros(1, dtype=torch.int32)
+        fn(torch.tensor([3.0e38, 3.0e38]), torch.empty(1), 2, h)
+        assert int(h) == int(K.Health.OVERFLOW)
+        h.zero_()
+        fn(torch.tensor([float("inf"), 1.0]), torch.empty(1), 2, h)
+        assert int(h) == 0
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fp32_kernel_matches_reference(world):
+    assert K.backend(DEVICE) in ("interpret", "triton")
+    for n in (1, 300, 5000):
+        src = _values32(world * n, world * 7 + n)
+        h_ref = torch.zeros(1, dtype=torch.int32)
+        want = torch.empty(n)
+        reference.reduce_shards(src, want, world, h_ref)
+        d_src = src.to(DEVICE)
+        out = torch.empty(n, device=DEVICE)
+        h = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        K.reset_launch_count()
+        K.reduce_shards(d_src, out, world, health=h)
+        assert K.launch_count() == 1
+        assert_bits(out.cpu(), want, f"W={world} n={n}")
+        assert int(h) == int(h_ref)
+        K.reduce_shards(d_src, d_src[:n], world)
+        assert_bits(d_src[:n].cpu(), want, "in place")

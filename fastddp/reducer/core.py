@@ -109,7 +109,7 @@ class Reducer(BucketPlans):
     def register_comm_hook(self, hook: Callable, state: Any, group_ok: bool) -> None:
         """Install a comm hook; fastddp's tagged hooks run as fused paths."""
         self._dense, self._sparse_mode = reduction.choose(hook, state, self.opts.batched_grad_copy, group_ok,
-                                                          self.device)
+                                                          self.device, self.comm.pg)
         self.arming.forget_views()  # the bucket mode changed: found again at the next arm
         self.comm_hook, self.comm_hook_state = hook, state
         for b in self._buckets:

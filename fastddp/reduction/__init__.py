@@ -13,6 +13,8 @@ Fp32Accumulate     ``bf16_fp32acc_hook``: the two-phase engine with    MUL, befo
                    a bf16 codec (fp32 shard sum, one rounding)
 BlockFp8           ``fp8_compress_hook``: the two-phase engine with a  MUL, before quantizing
                    block-scaled e4m3 codec, fp32 shard sum
+Hierarchical       ``hierarchical_hook``: fp32 inside each host, fp32/ MUL, at the pack
+                   bf16/fp8 between hosts (the engine's rounds)
 NoOp               ``noop_hook``: nothing on the wire                  NONE
 SparseAllReduce    a sparse parameter's bucket without a hook          DIV (in place)
 =================  ==================================================  ===============
@@ -35,24 +37,26 @@ from .context import StepContext
 from .datapath import REDUCED_NONFINITE, Scaling, fill_flat, unpack_grads
 from .fp8 import BlockFp8
 from .fp32acc import Fp32Accumulate
+from .hierarchical import Hierarchical
 from .kinds import Kind
 from .plain import AllReduce, NoOp, PythonHook, Reduction, SparseAllReduce
 from .twophase import CHUNK_BYTES, MAX_CHUNKS, TwoPhase, chunk_bounds
 
 __all__ = ["Kind", "Scaling", "StepContext", "Reduction", "AllReduce", "PythonHook", "FusedCompression",
-           "Fp32Accumulate", "BlockFp8", "NoOp", "SparseAllReduce", "TwoPhase", "ResidualBook", "choose",
+           "Fp32Accumulate", "BlockFp8", "Hierarchical", "NoOp", "SparseAllReduce", "TwoPhase", "ResidualBook", "choose",
            "fill_flat", "unpack_grads", "chunk_bounds", "CHUNK_BYTES", "MAX_CHUNKS", "REDUCED_NONFINITE"]
 
 
 def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
-           device: torch.device | None = None) -> tuple[Reduction, Reduction]:
+           device: torch.device | None = None, pg=None) -> tuple[Reduction, Reduction]:
     """The bucket modes for a DDP module: ``(dense, sparse)``.
 
     ``hook``/``state``: the registered comm hook (None: none); a hook tagged
     by :mod:`fastddp.hooks` runs as its fused path when ``group_ok`` (its
     state's group is the module's), else as an ordinary callback.
     ``device``: the parameters' (default CPU); it decides the kernel backend
-    the modes pack with."""
+    the modes pack with.  ``pg``: the module's process group (the
+    hierarchical hook resolves its topology on it, collectively)."""
     if hook is None:
         return AllReduce(Scaling.DIV if batched_grad_copy else Scaling.MUL), SparseAllReduce()
     from ..hooks import CompressionState, FP8CompressionState
@@ -68,6 +72,8 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
                             f"{getattr(hook, '__name__', hook)!r} is not one of them")
         return PythonHook(hook, state), PythonHook(hook, state)
     kind, dtype = tag
+    if kind is Kind.HIER:
+        return _hierarchical(hook, state, group_ok, device, pg)
     if kind is Kind.FP8:
         if not group_ok:
             raise ValueError("fp8_compress_hook runs only as fastddp's fused path: its state's "
@@ -94,3 +100,37 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     if kind is Kind.FP32ACC:
         return Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference), sparse
     return FusedCompression(dtype, error_feedback, reference), sparse
+
+
+def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, Reduction]:
+    """``hierarchical_hook``: the topology resolved on ``pg`` (collective),
+    its sub-groups made once; where it cannot apply, the same wire flat."""
+    import logging
+
+    from .. import groups, topology
+    from ..hooks import HierarchicalState
+
+    if state is None:
+        state = HierarchicalState()
+    if not isinstance(state, HierarchicalState):
+        raise TypeError(f"hierarchical_hook takes a HierarchicalState (or None), got {type(state).__name__}")
+    if not group_ok:
+        raise ValueError("hierarchical_hook runs only as fastddp's fused path: its state's process_group "
+                         "must be None or the DDP module's process group")
+    sparse = PythonHook(hook, state)
+    topo = topology.resolve(pg, state.ranks_per_host)
+    if isinstance(topo, topology.Flat):
+        if groups.rank(pg) == 0:
+            logging.getLogger("fastddp.topology").warning(
+                "fastddp: hierarchical_hook(wire=%s) runs flat: %s", state.wire, topo.why)
+        if state.wire == "fp32":
+            return AllReduce(Scaling.MUL, fused=True), sparse
+        if state.wire == "bf16":
+            reference = kernels.backend(device) == "reference"
+            return Fp32Accumulate(state.error_feedback, state.chunk_bytes, reference), sparse
+        kernels.prepare_fp8(device)
+        return BlockFp8(state), sparse
+    if state.wire == "fp8":
+        kernels.prepare_fp8(device)
+    inside, across = topology.subgroups(pg, topo)
+    return Hierarchical(state, topo, inside, across), sparse

@@ -71,11 +71,35 @@ def chunk_bounds(shard: int, world: int, elem_bytes: int, align: int,
 class ShardWire:
     """One bucket's buffers for a two-phase format (the codec's half of the
     engine).  ``bounds``: the pieces of the shard; ``nbytes``: payload bytes
-    per step."""
+    per step.
+
+    The engine runs a wire as ``rounds`` rounds of collectives: round 0 at
+    the bucket's issue, round ``r`` once round ``r - 1``'s Works are done
+    (piece ``k`` waits for piece ``k`` where both rounds have as many pieces,
+    else for all of them).  A flat wire has two: the all-to-all, then the
+    shard sum and the all-gather (:meth:`send_recv`, :meth:`reduce_piece`).
+    A wire may give more (:meth:`run`), and declare the first
+    ``early_rounds`` cheap to wait for: those are run when the NEXT bucket
+    is issued, on the backward thread, instead of at the end of backward
+    (every rank issues the next bucket at the same point of its
+    collectives, so the order stays the same on every rank)."""
 
     world: int
     bounds: list[tuple[int, int]]
     nbytes: int
+    rounds = 2
+    early_rounds = 1
+
+    def pieces(self, r: int) -> int:
+        """Pieces of round ``r``."""
+        return len(self.bounds)
+
+    def run(self, r: int, k: int, pg, health) -> list:
+        """Round ``r``, piece ``k``: its collectives' Works (the pieces it
+        waits for are done)."""
+        if r == 0:
+            return [groups.all_to_all_single(o, i, pg) for o, i in self.send_recv(k)]
+        return [groups.all_gather_into_tensor(o, i, pg) for o, i in self.reduce_piece(k, health)]
 
     def send_recv(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Piece ``k``'s all-to-all calls: ``(output, input)`` pairs."""
@@ -106,12 +130,29 @@ class ShardStep:
     :meth:`~fastddp.comm.Comm.wait` completes: ``wait()`` finishes it on the
     calling thread (the end-of-backward callback)."""
 
-    __slots__ = ("engine", "wire", "bucket", "pg", "a2a", "ag", "iteration", "health", "extra")
-    # a2a: per piece, its all-to-all Works; ag: the all-gathers' Works in issue order
+    __slots__ = ("engine", "wire", "bucket", "pg", "works", "iteration", "health", "extra")
+    # works: per round run so far, per piece, its Works
 
-    def __init__(self, engine, wire, bucket, pg, a2a, iteration, health, extra):
-        self.engine, self.wire, self.bucket, self.pg, self.a2a = engine, wire, bucket, pg, a2a
-        self.ag, self.iteration, self.health, self.extra = None, iteration, health, extra
+    def __init__(self, engine, wire, bucket, pg, iteration, health):
+        self.engine, self.wire, self.bucket, self.pg = engine, wire, bucket, pg
+        self.works, self.iteration, self.health, self.extra = [], iteration, health, []
+
+    @property
+    def done(self) -> bool:
+        return len(self.works) == self.wire.rounds
+
+    def advance(self) -> None:
+        """Run the next round (waiting for what it depends on)."""
+        wire, r = self.wire, len(self.works)
+        n = wire.pieces(r)
+        prev = self.works[-1] if self.works else []
+        out = []
+        for k in range(n):
+            deps = prev[k] if len(prev) == n else [w for ws in prev for w in ws] if k == 0 else []
+            for w in deps:
+                groups.wait(w)
+            out.append(wire.run(r, k, self.pg, self.health))
+        self.works.append(out)
 
     def wait(self, timeout=None) -> bool:
         self.engine.finish(self)
@@ -158,32 +199,32 @@ class TwoPhase:
         # a step left open by an abandoned iteration is dropped: its
         # all-to-all completed (every rank issued it) and nobody waits for it
         self.open = [s for s in self.open if s.iteration == ctx.iteration and s.bucket.index < bucket.index]
+        eager = self.eager if self.eager is not None else ctx.comm.cuda
+        if not eager:  # the earlier buckets' cheap rounds, before this bucket's collectives
+            for s in self.open:
+                while len(s.works) < s.wire.early_rounds:
+                    s.advance()
         pg = ctx.comm.pg
         wire.stage_out()
-        works = [[groups.all_to_all_single(o, i, pg) for o, i in wire.send_recv(k)]
-                 for k in range(len(wire.bounds))]
-        step = ShardStep(self, wire, bucket, pg, works, ctx.iteration, health, wire.start_extra(pg))
+        step = ShardStep(self, wire, bucket, pg, ctx.iteration, health)
+        step.advance()
+        step.extra = wire.start_extra(pg)
         self.open.append(step)
-        if self.eager if self.eager is not None else ctx.comm.cuda:
+        if eager:
             with ctx.comm.phase2_context():
-                self._phase2(step)
+                while not step.done:
+                    step.advance()
         return ctx.comm.hook(step, wire.nbytes)
 
-    @staticmethod
-    def _phase2(s: ShardStep) -> None:
-        s.ag = []
-        for k, works in enumerate(s.a2a):
-            for w in works:
-                groups.wait(w)
-            s.ag.extend(groups.all_gather_into_tensor(o, i, s.pg) for o, i in s.wire.reduce_piece(k, s.health))
-
     def finish(self, step: ShardStep) -> None:
-        """Phase 2 of every open step not yet gathered (in issue order), then
-        wait for ``step``'s all-gathers and extras."""
-        for s in self.open:
-            if s.ag is None:
-                self._phase2(s)
-        for w in list(step.ag) + list(step.extra):
+        """Until ``step`` has run its last round: the next round of every open
+        step not done (in issue order, round by round); then wait for
+        ``step``'s last Works and extras."""
+        while not step.done:
+            for s in self.open:
+                if not s.done:
+                    s.advance()
+        for w in [w for ws in step.works[-1] for w in ws] + list(step.extra):
             groups.wait(w)
         step.wire.stage_in()
         self.open.remove(step)

@@ -1,0 +1,134 @@
+"""The states of fastddp's own hooks (re-exported by :mod:`fastddp.hooks`)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CompressionState", "FP8CompressionState", "HierarchicalState"]
+
+
+def _check_chunk_bytes(value, owner: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{owner}: chunk_bytes={value!r} must be None or a whole number of bytes >= 0 "
+                         "(0: one collective call per phase)")
+    return value
+
+
+def _check_block(block_size, owner: str) -> int:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 16 <= block_size <= 4096 \
+            or block_size & (block_size - 1):
+        raise ValueError(f"{owner}: block_size={block_size!r} must be a power of two "
+                         "from 16 to 4096 (e.g. 128 or 256)")
+    return block_size
+
+
+def _check_exempt(exempt, owner: str):
+    if exempt is not None and not callable(exempt):
+        try:
+            exempt = tuple(exempt)
+        except TypeError:
+            raise TypeError(f"{owner}: exempt must be None, a callable param -> bool, or "
+                            f"a collection of parameters, got {type(exempt).__name__}") from None
+        if not all(isinstance(p, torch.Tensor) for p in exempt):
+            raise TypeError(f"{owner}: exempt must hold parameters (tensors)")
+    return exempt
+
+
+class CompressionState:
+    """State for fastddp's fused compression hooks.
+
+    ``process_group``: the group to reduce over (None: the DDP module's group).
+    ``error_feedback``: keep, per bucket, the fp32 residual
+    ``r <- x - decompress(compress(x))`` of ``x = g / W + r`` and add it to
+    the next step's gradient, inside the same pack launch.  Compression
+    error then accumulates into later steps instead of being lost.
+    ``chunk_bytes``: the two-phase reductions (``bf16_fp32acc_hook``) move a
+    big bucket in collective calls of about this many bytes each way (None:
+    FASTDDP_CHUNK_BYTES, else 1 MiB on the CPU and one call on CUDA; 0: one
+    call per phase).
+    """
+
+    def __init__(self, process_group=None, error_feedback: bool = False, chunk_bytes: int | None = None):
+        self.process_group = process_group
+        self.error_feedback = bool(error_feedback)
+        self.chunk_bytes = _check_chunk_bytes(chunk_bytes, type(self).__name__)
+
+    def __repr__(self) -> str:
+        return f"CompressionState(error_feedback={self.error_feedback})"
+
+
+class FP8CompressionState(CompressionState):
+    """State of :func:`fp8_compress_hook`.
+
+    ``block_size``: elements per fp8 scale (a power of two, 16 to 4096; 256:
+    4 bytes of scale per 256 bytes of fp8, 1.6 %).  ``error_feedback``
+    (default True): this rank's quantization error is added to its next
+    step's gradient, inside the quantize launch.  ``exempt``: which
+    parameters travel in fp32 instead: None (default) exempts 1-D parameters
+    (norm weights, biases: few bytes, most sensitive), or a callable
+    ``param -> bool``, or a collection of parameters (empty: none).
+    ``chunk_bytes``: as :class:`CompressionState`'s."""
+
+    def __init__(self, process_group=None, block_size: int = 256, error_feedback: bool = True,
+                 exempt=None, chunk_bytes: int | None = None):
+        super().__init__(process_group, error_feedback, chunk_bytes)
+        self.block_size = _check_block(block_size, "FP8CompressionState")
+        self.exempt = _check_exempt(exempt, "FP8CompressionState")
+
+    def __repr__(self) -> str:
+        return (f"FP8CompressionState(block_size={self.block_size}, error_feedback={self.error_feedback}, "
+                f"exempt={'1-D params' if self.exempt is None else self.exempt!r})")
+
+
+
+
+#: the formats the hierarchical reduction can send between hosts
+HIERARCHICAL_WIRES = ("fp32", "bf16", "fp8")
+
+
+class HierarchicalState(CompressionState):
+    """State of :func:`fastddp.hooks.hierarchical_hook`: a reduction that
+    knows hosts from ranks.  Inside a host the gradients are reduce-scattered
+    in fp32; each host's shard is reduced across the hosts in ``wire``; the
+    result is all-gathered inside the host.
+
+    ``wire``: what crosses between hosts: ``"fp32"`` (exact: the sum of
+    an fp32 all-reduce), ``"bf16"`` (each host's shard rounded once to bf16,
+    summed in fp32 across the hosts) or ``"fp8"`` (block-scaled e4m3, summed
+    in fp32, 1-D parameters exempted: as :class:`FP8CompressionState`).
+    ``ranks_per_host``: None (default) detects the hosts (torchrun's
+    environment, else the host's name and network namespace; see
+    :mod:`fastddp.topology`); a number says that many consecutive ranks
+    share a host, and makes a topology that cannot be honoured an error.
+    ``error_feedback``: the host shard's compression error is added to the
+    next step's (default: on for fp8, off for bf16; fp32 has none).
+    ``block_size``, ``exempt``: the fp8 wire's, as :class:`FP8CompressionState`.
+    ``chunk_bytes``: as :class:`CompressionState`'s (the between-hosts hop).
+    Where the hierarchy cannot apply (one host, one rank per host, unequal
+    hosts, a group smaller than the world) the same format runs flat: fp32
+    as ``allreduce_hook``, bf16 as ``bf16_fp32acc_hook``, fp8 as
+    ``fp8_compress_hook``, with one log line saying why."""
+
+    def __init__(self, process_group=None, wire: str = "fp32", ranks_per_host: int | None = None,
+                 error_feedback: bool | None = None, block_size: int = 256, exempt=None,
+                 chunk_bytes: int | None = None):
+        if wire not in HIERARCHICAL_WIRES:
+            raise ValueError(f"HierarchicalState: wire={wire!r}; choose one of {', '.join(HIERARCHICAL_WIRES)}")
+        if ranks_per_host is not None and (not isinstance(ranks_per_host, int) or isinstance(ranks_per_host, bool)
+                                           or ranks_per_host < 1):
+            raise ValueError(f"HierarchicalState: ranks_per_host={ranks_per_host!r} must be None (detect) or "
+                             "a whole number >= 1")
+        if error_feedback is None:
+            error_feedback = wire == "fp8"
+        if error_feedback and wire == "fp32":
+            raise ValueError("HierarchicalState: error_feedback applies to the compressed wires "
+                             "(bf16, fp8); fp32 has no compression error")
+        super().__init__(process_group, error_feedback, chunk_bytes)
+        self.wire = wire
+        self.ranks_per_host = ranks_per_host
+        self.block_size = _check_block(block_size, "HierarchicalState")
+        self.exempt = _check_exempt(exempt, "HierarchicalState")
+
+    def __repr__(self) -> str:
+        return (f"HierarchicalState(wire={self.wire!r}, ranks_per_host={self.ranks_per_host}, "
+                f"error_feedback={self.error_feedback})")
