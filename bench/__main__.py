@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a real link: 2 ranks in two network namespaces joined by a veth pair shaped to "
                         "RATE Gbit/s (tc tbf); gloo on the CPU; needs root, iproute2 and a clone of the "
                         "repository (the tooling is its tools/netlink.py, not installed)")
+    p.add_argument("--ranks-per-host", type=int, metavar="L",
+                   help="with --link: L ranks in each namespace (two hosts of L ranks; --world is then "
+                        "2L); the report adds the bytes per step out of and into host 1, read from the "
+                        "veth's kernel counters")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
     p.add_argument("--seed", type=int, default=0)
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         bucket_cap_mb=args.bucket_cap_mb, out=args.out, label=args.label, quick=args.quick,
         trace_dir=args.trace, bandwidths=bandwidths, threads=args.threads, cpu=args.cpu,
         seed=args.seed, progress=not args.no_progress, charts=not args.no_charts, link=args.link,
+        ranks_per_host=args.ranks_per_host,
         command=" ".join(shlex.quote(a) for a in ["fastddp-bench", *(sys.argv[1:] if argv is None else argv)]),
     )
     from .clone import ToolsMissing, netlink

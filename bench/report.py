@@ -96,6 +96,12 @@ class Row:
     """``bucket_cap_mb="auto"`` rows: the tuner's report after the timed
     rounds (``stats()["autotune"]``: layouts tried with their step times,
     the one chosen, when it settled)."""
+    link_out_bytes: list[int] = field(default_factory=list)
+    """``--link`` runs: per timed round, the bytes out of host 1 in this
+    wrapper's step, from the veth's kernel counters (TCP/IP headers and one
+    barrier included; ``fastddp.bench.linkbytes``)."""
+    link_in_bytes: list[int] = field(default_factory=list)
+    """The same, into host 1."""
     buckets: list[list[int]] | None = None
     """fastddp rows: the parameter indices of each bucket after the timed
     rounds.  Rows with equal lists ran the same buckets (the bucket sweep
@@ -498,16 +504,34 @@ def _md(cells: Sequence[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
+def _link_cells(r: Row) -> list[str]:
+    """``--link`` columns: the median bytes per step out of and into host 1
+    (kernel counters), MB, and out / the wrapper's own wire count."""
+    from .linkbytes import median_bytes
+
+    out, into = median_bytes(r.link_out_bytes), median_bytes(r.link_in_bytes)
+    if out is None:
+        return ["-", "-", "-"]
+    ratio = f"{out / r.wire_bytes:.2f}" if r.wire_bytes else "-"
+    return [_size(out / 1e6), _size(into / 1e6), ratio]
+
+
+_LINK_HEADS = ["link out MB", "link in MB", "out / wire"]
+
+
 def _md_rows(section: Section) -> str:
     cols = [(k, h) for k, _, h in _ROW_COLUMNS if h is not None]
-    out = [_md(["model", "wrapper"] + [h for _, h in cols] + ["note"]),
-           "|" + "|".join(["---", "---"] + ["---:"] * len(cols) + ["---"]) + "|"]
+    link = any(r.link_out_bytes for r in section.rows)  # a --link run: host 1's veth bytes per step
+    extra = _LINK_HEADS if link else []
+    out = [_md(["model", "wrapper"] + [h for _, h in cols] + extra + ["note"]),
+           "|" + "|".join(["---", "---"] + ["---:"] * (len(cols) + len(extra)) + ["---"]) + "|"]
     for r in section.rows:
         if not r.ok:
-            out.append(_md([r.model, r.wrapper] + ["-"] * len(cols) + [r.status]))
+            out.append(_md([r.model, r.wrapper] + ["-"] * (len(cols) + len(extra)) + [r.status]))
             continue
         cells = _row_cells(r)
-        out.append(_md([r.model, r.wrapper] + [cells[k] for k, _ in cols] + [r.note]))
+        out.append(_md([r.model, r.wrapper] + [cells[k] for k, _ in cols]
+                       + (_link_cells(r) if link else []) + [r.note]))
     return "\n".join(out)
 
 

@@ -121,8 +121,11 @@ class BenchConfig:
     """Write the PNG charts (matplotlib) next to the report."""
     command: str = ""
     link: str | None = None
-    """``netns:RATE``: two ranks over a real veth link of RATE Gbit/s
-    (tools/netlink.py, from a clone only; root, gloo on the CPU); None: loopback."""
+    """``netns:RATE``: two hosts (network namespaces) over a real veth link
+    of RATE Gbit/s (tools/netlink.py, from a clone only; root, gloo on the
+    CPU); None: loopback."""
+    ranks_per_host: int | None = None
+    """``--link`` only: ranks in each namespace (None: 1); the world is twice it."""
 
     def resolved_label(self) -> str:
         if self.label:
@@ -186,12 +189,18 @@ class BenchConfig:
             from .clone import netlink
 
             netlink().parse_link(self.link)  # the tooling is in the clone's tools/: say so early if absent
-            if self.world not in (None, 2):
-                raise ValueError(f"--link runs one rank in each of two namespaces: --world must be 2, "
-                                 f"got {self.world}")
+            L = 1 if self.ranks_per_host is None else self.ranks_per_host
+            if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+                raise ValueError(f"--ranks-per-host must be an integer >= 1, got {self.ranks_per_host!r}")
+            if self.world not in (None, 2 * L):
+                raise ValueError(f"--link runs {L} rank(s) in each of two namespaces: --world must be "
+                                 f"{2 * L} (2 x --ranks-per-host), got {self.world}")
             if any(bw is not None for bw in self.bandwidths):
                 raise ValueError("--link and --simulate-bandwidth are two different wires: use one "
                                  "(run twice to compare them)")
+        elif self.ranks_per_host is not None:
+            raise ValueError("--ranks-per-host places ranks on the two hosts of --link netns:RATE; "
+                             "without --link there are no hosts (use --world)")
 
 
 # -- per-rank machinery -----------------------------------------------------------
@@ -207,6 +216,7 @@ class _Ctx:
         self.load_start = _load()
         self.models_done = 0   # models benchmarked so far, all sections
         self.used_s = 0.0      # their time, build to last profiled step (rank 0's decides)
+        self.meter = None      # --link: host 1's veth counters (linkbytes.LinkMeter)
 
     def barrier(self) -> None:
         if self.cuda:
@@ -536,14 +546,22 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
     k = index % len(live)
     times: dict[int, tuple[float, float, float]] = {}
     errors: dict[int, BaseException] = {}
+    link: dict[int, tuple[int, int]] = {}  # --link: host 1's veth bytes per step (linkbytes' marks)
+    prev = None
     for e in live[k:] + live[:k]:
         ctx.barrier()
+        if ctx.meter is not None:
+            link[id(prev)] = ctx.meter.lap()
         try:
             times[id(e)] = _step(ctx, spec, e, batch)
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
             errors[id(e)] = exc
-    mine = torch.tensor([[*times.get(id(e), (0.0, -1.0, 0.0)), 1.0 if id(e) in errors else 0.0]
-                         for e in live], dtype=torch.float64)
+        prev = e
+    if ctx.meter is not None:
+        ctx.barrier()
+        link[id(prev)] = ctx.meter.lap()
+    mine = torch.tensor([[*times.get(id(e), (0.0, -1.0, 0.0)), 1.0 if id(e) in errors else 0.0,
+                          *link.get(id(e), (0, 0))] for e in live], dtype=torch.float64)
     mine[:, 1] = mine[:, 1].nan_to_num(-1.0)  # exposed not measured
     ranks = _all_gather(ctx, mine)
     merged = S.merge_ranks([r[:, :3].tolist() for r in ranks])
@@ -556,6 +574,9 @@ def _round(ctx: _Ctx, spec: ModelSpec, entries: list[_Entry], index: int, timed:
             e.row.cpu_ms.append(cpu)
             if exposed >= 0:
                 e.row.exposed_ms.append(exposed)
+            if ctx.meter is not None:  # one rank counts, the others add zeros
+                e.row.link_out_bytes.append(int(sum(r[i, 4].item() for r in ranks)))
+                e.row.link_in_bytes.append(int(sum(r[i, 5].item() for r in ranks)))
 
 
 def _reducer(e: _Entry):
@@ -823,8 +844,10 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
         link_probe = None
         if cfg.link is not None:  # the rate the link really carries, before the rounds
             from .clone import netlink
+            from .linkbytes import LinkMeter, probe_between_hosts
 
-            link_probe = netlink().probe_link()
+            link_probe = probe_between_hosts(netlink().probe_link, cfg.ranks_per_host or 1)
+            ctx.meter = LinkMeter.for_rank()
         names = cfg.wrapper_names(cuda)
         bar = _Progress(ctx.lead and cfg.progress, cfg)
         try:
@@ -837,7 +860,8 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
         if link_probe is not None:
             from .clone import netlink
 
-            meta["link"] = {"spec": cfg.link, "what": netlink().parse_link(cfg.link).describe(), **link_probe}
+            meta["link"] = {"spec": cfg.link, "what": netlink().parse_link(cfg.link).describe(),
+                            "ranks_per_host": cfg.ranks_per_host or 1, **link_probe}
         report = R.Report(meta, sections)
         for s in report.sections:
             R.derive(s)
@@ -947,24 +971,27 @@ def link_rank(cfg_path: str, result_path: str) -> None:
 
     cfg = pickle.loads(Path(cfg_path).read_bytes())
     rank = int(os.environ["RANK"])
-    worker(rank, int(os.environ["WORLD_SIZE"]), 0, cfg, "env://", result_path if rank == 0 else None)
+    worker(rank, int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), cfg, "env://",
+           result_path if rank == 0 else None)
 
 
 def _run_linked(cfg: BenchConfig) -> R.Report:
-    """Two ranks, one per network namespace, over the ``--link`` veth pair."""
+    """``--ranks-per-host`` ranks (1 by default) in each of two network
+    namespaces, over the ``--link`` veth pair."""
     import dataclasses
     import pickle
 
     from .clone import netlink
 
     N = netlink()
-    cfg = dataclasses.replace(cfg, cpu=True, world=2)
+    L = cfg.ranks_per_host or 1
+    cfg = dataclasses.replace(cfg, cpu=True, world=2 * L)
     with tempfile.TemporaryDirectory(prefix="fastddp-bench-") as tmp:
         cfg_path, result = Path(tmp, "cfg.pkl"), Path(tmp, "result.json")
         cfg_path.write_bytes(pickle.dumps(cfg))
         argv = [sys.executable, "-c", "import sys; from fastddp.bench.runner import link_rank; "
                 "link_rank(sys.argv[1], sys.argv[2])", str(cfg_path), str(result)]
-        with N.NetnsLink(N.parse_link(cfg.link)) as link:
+        with N.NetnsLink(N.parse_link(cfg.link), ranks_per_host=L) as link:
             link.run_ranks(argv)
         return R.from_json(result.read_text())
 

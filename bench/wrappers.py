@@ -35,6 +35,10 @@ fastddp-fp16       ... + register_comm_hook(None, fastddp.hooks.fp16_compress_ho
 fastddp-bf16       ... + register_comm_hook(None, fastddp.hooks.bf16_compress_hook)
 fastddp-bf16acc    ... + fastddp.hooks.bf16_fp32acc_hook (bf16 wire, fp32 sum; opt-in)
 fastddp-fp8        ... + fastddp.hooks.fp8_compress_hook, FP8CompressionState() (opt-in)
+fastddp-hier-W     ... + fastddp.hooks.hierarchical_hook, HierarchicalState(wire=W) for W
+                   in fp32, bf16, fp8: exact inside a host, W between hosts (opt-in;
+                   for ``--link netns:RATE --ranks-per-host L``; unavailable on a
+                   fastddp without them)
 replicate          torch's FSDP2-based ``replicate``
                    (torch.distributed._composable.replicate_with_fsdp), applied
                    per block then on the root as torchtitan's apply_replicate
@@ -237,6 +241,24 @@ def _fastddp(model, process_group, options, hook: str | None = None, **kwargs):
     return ddp, "; ".join(notes)
 
 
+def _fastddp_hier(model, process_group, options, wire: str):
+    """fastddp with the hierarchical reduction, ``wire`` between hosts; its
+    hook and state are looked up here, so an older fastddp reports the row
+    unavailable instead of failing at import."""
+    from fastddp import hooks
+
+    fn, state_cls = getattr(hooks, "hierarchical_hook", None), getattr(hooks, "HierarchicalState", None)
+    if fn is None or state_cls is None:
+        missing = "hierarchical_hook" if fn is None else "HierarchicalState"
+        raise ImportError(f"fastddp.hooks has no {missing} yet (the hierarchical reduction is not in "
+                          "this fastddp)")
+    ddp, _ = _fastddp(model, process_group, options)
+    # a simulated wire reaches the state as its group; without one the state takes the module's
+    state = state_cls(wire=wire) if process_group is None else state_cls(wire=wire, process_group=process_group)
+    ddp.register_comm_hook(state, fn)
+    return ddp, f"hooks.hierarchical_hook, wire={wire}"
+
+
 def replicate_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules ``replicate`` is applied to before the root: the model's
     repeated unit, as torchtitan wraps each transformer block.
@@ -320,6 +342,10 @@ def registry() -> dict[str, WrapperSpec]:
                     baselines=("torch-fp16", "torch-bf16", "replicate-bf16"), wire_itemsize=2),
         WrapperSpec("fastddp-fp8", "fastddp", "fp8", P(_fastddp, hook="fp8_compress_hook"),
                     baselines=("torch-fp16", "torch-bf16", "replicate-bf16"), wire_itemsize=1),
+        # opt-in: the hierarchical reduction, for two hosts of several ranks (--ranks-per-host)
+        *(WrapperSpec(f"fastddp-hier-{w}", "fastddp", f"hier-{w}", P(_fastddp_hier, wire=w),
+                      baselines=("torch", "torch-fp16"), wire_itemsize=size)
+          for w, size in (("fp32", None), ("bf16", 2), ("fp8", 1))),
         WrapperSpec("replicate", "replicate", "default", _replicate),
         WrapperSpec("replicate-bf16", "replicate", "bf16", P(_replicate, reduce_dtype=torch.bfloat16),
                     wire_itemsize=2),

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/train.py --impl torch        # the same run with torch's DDP
     torchrun --nproc-per-node 2 examples/train.py --ckpt run.pt       # saves every epoch, resumes if run.pt exists
     torchrun --nproc-per-node 2 examples/train.py --save final.pt     # the final weights and loss, to compare runs
+    torchrun --nproc-per-node 2 examples/train.py --hook fp8          # a fastddp comm hook, by name (--hook list)
 
 Across machines, torchrun's usual multi-node line on every host::
 
@@ -30,6 +31,20 @@ import torch.distributed as dist
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+#: ``--hook`` names on fastddp: (function in fastddp.hooks, how its state is made).
+#: The hierarchical ones are looked up when used: older fastddp lacks them.
+FASTDDP_HOOKS = {
+    "fp16": ("fp16_compress_hook", None),
+    "bf16": ("bf16_compress_hook", None),
+    "bf16acc": ("bf16_fp32acc_hook", None),
+    "fp8": ("fp8_compress_hook", ("FP8CompressionState", {})),
+    "hier-fp32": ("hierarchical_hook", ("HierarchicalState", {"wire": "fp32"})),
+    "hier-bf16": ("hierarchical_hook", ("HierarchicalState", {"wire": "bf16"})),
+    "hier-fp8": ("hierarchical_hook", ("HierarchicalState", {"wire": "fp8"})),
+}
+#: ``--hook`` names on torch's DDP: torch's own default_hooks.
+TORCH_HOOKS = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -41,8 +56,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=1024, help="size of the synthetic dataset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default=None,
-                   help="rank 0 writes the final weights, buffers and last epoch's loss here (torch.save)")
-    return p.parse_args(argv)
+                   help="rank 0 writes the final weights, buffers, last epoch's loss, the hook and "
+                        "rank 0's loss at every step here (torch.save)")
+    p.add_argument("--hook", default=None, metavar="NAME",
+                   help="register a comm hook by name: on fastddp " + ", ".join(FASTDDP_HOOKS)
+                        + "; on --impl torch " + ", ".join(TORCH_HOOKS) + " (torch's default_hooks)")
+    args = p.parse_args(argv)
+    valid = FASTDDP_HOOKS if args.impl == "fastddp" else TORCH_HOOKS
+    if args.hook is not None and args.hook not in valid:
+        p.error(f"--hook {args.hook!r} is not a hook of --impl {args.impl}; choose one of "
+                + ", ".join(valid))
+    return args
+
+
+def register_hook(model, impl: str, name: str | None) -> None:
+    """Register the ``--hook`` named ``name`` on the wrapped ``model``."""
+    if name is None:
+        return
+    if impl == "torch":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, getattr(default_hooks, TORCH_HOOKS[name]))
+        return
+    from fastddp import hooks
+
+    fn_name, make_state = FASTDDP_HOOKS[name]
+    fn = getattr(hooks, fn_name, None)
+    state_cls = None if make_state is None else getattr(hooks, make_state[0], None)
+    if fn is None or (make_state is not None and state_cls is None):
+        missing = fn_name if fn is None else make_state[0]
+        raise SystemExit(f"--hook {name}: this fastddp has no fastddp.hooks.{missing} (the hook is not "
+                         "available in this version)")
+    model.register_comm_hook(None if state_cls is None else state_cls(**make_state[1]), fn)
 
 
 def make_model() -> torch.nn.Module:
@@ -106,6 +151,7 @@ def main(argv=None) -> None:
             print(f"resumed from {args.ckpt} at epoch {start_epoch}", flush=True)
 
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    register_hook(model, args.impl, args.hook)
 
     dataset = make_dataset(args.samples, args.seed)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
@@ -113,6 +159,7 @@ def main(argv=None) -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
 
     mean_loss = float("nan")  # no epoch left to run (resumed a finished run)
+    step_losses = []  # this rank's loss at every step: rank 0's are saved, for loss curves
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
         model.train()
@@ -123,6 +170,7 @@ def main(argv=None) -> None:
             loss = loss_fn(model(x), y)
             loss.backward()  # gradients are averaged across ranks here
             optimizer.step()
+            step_losses.append(loss.item())
             total += torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=device)])
         dist.all_reduce(total)
         mean_loss = (total[0] / total[1]).item()
@@ -140,7 +188,7 @@ def main(argv=None) -> None:
         print(f"done impl={args.impl} world={world} final_checksum {checksum(model.module)!r}", flush=True)
         if args.save:
             torch.save({"model": model.module.state_dict(), "loss": mean_loss, "impl": args.impl,
-                        "world": world}, args.save)
+                        "world": world, "hook": args.hook, "step_losses": step_losses}, args.save)
     dist.destroy_process_group()
 
 

@@ -1,12 +1,19 @@
 """A real bandwidth-limited link on one machine: ``fastddp-bench --link netns:RATE``.
 
 Two network namespaces joined by a veth pair, each end shaped by a token
-bucket (``tc qdisc ... tbf``) to RATE Gbit/s, one rank per namespace::
+bucket (``tc qdisc ... tbf``) to RATE Gbit/s; each namespace is a "host"
+with L ranks (``ranks_per_host``, default 1)::
 
     namespace fddp-<pid>-<n>-0                  namespace fddp-<pid>-<n>-1
-      rank 0: gloo on veth fd<pid>-<n>a <== veth ==> veth fd<pid>-<n>b: rank 1
+      ranks 0..L-1: gloo on fd<pid>-<n>a <== veth ==> fd<pid>-<n>b: ranks L..2L-1
       10.213.7.1/30, tbf RATE out                     10.213.7.2/30, tbf RATE out
       MASTER_ADDR = 10.213.7.1 (the store runs here)
+
+Ranks of one namespace bind gloo to the same veth address; the kernel
+delivers packets between two local addresses through that namespace's own
+stack (its ``local`` routing table), so they never reach the veth: only
+bytes between hosts cross the shaper, and :meth:`NetnsLink.counters` (the
+veth's kernel statistics) counts exactly those.
 
 Unlike the simulated wire (``simwire.py``), every byte crosses a real TCP
 connection through the kernel: the segmenting, the acknowledgements, the
@@ -40,7 +47,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["LinkError", "LinkSpec", "NetnsLink", "check_requirements", "parse_link",
-           "probe_link", "remove_stale"]
+           "probe_link", "read_counters", "remove_stale"]
 
 NS_PREFIX = "fddp-"
 #: the /30 used inside the namespaces (never on the host)
@@ -139,6 +146,19 @@ def remove_stale() -> list[str]:
     return gone
 
 
+def read_counters(ifname: str, root: str = "/sys/class/net") -> tuple[int, int]:
+    """``(tx_bytes, rx_bytes)`` of interface ``ifname`` as the kernel counts
+    them, read from sysfs: inside a namespace ``ip netns exec`` started (it
+    mounts that namespace's sysfs), the namespace's own interfaces."""
+    stats = os.path.join(root, ifname, "statistics")
+    try:
+        with open(os.path.join(stats, "tx_bytes")) as tx, open(os.path.join(stats, "rx_bytes")) as rx:
+            return int(tx.read()), int(rx.read())
+    except FileNotFoundError:
+        raise LinkError(f"no interface {ifname!r} here ({stats} missing): read the counters inside "
+                        "the namespace that holds it") from None
+
+
 def _tbf_args(gbit: float) -> list[str]:
     """tbf for ``gbit``: a bucket of 1 ms at the rate (at least 4 frames; the
     rate is held over any longer interval) and a 50 ms queue."""
@@ -153,10 +173,14 @@ class NetnsLink:
     ``with NetnsLink(spec) as link:`` builds it (refusing first when
     :func:`check_requirements` fails) and tears it down on leaving;
     :meth:`popen` starts a command inside namespace 0 or 1 with the
-    environment a gloo rank needs there (:meth:`rank_env`)."""
+    environment a gloo rank needs there (:meth:`rank_env`); :meth:`run_ranks`
+    runs ``ranks_per_host`` ranks in each."""
 
-    def __init__(self, spec: LinkSpec):
+    def __init__(self, spec: LinkSpec, ranks_per_host: int = 1):
+        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
+            raise ValueError(f"ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
         self.spec = spec
+        self.ranks_per_host = ranks_per_host
         n = next(_counter)
         pid = os.getpid()
         self.namespaces = (f"{NS_PREFIX}{pid}-{n}-0", f"{NS_PREFIX}{pid}-{n}-1")
@@ -243,14 +267,46 @@ class NetnsLink:
         """``ip netns exec <namespace side>``."""
         return ["ip", "netns", "exec", self.namespaces[side]]
 
-    def rank_env(self, side: int, port: int = 29500, base: dict | None = None) -> dict:
-        """The environment of a rank in namespace ``side`` (its rank too):
+    @property
+    def world(self) -> int:
+        return 2 * self.ranks_per_host
+
+    def rank_env(self, side: int, local: int = 0, port: int = 29500, base: dict | None = None) -> dict:
+        """The environment of local rank ``local`` in namespace ``side``, as
+        torchrun would set it (RANK = side * L + local, GROUP_RANK = side):
         gloo bound to this side's veth, the store at side 0's address."""
+        L = self.ranks_per_host
+        if side not in (0, 1) or not 0 <= local < L:
+            raise ValueError(f"no rank at side {side}, local rank {local} (2 hosts of {L} ranks)")
         env = dict(os.environ if base is None else base)
-        env.update(RANK=str(side), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR=self.addrs[0], MASTER_PORT=str(port),
-                   GLOO_SOCKET_IFNAME=self.ifnames[side])
+        env.update(RANK=str(side * L + local), WORLD_SIZE=str(2 * L), LOCAL_RANK=str(local),
+                   LOCAL_WORLD_SIZE=str(L), GROUP_RANK=str(side), MASTER_ADDR=self.addrs[0],
+                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=self.ifnames[side])
         return env
+
+    def counters(self, side: int) -> tuple[int, int]:
+        """``(tx_bytes, rx_bytes)`` of side ``side``'s veth end, read by the
+        kernel's statistics inside its namespace (frames with their headers)."""
+        if not self._up:
+            raise LinkError("NetnsLink.counters outside its `with` block (the namespaces do not exist)")
+        stats = f"/sys/class/net/{self.ifnames[side]}/statistics"
+        out = _run(self.exec_prefix(side) + ["cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"]).stdout
+        tx, rx = out.split()
+        return int(tx), int(rx)
+
+    def set_rate(self, gbit: float | None) -> None:
+        """Change both ends' shaping in place on a live link (connections stay
+        up): ``gbit`` Gbit/s, or None to remove the shaper."""
+        if not self._up:
+            raise LinkError("NetnsLink.set_rate outside its `with` block (the namespaces do not exist)")
+        if gbit is not None and not (gbit > 0 and gbit < float("inf")):
+            raise ValueError(f"set_rate: the rate must be a positive number of Gbit/s, got {gbit}")
+        for ns, ifname in zip(self.namespaces, self.ifnames):
+            if gbit is None:
+                _run(["tc", "-n", ns, "qdisc", "del", "dev", ifname, "root"], check=False)
+            else:  # replace: changes a tbf in place, or adds one where the link was unshaped
+                _run(["tc", "-n", ns, "qdisc", "replace", "dev", ifname, "root", *_tbf_args(gbit)])
+        self.spec = LinkSpec(self.spec.kind, gbit)
 
     def popen(self, side: int, argv: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
         if not self._up:
@@ -259,12 +315,14 @@ class NetnsLink:
                                 env=self.rank_env(side) if env is None else env, **kwargs)
 
     def run_ranks(self, argv: list[str], timeout_s: float | None = None, grace_s: float = 30.0) -> list[int]:
-        """Run ``argv`` once in each namespace as ranks 0 and 1 and wait for
-        both.  When one fails the other gets ``grace_s`` to notice before it
-        is killed; both are killed on timeout or on an exception here.
-        Returns the exit codes; raises :class:`LinkError` when either is
-        non-zero (a killed rank shows -9)."""
-        procs = [self.popen(side, argv) for side in (0, 1)]
+        """Run ``argv`` as every rank: ``ranks_per_host`` in each namespace
+        (:meth:`rank_env`), and wait for all.  When one fails the others get
+        ``grace_s`` to notice before they are killed; all are killed on
+        timeout or on an exception here.  Returns the exit codes in rank
+        order; raises :class:`LinkError` when any is non-zero (a killed rank
+        shows -9)."""
+        procs = [self.popen(side, argv, env=self.rank_env(side, local))
+                 for side in (0, 1) for local in range(self.ranks_per_host)]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failed_at = None
         try:
@@ -279,7 +337,7 @@ class NetnsLink:
                     break  # the survivor is killed below; the exit codes tell
                 if deadline is not None and now > deadline:
                     raise LinkError(f"ranks still running after {timeout_s:g} s (exit codes so far "
-                                    f"{codes}, rank 0, rank 1); killed")
+                                    f"{codes}, in rank order); killed")
                 time.sleep(0.1)
         finally:
             for p in procs:
@@ -288,8 +346,8 @@ class NetnsLink:
                     p.wait(10)
         codes = [p.returncode for p in procs]
         if any(codes):
-            raise LinkError(f"rank(s) failed on the netns link: exit codes {codes} (rank 0, rank 1; "
-                            f"-9: killed {grace_s:g} s after the other failed)")
+            raise LinkError(f"rank(s) failed on the netns link: exit codes {codes} (in rank order; "
+                            f"-9: killed {grace_s:g} s after another failed)")
         return codes
 
 

@@ -251,3 +251,186 @@ def test_bench_runs_over_the_link(tmp_path):
         {w: r.status for w, r in rows.items()}
     assert rep.meta["world_size"] == 2 and rep.meta["backend"] == "gloo"
     assert {n for n in _namespaces() - before if n.startswith(N.NS_PREFIX)} == set()
+
+
+# -- several ranks per host -----------------------------------------------------------
+
+def test_ranks_per_host_is_checked_and_sets_the_world():
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
+            N.NetnsLink(N.LinkSpec("netns", 1.0), ranks_per_host=bad)
+    assert N.NetnsLink(N.LinkSpec("netns", 1.0)).world == 2
+    assert N.NetnsLink(N.LinkSpec("netns", 1.0), ranks_per_host=3).world == 6
+
+
+def test_rank_env_of_several_ranks_per_host():
+    link = N.NetnsLink(N.LinkSpec("netns", 1.0), ranks_per_host=2)
+    envs = {(side, local): link.rank_env(side, local, base={}) for side in (0, 1) for local in (0, 1)}
+    assert [envs[k]["RANK"] for k in sorted(envs)] == ["0", "1", "2", "3"]
+    for (side, local), env in envs.items():
+        assert env["LOCAL_RANK"] == str(local) and env["GROUP_RANK"] == str(side)
+        assert env["LOCAL_WORLD_SIZE"] == "2" and env["WORLD_SIZE"] == "4"
+        assert env["MASTER_ADDR"] == link.addrs[0] and env["GLOO_SOCKET_IFNAME"] == link.ifnames[side]
+    with pytest.raises(ValueError, match="no rank at side 1, local rank 2"):
+        link.rank_env(1, 2)
+    # one rank per host: the environment it always had
+    one = N.NetnsLink(N.LinkSpec("netns", 1.0)).rank_env(1, base={})
+    assert (one["RANK"], one["WORLD_SIZE"], one["LOCAL_RANK"], one["LOCAL_WORLD_SIZE"]) == ("1", "2", "0", "1")
+
+
+def test_read_counters_reads_sysfs(tmp_path):
+    stats = tmp_path / "veth0" / "statistics"
+    stats.mkdir(parents=True)
+    (stats / "tx_bytes").write_text("1234\n")
+    (stats / "rx_bytes").write_text("99\n")
+    assert N.read_counters("veth0", root=str(tmp_path)) == (1234, 99)
+    with pytest.raises(N.LinkError, match="no interface 'nope' here"):
+        N.read_counters("nope", root=str(tmp_path))
+
+
+def test_counters_and_set_rate_need_the_link_up():
+    link = N.NetnsLink(N.LinkSpec("netns", 1.0))
+    with pytest.raises(N.LinkError, match="outside its `with` block"):
+        link.counters(0)
+    with pytest.raises(N.LinkError, match="outside its `with` block"):
+        link.set_rate(0.5)
+
+
+def _qdisc(link, side):
+    return subprocess.run(["tc", "-n", link.namespaces[side], "qdisc", "show", "dev", link.ifnames[side]],
+                          capture_output=True, text=True, check=True).stdout
+
+
+@needs_root
+def test_set_rate_changes_both_ends_in_place():
+    with N.NetnsLink(N.parse_link("netns:1")) as link:
+        assert all("rate 1Gbit" in _qdisc(link, s) for s in (0, 1))
+        link.set_rate(0.25)
+        assert all("tbf" in _qdisc(link, s) and "rate 250Mbit" in _qdisc(link, s) for s in (0, 1))
+        assert link.spec.gbit == 0.25
+        link.set_rate(None)
+        assert all("tbf" not in _qdisc(link, s) for s in (0, 1))
+        link.set_rate(2)  # an unshaped link gets a shaper
+        assert all("rate 2Gbit" in _qdisc(link, s) for s in (0, 1))
+        with pytest.raises(ValueError, match="positive number of Gbit/s"):
+            link.set_rate(0)
+
+
+_RATE_CHANGE = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(2**20 // 4)  # 1 MiB
+    dist.barrier()
+    t0 = time.monotonic()
+    for _ in range(4):
+        dist.all_reduce(t)  # the rate changes under these
+    dist.barrier()
+    if dist.get_rank() == 0:
+        open(sys.argv[1], "w").write(repr(time.monotonic() - t0))
+    dist.destroy_process_group()
+""")
+
+
+@needs_root
+def test_set_rate_on_a_live_link_keeps_the_ranks_connected(tmp_path):
+    """Ranks connected at 2 Gbit/s keep their connections when the rate drops
+    mid-run, and the all-reduces after the change take the slower rate's time."""
+    out = tmp_path / "t"
+    with N.NetnsLink(N.parse_link("netns:2")) as link:
+        procs = [link.popen(s, [sys.executable, "-c", _RATE_CHANGE.format(repo=REPO), str(out)])
+                 for s in (0, 1)]
+        time.sleep(0.2)
+        link.set_rate(0.02)  # 4 x 1 MiB each way at 20 Mbit/s: >= 1.6 s
+        assert [p.wait(120) for p in procs] == [0, 0]
+    assert float(out.read_text()) > 1.2
+
+
+_BYTES = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, {repo!r})
+    import torch, torch.distributed as dist
+    from tools.netlink import read_counters
+    dist.init_process_group("gloo")
+    rank, L = dist.get_rank(), int(os.environ["LOCAL_WORLD_SIZE"])
+    hosts = [dist.new_group([h * L + i for i in range(L)]) for h in (0, 1)]  # collective: every rank
+    mine = hosts[int(os.environ["GROUP_RANK"])]
+    t = torch.ones({numel})
+    dist.all_reduce(t, group=mine)  # connect before counting
+    dist.all_reduce(t)
+    ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    marks = []
+    dist.barrier()
+    marks.append(read_counters(ifname))
+    dist.all_reduce(t, group=mine)  # inside each host only
+    dist.barrier(group=mine)
+    marks.append(read_counters(ifname))
+    dist.barrier()
+    marks.append(read_counters(ifname))
+    dist.all_reduce(t)  # across the hosts
+    dist.barrier()
+    marks.append(read_counters(ifname))
+    assert t[0].item() == 4 * 4 ** 2, t[0]  # three all-reduces of 4 ranks' ones, one of 2
+    if rank == L:  # host 1's first rank reads host 1's veth end
+        open(sys.argv[1], "w").write(json.dumps(marks))
+    dist.destroy_process_group()
+""")
+
+
+@needs_root
+def test_two_hosts_of_two_ranks_cross_the_veth_only_between_hosts(tmp_path):
+    """2 x 2 ranks: an all-reduce inside each host's 2-rank group moves ~0
+    bytes over the veth (the ranks of a host meet in its own stack); one
+    across all four moves the ring's 2(N-1)/N = 1.5x the tensor out of each
+    host (gloo's ring: one hop each way between the hosts)."""
+    numel = 2**20  # 4 MiB of fp32
+    out = tmp_path / "marks.json"
+    with N.NetnsLink(N.parse_link("netns"), ranks_per_host=2) as link:
+        before = link.counters(1)
+        codes = link.run_ranks([sys.executable, "-c", _BYTES.format(repo=REPO, numel=numel), str(out)],
+                               timeout_s=120)
+        after = link.counters(1)
+    assert codes == [0, 0, 0, 0]
+    (tx0, rx0), (tx1, rx1), (tx2, rx2), (tx3, rx3) = json.loads(out.read_text())
+    size = numel * 4
+    assert tx1 - tx0 < 0.01 * size and rx1 - rx0 < 0.01 * size, \
+        f"an all-reduce inside the hosts moved {tx1 - tx0} bytes out of host 1, {rx1 - rx0} in"
+    out_ratio, in_ratio = (tx3 - tx2) / size, (rx3 - rx2) / size
+    assert 1.4 < out_ratio < 1.7 and 1.4 < in_ratio < 1.7, \
+        f"4-rank all-reduce of {size} bytes: {out_ratio:.3f}x out of host 1, {in_ratio:.3f}x in (ring: 1.5x)"
+    assert after[0] - before[0] >= tx3 - tx0  # the parent's reading agrees with the rank's
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_bench_two_hosts_of_two_ranks_counts_the_veth_bytes(tmp_path):
+    """fastddp-bench --link --ranks-per-host 2: four ranks, and per step the
+    bytes out of host 1 from the veth's counters beside the wrappers' own
+    count: the ring's 1.5x of the gradient for torch's DDP and fastddp alike
+    (0.64M params: headers add ~0.4%); a hierarchical row this fastddp lacks
+    is reported unavailable."""
+    p = subprocess.run([sys.executable, "-m", "fastddp.bench", "--link", "netns:4", "--ranks-per-host", "2",
+                        "--models", "small", "--wrappers", "torch", "fastddp", "fastddp-hier-fp8",
+                        "--steps", "2", "--warmup", "1", "--label", "ci-2x2", "--out", str(tmp_path),
+                        "--no-progress", "--no-charts"], capture_output=True, text=True, timeout=280, cwd=REPO)
+    from fastddp import hooks
+    from fastddp.bench import report as R
+
+    has_hier = hasattr(hooks, "hierarchical_hook")
+    assert p.returncode == (0 if has_hier else 1), p.stdout[-2000:] + p.stderr[-3000:]
+    rep = R.from_json(next(tmp_path.glob("*/*-ci-2x2.json")).read_text())
+    assert rep.meta["world_size"] == 4 and rep.meta["link"]["ranks_per_host"] == 2
+    rows = {r.wrapper: r for r in rep.sections[0].rows}
+    grad = 2_572_800  # small: 643,200 fp32 parameters
+    for w in ("torch", "fastddp"):
+        r = rows[w]
+        assert r.ok and len(r.link_out_bytes) == 2 and len(r.link_in_bytes) == 2, (w, r.status)
+        for sent in r.link_out_bytes + r.link_in_bytes:
+            assert 1.49 < sent / grad < 1.55, f"{w}: {sent} bytes per step over the veth = {sent / grad:.3f}x grad"
+    assert rows["fastddp"].wire_bytes == grad  # its own count: the bucket bytes, beside the kernel's
+    if not has_hier:
+        assert rows["fastddp-hier-fp8"].status.startswith("unavailable: ImportError: fastddp.hooks has no "
+                                                          "hierarchical_hook yet")
+    md = next(tmp_path.glob("*/*-ci-2x2.md")).read_text()
+    assert "| link out MB | link in MB | out / wire |" in md
