@@ -15,7 +15,7 @@ host) each, and the module fixture runs them all once on one link.
   each host per step: torch's ring sends 1.0x the gradient out of each host
   at 1 x 2 and 1.5x at 2 x 2 (2(N-1)/N).
 * Runs with a hook are compared with torch's DDP on the same shape by their
-  final loss (``LOSS_RTOL``); a hook this fastddp lacks skips, saying so.
+  final loss (``LOSS_RTOL``), and send less between the hosts (kernel counters).
 
 Needs root and iproute2 to create the namespaces (CI runs as root); skips
 otherwise, saying so.
@@ -75,11 +75,6 @@ class Run:
     def steps(self) -> int:
         return EPOCHS * (SAMPLES // self.world // BATCH)
 
-    def missing(self) -> str | None:
-        """Why this fastddp cannot run it (None: it can)."""
-        if self.hook is None or not self.hook.startswith("hier-"):
-            return None
-        import fastddp.hooks as hooks
 
         absent = [n for n in ("hierarchical_hook", "HierarchicalState") if not hasattr(hooks, n)]
         return f"fastddp.hooks has no {' or '.join(absent)} yet" if absent else None
@@ -186,8 +181,6 @@ def runs(tmp_path_factory) -> dict[str, Result]:
     out, fixed = {}, {}
     with NetnsLink(parse_link("netns")) as link:  # unshaped: correctness, not speed
         for run in RUNS:
-            if run.missing():
-                continue
             if run.per_host not in fixed:
                 fixed[run.per_host] = _fixed_cost(link, run.per_host, tmp)
             logs = []
@@ -201,9 +194,6 @@ def runs(tmp_path_factory) -> dict[str, Result]:
 
 
 def _get(runs: dict[str, Result], run: Run) -> Result:
-    why = run.missing()
-    if why:
-        pytest.skip(f"{run.key}: {why}")
     return runs[run.key]
 
 
@@ -283,3 +273,18 @@ def test_fastddp_default_sends_what_torch_sends(runs, L):
         ratio = fast.out_per_step[side] / ref.out_per_step[side]
         assert 0.97 < ratio < 1.03, (f"2x{L}, host {side}: fastddp sent {fast.out_per_step[side]:.0f} "
                                      f"bytes/step, torch DDP {ref.out_per_step[side]:.0f} ({ratio:.3f}x)")
+
+
+@pytest.mark.parametrize("hook,most", [("hier-fp32", 0.80), ("hier-fp8", 0.50)])
+def test_hierarchical_sends_less_between_hosts(runs, hook, most):
+    """Kernel counters: only the host shard crosses (fp32: 1.0x the gradient
+    per host at two hosts, against the ring's 1.5x: 0.67x; fp8 ~0.18x), plus
+    this small model's headers and acknowledgements (a fixed ~5 KB a step),
+    and for fp8 its exempt 1-D parameters (BatchNorm, biases: 8% of it) in
+    fp32 over the flat ring.  The bench measures the large models."""
+    run = Run("fastddp", hook)
+    r, ref = _get(runs, run), _get(runs, Run("torch", per_host=2))
+    for side in (0, 1):
+        ratio = r.out_per_step[side] / ref.out_per_step[side]
+        assert ratio < most, (f"{hook}: host {side} sent {r.out_per_step[side]:.0f} bytes/step, torch DDP "
+                              f"{ref.out_per_step[side]:.0f} ({ratio:.3f}x)")
