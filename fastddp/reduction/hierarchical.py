@@ -65,8 +65,12 @@ class HierWire(ShardWire):
 
     early_rounds = 2  # round 1 waits for the inside hop only: run at the next bucket's issue
 
+    def _encoded(self, inner) -> list:
+        """The between-hosts codec's encoded buffers (after its all-gather: the host's result)."""
+        return [inner.q, inner.s] if self.fmt == "fp8" else [inner.wire]
+
     def __init__(self, fmt: str, L: int, H: int, S: int, stage, recv, inside, across, inner, block: int,
-                 ex: list, exbuf):
+                 ex: list, exbuf, gather_encoded: bool = True):
         self.fmt, self.L, self.H, self.S, self.block = fmt, L, H, S, block
         self.world = L * H
         self.stage, self.recv = stage, recv
@@ -75,11 +79,17 @@ class HierWire(ShardWire):
         self.ex, self.exbuf = ex, exbuf
         self.rounds = 3 if inner is None else 4
         self.bounds = [(0, S)]
+        self.gathered = None  # the encoded all-gather's receive buffers (compressed wires)
+        if inner is not None and gather_encoded:
+            self.gathered = [torch.empty(L * t.numel(), dtype=t.dtype, device=t.device)
+                             for t in self._encoded(inner)]
         self.residual = None  # set by the pack (error feedback)
         self.host_layout = kernels.Layout.for_tensors([self.host])
         cross = S * 4 if inner is None else inner.nbytes
         self.nbytes = cross + 4 * exbuf.numel()  # what this rank hands to the between-hosts hop
-        self.bytes_inside = 2 * (L - 1) * S * 4  # the inside all-to-all + all-gather, sent
+        gathered = S * 4 if self.gathered is None else sum(t.numel() * t.element_size()
+                                                           for t in self._encoded(inner))
+        self.bytes_inside = (L - 1) * (S * 4 + gathered)  # the inside all-to-all + all-gather, sent
 
     def pieces(self, r: int) -> int:
         return 1 if r in (0, self.rounds - 1) or self.inner is None else len(self.inner.bounds)
@@ -88,10 +98,17 @@ class HierWire(ShardWire):
         if r == 0:
             return [groups.all_to_all_single(self.recv, self.stage, self.inside)]
         if r == self.rounds - 1:
-            if self.inner is not None:
-                self.inner.stage_in()
+            if self.inner is None:
+                return [groups.all_gather_into_tensor(self.stage, self.host, self.inside)]
+            self.inner.stage_in()
+            if self.gathered is None:
                 self._decode()
-            return [groups.all_gather_into_tensor(self.stage, self.host, self.inside)]
+                return [groups.all_gather_into_tensor(self.stage, self.host, self.inside)]
+            # the host's reduced shards travel inside the host still encoded
+            # (decoding is exact, so the bits are the same): fp8 4x, bf16 2x
+            # fewer bytes than fp32; every rank decodes the whole bucket (finish)
+            return [groups.all_gather_into_tensor(o, i, self.inside)
+                    for o, i in zip(self.gathered, self._encoded(self.inner))]
         if r == 1:
             if k == 0:
                 kernels.reduce_shards(self.recv, self.host, self.L, health=health)
@@ -101,6 +118,15 @@ class HierWire(ShardWire):
                 self.inner.stage_out()
             return [groups.all_to_all_single(o, i, self.across) for o, i in self.inner.send_recv(k)]
         return [groups.all_gather_into_tensor(o, i, self.across) for o, i in self.inner.reduce_piece(k, health)]
+
+    def stage_in(self) -> None:
+        """After the last round: the gathered encoded shards -> the fp32 stage (ONE launch)."""
+        if self.gathered is None:
+            return
+        if self.fmt == "fp8":
+            kernels.dequantize_fp8(self.gathered[0], self.gathered[1], self.stage, self.block)
+        else:
+            self.stage.copy_(self.gathered[0])
 
     def _encode(self, health) -> None:
         if self.fmt == "fp8":
@@ -130,6 +156,9 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
 
     kind = Kind.HIER
     scaling = Scaling.MUL
+    #: the last round gathers the compressed shards inside the host (True),
+    #: or decodes this rank's shard and gathers fp32 (False): the same bits
+    gather_encoded = True
 
     def __init__(self, state, topology, inside, across):
         ResidualBook.__init__(self, state.error_feedback)
@@ -179,7 +208,7 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
         exbuf = torch.zeros(sum(ex_numels), dtype=torch.float32, device=dev)
         recv = torch.empty_like(stage)
         d = HierWire(self.fmt, L, H, S, stage, recv, self.inside, self.across, self._inner(recv[:S], S, H, dev),
-                     B, ex, exbuf)
+                     B, ex, exbuf, self.gather_encoded)
         if ex:
             q8 = [k for k in range(len(bucket.params)) if k not in ex]
             d.q8 = q8

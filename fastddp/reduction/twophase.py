@@ -220,6 +220,9 @@ class TwoPhase:
         """Until ``step`` has run its last round: the next round of every open
         step not done (in issue order, round by round); then wait for
         ``step``'s last Works and extras."""
+        for s in self.open:  # every bucket's cheap rounds first: the last one's slow hop starts now
+            while len(s.works) < s.wire.early_rounds:
+                s.advance()
         while not step.done:
             for s in self.open:
                 if not s.done:
