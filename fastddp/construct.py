@@ -47,5 +47,13 @@ def build_reducer(ddp, parameters, names, sparse_params, mp, static_graph: bool)
         refuse = (lambda: _REFUSE_WITH_PARAM_DTYPE) if mp.param_dtype is not None else None
         co = Collaborators(pre_unpack=mp.restore_bucket, after_finalize=mp.restore_all,
                            refuse_extra_backward=refuse, module_watch=watch)
-    return watch, Reducer(parameters, names, ddp.process_group, opts, sparse=sparse,
-                          debug=settings.get().debug_mode, collaborators=co)
+    reducer = Reducer(parameters, names, ddp.process_group, opts, sparse=sparse,
+                      debug=settings.get().debug_mode, collaborators=co)
+    lowest = settings.default("auto_precision")
+    if lowest is not None and mp is None and not (sparse and any(sparse)):
+        # configure(auto_precision=...) / FASTDDP_AUTO_PRECISION: as if the user
+        # registered the hook (mixed precision and sparse modules keep their own reduction)
+        from . import hooks
+
+        reducer.register_comm_hook(hooks.auto_precision_hook, hooks.AutoPrecisionState(lowest=lowest), True)
+    return watch, reducer

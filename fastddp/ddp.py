@@ -303,7 +303,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         from . import hooks
 
         hooks.check_hook(hook)
-        if self.reducer.has_comm_hook:
+        if self._comm_hooks:  # not one set by configure(auto_precision=...): a user's hook replaces that
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         if self._mp is not None:
             raise RuntimeError("fastddp: mixed_precision runs its own fused reduction; it cannot be "

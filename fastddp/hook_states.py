@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CompressionState", "FP8CompressionState", "HierarchicalState"]
+__all__ = ["AUTO_LOWEST", "AutoPrecisionState", "CompressionState", "FP8CompressionState", "HierarchicalState"]
 
 
 def _check_chunk_bytes(value, owner: str) -> int | None:
@@ -132,3 +132,69 @@ class HierarchicalState(CompressionState):
     def __repr__(self) -> str:
         return (f"HierarchicalState(wire={self.wire!r}, ranks_per_host={self.ranks_per_host}, "
                 f"error_feedback={self.error_feedback})")
+
+
+#: the lowest precisions :class:`AutoPrecisionState` accepts, most precise first
+AUTO_LOWEST = ("fp32", "bf16", "fp8")
+
+
+def _whole(value, owner: str, name: str, least: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{owner}: {name}={value!r} must be a whole number >= {least}")
+    return value
+
+
+class AutoPrecisionState(CompressionState):
+    """State of :func:`fastddp.hooks.auto_precision_hook`: the wire format
+    chosen from measurement (docs/auto-precision.md).
+
+    ``lowest``: the lowest precision accepted: ``"fp32"`` (the fp32
+    all-reduce only; on several hosts also its hierarchical form),
+    ``"bf16"`` (default; adds bf16 on the wire summed in fp32, as
+    ``bf16_fp32acc_hook``) or ``"fp8"`` (adds block-scaled e4m3 with the
+    1-D parameters in fp32, as ``fp8_compress_hook``).  Where the world spans
+    several hosts (:mod:`fastddp.topology`) each allowed format's
+    hierarchical form is a candidate too.
+    ``error_feedback`` (default True): the compressed formats keep their
+    error-feedback residuals; carried between bf16 and fp8 when the format
+    changes, dropped (and said) when it changes to fp32.
+    ``min_rounds`` / ``max_rounds``: paired trial rounds (one step of every
+    format each) before deciding, at least / at most.
+    ``watch``: once settled, re-measure (a bounded number of times) when the
+    step time moves beyond the noise for a sustained window of
+    ``watch_steps`` steps.
+    ``clock``: None (the host clock on the CPU, CUDA events on CUDA) or a
+    callable ``clock(format_name) -> seconds`` that replaces it (tests give
+    each rank a synthetic one).
+    ``ranks_per_host``, ``block_size``, ``chunk_bytes``: as
+    :class:`HierarchicalState`'s and :class:`FP8CompressionState`'s."""
+
+    def __init__(self, process_group=None, lowest: str = "bf16", error_feedback: bool = True,
+                 min_rounds: int = 4, max_rounds: int = 8, watch: bool = True, watch_steps: int = 5,
+                 clock=None, ranks_per_host: int | None = None, block_size: int = 256,
+                 chunk_bytes: int | None = None):
+        owner = type(self).__name__
+        if lowest not in AUTO_LOWEST:
+            raise ValueError(f"{owner}: lowest={lowest!r}; choose one of {', '.join(AUTO_LOWEST)} "
+                             "(the lowest precision the reduction may use)")
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"{owner}: error_feedback must be True or False, got {error_feedback!r}")
+        self.min_rounds = _whole(min_rounds, owner, "min_rounds", 1)
+        self.max_rounds = _whole(max_rounds, owner, "max_rounds", 1)
+        if max_rounds < min_rounds:
+            raise ValueError(f"{owner}: max_rounds={max_rounds} is below min_rounds={min_rounds}")
+        if not isinstance(watch, bool):
+            raise TypeError(f"{owner}: watch must be True or False, got {watch!r}")
+        self.watch_steps = _whole(watch_steps, owner, "watch_steps", 1)
+        if clock is not None and not callable(clock):
+            raise TypeError(f"{owner}: clock must be None or a callable format_name -> seconds, "
+                            f"got {type(clock).__name__}")
+        if ranks_per_host is not None:
+            _whole(ranks_per_host, owner, "ranks_per_host", 1)
+        super().__init__(process_group, error_feedback, chunk_bytes)
+        self.lowest, self.watch, self.clock = lowest, watch, clock
+        self.ranks_per_host = ranks_per_host
+        self.block_size = _check_block(block_size, owner)
+
+    def __repr__(self) -> str:
+        return f"AutoPrecisionState(lowest={self.lowest!r}, error_feedback={self.error_feedback})"

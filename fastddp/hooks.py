@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .hook_states import CompressionState, FP8CompressionState, HierarchicalState
+from .hook_states import AutoPrecisionState, CompressionState, FP8CompressionState, HierarchicalState
 from .reduction.kinds import Kind
 
 __all__ = ["GradBucket"]
@@ -231,6 +231,14 @@ def hierarchical_hook(state, bucket):
                        "torch's DDP cannot run it")
 
 
+def auto_precision_hook(state, bucket):
+    """The wire format chosen from measurement (see :class:`AutoPrecisionState`
+    and docs/auto-precision.md).  Fused in fastddp: the allowed formats' own
+    fused paths, one at a time, switched between steps by every rank alike.
+    Called as a plain hook (on torch's DDP) it is the fp32 all-reduce."""
+    return allreduce_hook(state_group(state), bucket)
+
+
 def noop_hook(_, bucket):
     """No communication: grads stay local (measures what comm costs)."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -302,7 +310,8 @@ _tag(noop_hook, Kind.NOOP, None)
 _tag(bf16_fp32acc_hook, Kind.FP32ACC, torch.bfloat16)
 _tag(fp8_compress_hook, Kind.FP8, torch.float8_e4m3fn)
 _tag(hierarchical_hook, Kind.HIER, None)
+_tag(auto_precision_hook, Kind.AUTO, None)
 
-__all__ += ["HierarchicalState", "hierarchical_hook", "FP8CompressionState", "fp8_compress_hook", "CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+__all__ += ["AutoPrecisionState", "auto_precision_hook", "HierarchicalState", "hierarchical_hook", "FP8CompressionState", "fp8_compress_hook", "CompressionState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
             "noop_hook", "bf16_fp32acc_hook", "allgather_then_aggregate_hook", "fp16_compress_wrapper",
             "bf16_compress_wrapper", "check_hook", "state_group"]

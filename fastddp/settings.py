@@ -7,6 +7,7 @@
 | `FASTDDP_NVTX` | switch | off | named ranges (record_function; NVTX on CUDA) around each reducer phase |
 | `FASTDDP_CHECK_FINITE` | switch, raise, warn | off | health check without a `check_finite` argument (on: raise) |
 | `FASTDDP_BUCKET_CAP_MB` | MiB >= 0, auto | unset | bucket cap where the constructor gets no `bucket_cap_mb(_list)` |
+| `FASTDDP_AUTO_PRECISION` | fp32, bf16, fp8, off | off | where no comm hook is registered: the wire format chosen from measurement, none below this precision (`auto_precision_hook`) |
 | `FASTDDP_CHUNK_BYTES` | bytes >= 0 | unset | bytes each way per two-phase call (unset: the mode's; 0: unchunked) |
 | `FASTDDP_NATIVE` | switch, require | on | native readiness hooks (off: Python hooks; require: a failed build raises) |
 | `FASTDDP_RANKS_PER_HOST` | whole number | unset | the hierarchical reduction's topology: this many consecutive ranks per host (unset: detected) |
@@ -45,7 +46,7 @@ import threading
 from typing import Any, Callable
 
 __all__ = ["NativeMode", "Settings", "configure", "configured", "default", "get", "parse",
-           "parse_bucket_cap", "parse_check_finite", "reload"]
+           "parse_auto_precision", "parse_bucket_cap", "parse_check_finite", "reload"]
 
 OFF_WORDS = ("0", "false", "off", "no")
 ON_WORDS = ("1", "true", "on", "yes")
@@ -134,6 +135,10 @@ def _cap(name: str, text: str):
     return parse_bucket_cap(text, name)
 
 
+def _auto_precision(name: str, text: str) -> str | None:
+    return parse_auto_precision(text, name)
+
+
 def _text(name: str, text: str) -> str:
     return text
 
@@ -152,6 +157,7 @@ VARIABLES = (
     _Variable("FASTDDP_NVTX", "nvtx", _switch, False),
     _Variable("FASTDDP_CHECK_FINITE", "check_finite", _check_finite_env, None),
     _Variable("FASTDDP_BUCKET_CAP_MB", "bucket_cap_mb", _cap, None),
+    _Variable("FASTDDP_AUTO_PRECISION", "auto_precision", _auto_precision, None),
     _Variable("FASTDDP_CHUNK_BYTES", "chunk_bytes", _bytes, None),
     _Variable("FASTDDP_NATIVE", "native", _native, NativeMode.ON),
     _Variable("FASTDDP_RANKS_PER_HOST", "ranks_per_host", _count, None),
@@ -190,6 +196,8 @@ class Settings:
     """``FASTDDP_CHECK_FINITE``: None, ``"raise"`` or ``"warn"``."""
     bucket_cap_mb: float | str | None = None
     """``FASTDDP_BUCKET_CAP_MB``: MiB, ``"auto"`` or None (unset)."""
+    auto_precision: str | None = None
+    """``FASTDDP_AUTO_PRECISION``: the lowest precision of the measured choice, or None (off)."""
     chunk_bytes: int | None = None
     """``FASTDDP_CHUNK_BYTES``: bytes, or None (unset: the mode chooses)."""
     native: NativeMode = NativeMode.ON
@@ -244,7 +252,8 @@ def reload() -> Settings:
 _CHECK_FINITE = {False: None, None: None, True: "raise", "raise": "raise", "warn": "warn", "off": None}
 _UNSET = object()
 # configure()'s process-wide values (None: not configured)
-_configured: dict = {"check_finite": None, "bucket_cap_mb": None}
+_configured: dict = {"check_finite": None, "bucket_cap_mb": None, "auto_precision": None}
+_AUTO_PRECISION = ("fp32", "bf16", "fp8")
 
 
 def parse_check_finite(value, what: str = "check_finite") -> str | None:
@@ -275,18 +284,38 @@ def parse_bucket_cap(value, what: str = "bucket_cap_mb"):
     return value
 
 
-def configure(*, check_finite=_UNSET, bucket_cap_mb=_UNSET) -> None:
+def parse_auto_precision(value, what: str = "auto_precision") -> str | None:
+    """The lowest precision of ``auto_precision_hook`` set without a hook:
+    ``"fp32"``, ``"bf16"``, ``"fp8"`` (any case), or off (None, False, an
+    off word, ``"off"``); else a clear error."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in _AUTO_PRECISION:
+            return low
+        if low in OFF_WORDS or low == "":
+            return None
+    raise ValueError(f"fastddp: {what}={value!r} is not a valid value; accepted (any case): "
+                     f"{_accepted(_AUTO_PRECISION)} (the lowest precision allowed), or off / unset")
+
+
+def configure(*, check_finite=_UNSET, bucket_cap_mb=_UNSET, auto_precision=_UNSET) -> None:
     """Process-wide defaults for code that keeps torch's signature; only the
     options passed change (``None`` restores the built-in default):
     ``fastddp.configure(check_finite="raise")``,
     ``fastddp.configure(bucket_cap_mb="auto")`` (used where the constructor
-    gets neither ``bucket_cap_mb`` nor ``bucket_cap_mb_list``).  Both win
-    over their environment variables."""
+    gets neither ``bucket_cap_mb`` nor ``bucket_cap_mb_list``),
+    ``fastddp.configure(auto_precision="fp8")`` (modules without a comm hook
+    reduce with ``auto_precision_hook``, none below that precision; a hook
+    registered later replaces it).  Each wins over its environment variable."""
     if check_finite is not _UNSET:
         parse_check_finite(check_finite, "fastddp.configure(check_finite=...)")
         _configured["check_finite"] = check_finite
     if bucket_cap_mb is not _UNSET:
         _configured["bucket_cap_mb"] = parse_bucket_cap(bucket_cap_mb, "fastddp.configure(bucket_cap_mb=...)")
+    if auto_precision is not _UNSET:
+        _configured["auto_precision"] = parse_auto_precision(auto_precision, "fastddp.configure(auto_precision=...)")
 
 
 def configured(option: str):

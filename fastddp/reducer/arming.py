@@ -112,7 +112,7 @@ class Arming:
             self.native.set_views(self._views)
         if not self._any or join_pending:
             return -1.0, 0.0  # join's divisor is known only after its forward all-reduce
-        return mode.early_copy(world)
+        return mode.early_copy(world) or (-1.0, 0.0)  # a mode may copy early in some iterations only
 
     @staticmethod
     def _find_views(buckets, mode, world: int) -> list:

@@ -118,7 +118,7 @@ class Reducer(BucketPlans):
     def error_feedback_residual(self, index: int) -> torch.Tensor | None:
         """Parameter ``index``'s error-feedback residual (compressed modes), shaped like its bucket slot."""
         b, pos = self.plan.locate(index)
-        res = self._dense.residual_of(b) if isinstance(self._dense, reduction.ResidualBook) else None
+        res = self._dense.residual_of(b)
         return None if res is None else self._buckets[b].layout.views(res)[pos]
 
     def stats(self) -> dict:

@@ -69,6 +69,7 @@ class BucketPlans:
         syncs, self._forward_syncs = self._forward_syncs, False
         if self.tuning_active and syncs:
             rebuilt = self.tuner.boundary() or rebuilt
+        self.ctx.layout_settled = not self.tuning_active and not self._should_rebuild()
         return rebuilt
 
     def plan_for(self, config: planner.BucketConfig) -> planner.BucketPlan:
@@ -91,9 +92,10 @@ class BucketPlans:
         return True
 
     def freeze_tuning(self, why: str) -> None:
-        """End ``bucket_cap_mb="auto"``'s tuning now (join): no collectives."""
+        """End ``bucket_cap_mb="auto"``'s tuning and the mode's own measuring now (join): no collectives."""
         if self.tuner is not None:
             self.tuner.freeze(why)
+        self._dense.freeze(why)
 
     def _rebuild_once(self) -> bool:
         self.ensure_prior_reduction_finished()

@@ -15,6 +15,8 @@ BlockFp8           ``fp8_compress_hook``: the two-phase engine with a  MUL, befo
                    block-scaled e4m3 codec, fp32 shard sum
 Hierarchical       ``hierarchical_hook``: fp32 inside each host, fp32/ MUL, at the pack
                    bf16/fp8 between hosts (the engine's rounds)
+AutoPrecision      ``auto_precision_hook``: one of the modes above,     the chosen mode's
+                   chosen from measured steps, switched between steps
 NoOp               ``noop_hook``: nothing on the wire                  NONE
 SparseAllReduce    a sparse parameter's bucket without a hook          DIV (in place)
 =================  ==================================================  ===============
@@ -72,6 +74,10 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
                             f"{getattr(hook, '__name__', hook)!r} is not one of them")
         return PythonHook(hook, state), PythonHook(hook, state)
     kind, dtype = tag
+    if kind is Kind.AUTO:
+        from .autoprec import build
+
+        return build(state, batched_grad_copy, group_ok, device, pg)
     if kind is Kind.HIER:
         return _hierarchical(hook, state, group_ok, device, pg)
     if kind is Kind.FP8:

@@ -50,6 +50,35 @@ class ResidualBook:
     def residual_of(self, bucket_index: int) -> torch.Tensor | None:
         return self.residual.get(bucket_index)
 
+    def residual_numel(self, ctx, bucket) -> int | None:
+        """Elements of the residual this mode's pack reads for ``bucket``
+        (its first ``bucket.flat.numel()`` laid out like the bucket); None:
+        its residual has another layout (it cannot adopt another mode's)."""
+        return None
+
+    def finished_residuals(self) -> dict:
+        """The residuals of buckets whose last pack reached its unpack (the
+        others are stale), by bucket index; the book is left empty."""
+        out = {i: t for i, t in self.residual.items() if i not in self.unfinished}
+        self.residual, self.unfinished, self._carry = {}, set(), None
+        return out
+
+    def adopt_residual(self, ctx, bucket, values: torch.Tensor | None) -> bool:
+        """Start ``bucket``'s residual from another mode's (its first
+        ``bucket.flat.numel()`` elements, laid out like the bucket), or from
+        zeros (``values`` None).  False: this mode keeps no residual of that
+        layout (nothing adopted)."""
+        numel = self.residual_numel(ctx, bucket) if self.error_feedback else None
+        if numel is None:
+            return False
+        res = torch.zeros(numel, dtype=torch.float32, device=bucket.flat.device)
+        if values is not None:
+            n = min(bucket.flat.numel(), values.numel(), numel)
+            res[:n].copy_(values[:n])
+        self.residual[bucket.index] = res
+        self.unfinished.discard(bucket.index)
+        return True
+
     def carry_residuals(self, old_locate, new_buckets) -> None:
         """A rebuild: the residuals worth carrying (stale ones dropped) wait
         for the new buckets; the book starts empty."""
@@ -93,6 +122,9 @@ class FusedCompression(ResidualBook, Reduction):
 
     def wire_numel(self, ctx, bucket) -> int:
         """Elements of the bucket's wire buffer (its first ``flat.numel()`` are the bucket's)."""
+        return bucket.flat.numel()
+
+    def residual_numel(self, ctx, bucket) -> int:
         return bucket.flat.numel()
 
     def _wire(self, ctx, bucket) -> torch.Tensor:

@@ -23,7 +23,8 @@ class StepContext:
     """The step a bucket is reduced in."""
 
     __slots__ = ("comm", "world", "rank", "view_mode", "names", "index_of", "divisor",
-                 "globally_unused", "early_filled", "pre_unpack", "iteration", "num_buckets")
+                 "globally_unused", "early_filled", "pre_unpack", "iteration", "num_buckets",
+                 "layout_settled")
 
     comm: Any
     """:class:`~fastddp.comm.Comm`: collectives, streams, ``release``/``hand_over``."""
@@ -51,13 +52,17 @@ class StepContext:
     """The synced forward this backward belongs to (stale steps are told by it)."""
     num_buckets: int
     """Buckets in the current plan."""
+    layout_settled: bool
+    """No bucket change is pending: torch's one rebuild is done (or never
+    comes) and ``bucket_cap_mb="auto"`` has settled (set before each
+    synchronising forward); a mode that measures steps waits for it."""
 
     @classmethod
     def of(cls, comm, world: int, rank: int, view_mode: bool, names: Sequence[str], index_of: dict,
            divisor: Callable[[], int], globally_unused: Callable[[int], bool] = _never,
            early_filled: Callable[[Any], bytes] = lambda b: b"", pre_unpack: Callable | None = None):
         return cls(comm, world, rank, view_mode, names, index_of, divisor, globally_unused,
-                   early_filled, pre_unpack, 0, 0)
+                   early_filled, pre_unpack, 0, 0, False)
 
     def name(self, p) -> str:
         """The parameter's name (``module.path.weight``)."""

@@ -175,6 +175,20 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
             return bool(rule(p))
         return any(p is q for q in rule)
 
+    def residual_numel(self, ctx, bucket) -> int:
+        return ctx.world * self.shard_wire(ctx, bucket).shard
+
+    def adopt_residual(self, ctx, bucket, values) -> bool:
+        """As :class:`ResidualBook`'s, with the exempt parameters' slots
+        zeroed: they travel in fp32 and keep no residual here."""
+        if not ResidualBook.adopt_residual(self, ctx, bucket, values):
+            return False
+        views = bucket.layout.views(self.residual[bucket.index])
+        for k, p in enumerate(bucket.params):
+            if self._exempt(p):
+                views[k].zero_()
+        return True
+
     def shard_wire(self, ctx, bucket) -> Fp8Wire:
         d = self.wires.get(bucket.index)
         if d is not None and d.world == ctx.world:

@@ -17,5 +17,6 @@ class Kind(enum.Enum):
     FP32ACC = "fp32acc"            #: bf16 wire, shards summed in fp32 (two phases)
     FP8 = "fp8"                    #: block-scaled e4m3 wire, shards summed in fp32 (two phases)
     HIER = "hierarchical"          #: fp32 inside each host, the chosen wire between hosts (rounds)
+    AUTO = "auto-precision"        #: the wire format chosen from measurement among the allowed modes
     NOOP = "noop"                  #: nothing on the wire
     SPARSE = "sparse-allreduce"    #: a sparse parameter's own bucket

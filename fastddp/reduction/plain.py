@@ -12,7 +12,9 @@ Every mode answers the same calls, made by the reducer with the step's
 * ``shadow(ctx, bucket)``       -- join(): the same collective on zeros;
 * ``early_copy(world)``         -- whether the native hooks may copy each grad
   into its slot as it arrives, and how it is scaled;
-* ``carry_over(...)``           -- a rebuild replaced the buckets.
+* ``carry_over(...)``           -- a rebuild replaced the buckets;
+* ``residual_of(b)``, ``freeze(why)`` -- bucket ``b``'s error-feedback
+  residual (None: none); join(): stop anything that needs collectives.
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ class Reduction:
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """A rebuild replaced the buckets: move per-parameter state along."""
+
+    def residual_of(self, bucket_index: int) -> torch.Tensor | None:
+        """Bucket ``bucket_index``'s error-feedback residual (None: the mode keeps none)."""
+        return None
+
+    def freeze(self, why: str) -> None:
+        """join() is starting (every rank at the same step): from now on the
+        mode issues no collective of its own beyond the buckets'."""
 
     def early_copy(self, world: int) -> tuple[float, float] | None:
         """On the CPU the native hooks may copy each grad into its bucket slot

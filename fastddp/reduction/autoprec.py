@@ -1,0 +1,379 @@
+"""``auto_precision_hook``: the wire format chosen from measured steps.
+
+One bucket mode that owns the allowed formats' modes (built as
+:func:`~fastddp.reduction.choose` builds them for their own hooks) and
+hands every call to the one in use.  It switches only at the first pack of
+a new iteration (``ctx.iteration``: a synchronising forward), which every
+rank reaches at the same point; the format of iteration ``i + 1`` is fixed
+at iteration ``i``'s first pack, so the native hooks' early copy, armed
+before ``i + 1``'s backward, follows the format that will pack it::
+
+    waiting   until the buckets are final (torch's rebuild; bucket_cap_mb="auto"
+              settled: ``ctx.layout_settled``), in the most precise format
+    trial     one warm-up round, then paired rounds (every format one step,
+              order rotated); each round's times MAX-reduced over the ranks
+              (one all-reduce, at the same iteration on every rank) into
+              :class:`~fastddp.autotune.precision.PrecisionSearch`
+    settled   the pick; every ``watch_steps`` steps one all-reduce of the
+              window's median step into :class:`~fastddp.autotune.precision.Watch`;
+              a sustained change starts the trial again (bounded)
+    frozen    join(): no collectives of its own any more
+
+A step's time is its reduction window: the first bucket's pack to the last
+bucket's unpack (what a wire format changes; forward, optimizer and
+``no_sync`` micro-batches are outside it).  CPU: ``time.perf_counter``.
+CUDA: two timing events on the stream that packs and unpacks, read two
+iterations later (by then they have completed: reading them waits for no
+work in practice, and no sync is issued per step); the decisions'
+all-reduces copy their few floats to the host, once per round or window.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import groups
+from ..autotune.precision import PrecisionSearch, Watch, rotation
+from .compression import ResidualBook
+from .kinds import Kind
+from .plain import Reduction, SparseAllReduce
+
+__all__ = ["ORDER", "AutoPrecision", "build"]
+
+log = logging.getLogger("fastddp.autotune")
+
+#: every format, most precise first (a flat format before its hierarchical form)
+ORDER = ("fp32", "hier-fp32", "bf16", "hier-bf16", "fp8", "hier-fp8")
+_LOWEST_INDEX = {"fp32": 2, "bf16": 4, "fp8": 6}  # formats allowed for each ``lowest``: ORDER[:n]
+_WAIT, _TRIAL, _SETTLED, _FROZEN = "waiting", "trial", "settled", "frozen"
+
+
+def build(state, batched_grad_copy: bool, group_ok: bool, device, pg):
+    """``(dense, sparse)`` modes for ``auto_precision_hook``: its candidates
+    built as their own hooks' fused paths; sparse buckets as without a hook."""
+    from .. import topology
+    from ..hooks import (AutoPrecisionState, CompressionState, FP8CompressionState, HierarchicalState,
+                         bf16_fp32acc_hook, fp8_compress_hook, hierarchical_hook)
+    from . import choose
+
+    if state is None:
+        state = AutoPrecisionState()
+    if not isinstance(state, AutoPrecisionState):
+        raise TypeError(f"auto_precision_hook takes an AutoPrecisionState (or None), got {type(state).__name__}")
+    if not group_ok:
+        raise ValueError("auto_precision_hook runs only as fastddp's fused path: its state's process_group "
+                         "must be None or the DDP module's process group")
+    topo = topology.resolve(pg, state.ranks_per_host)  # collective where nothing explicit is set
+    hosts = not isinstance(topo, topology.Flat)
+    ef, cb = state.error_feedback, state.chunk_bytes
+
+    def hier(wire):
+        hs = HierarchicalState(wire=wire, ranks_per_host=state.ranks_per_host, error_feedback=ef and wire != "fp32",
+                               block_size=state.block_size, chunk_bytes=cb)
+        return choose(hierarchical_hook, hs, batched_grad_copy, True, device, pg)[0]
+
+    makers = {
+        "fp32": lambda: choose(None, None, batched_grad_copy, True, device)[0],
+        "hier-fp32": lambda: hier("fp32"),
+        "bf16": lambda: choose(bf16_fp32acc_hook, CompressionState(error_feedback=ef, chunk_bytes=cb),
+                               batched_grad_copy, True, device, pg)[0],
+        "hier-bf16": lambda: hier("bf16"),
+        "fp8": lambda: choose(fp8_compress_hook, FP8CompressionState(block_size=state.block_size,
+                                                                     error_feedback=ef, chunk_bytes=cb),
+                              batched_grad_copy, True, device, pg)[0],
+        "hier-fp8": lambda: hier("fp8"),
+    }
+    names = [n for n in ORDER[:_LOWEST_INDEX[state.lowest]] if hosts or not n.startswith("hier-")]
+    where = topo.describe() if hosts else f"flat ({topo.why})"
+    return AutoPrecision(state, {n: makers[n]() for n in names}, device, where), SparseAllReduce()
+
+
+class _Clock:
+    """Per iteration, its reduction window (first pack -> last unpack)."""
+
+    def __init__(self, device, synthetic):
+        self.synthetic = synthetic
+        self.cuda = synthetic is None and device is not None and device.type == "cuda"
+        self.lag = 2 if self.cuda else 1  # iterations until a window is read
+        self.marks: dict = {}  # iteration -> [start, end, format]
+
+    def _now(self, fmt: str):
+        if self.synthetic is not None:
+            return float(self.synthetic(fmt))
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def start(self, it: int, fmt: str) -> None:
+        self.marks[it] = [self._now(fmt), None, fmt]
+
+    def end(self, it: int) -> None:
+        m = self.marks.get(it)
+        if m is None:
+            return
+        if self.cuda:
+            if m[1] is None:
+                m[1] = torch.cuda.Event(enable_timing=True)
+            m[1].record()  # re-recorded at each unpack: the last one counts
+        else:
+            m[1] = self._now(m[2])
+
+    def take(self, before: int) -> dict:
+        """Windows of the iterations up to ``before - lag``: ``{it: (format, s)}``
+        (an iteration that never reached an unpack is left out)."""
+        out = {}
+        for it in [k for k in self.marks if k <= before - self.lag]:
+            start, end, fmt = self.marks.pop(it)
+            if end is None:
+                continue
+            if self.cuda:
+                end.synchronize()  # recorded two iterations ago: complete by now
+                out[it] = (fmt, start.elapsed_time(end) / 1e3)
+            else:
+                out[it] = (fmt, end - start)
+        return out
+
+
+class AutoPrecision(Reduction):
+    """The allowed formats' modes, one at a time (see the module docstring)."""
+
+    kind = Kind.AUTO
+    fused = True
+
+    def __init__(self, state, modes: dict, device=None, where: str = ""):
+        self.state, self.modes, self.formats, self.where = state, modes, list(modes), where
+        self.cur_name = self.next_name = self.formats[0]
+        self.clock = _Clock(device, state.clock)
+        single = len(self.formats) == 1
+        self.phase = _SETTLED if single else _WAIT
+        self.watch = Watch() if state.watch and not single else None
+        self.search: PrecisionSearch | None = None
+        self.samples: dict = {}      # iteration -> (format, s), read from the clock
+        self._it = 0                 # the iteration whose packs run now
+        self._t0 = 0                 # first iteration of the trial
+        self._reduced = 0            # trial rounds all-reduced so far
+        self._win0 = self._wins = 0  # first watched iteration, windows all-reduced
+        self._trigger = ""
+        self._restart = False
+        self._pending: dict = {}     # bucket index -> residual carried from the last format
+        self._rank = 0
+        self.decisions: list = []
+        self.residual_events: list = []
+        self.settled_at = None if not single else 0
+        self.trial_steps = 0
+
+    cur = property(lambda self: self.modes[self.cur_name], doc="The mode that packs this iteration.")
+    scaling = property(lambda self: self.cur.scaling)
+    wire_dtype = property(lambda self: self.cur.wire_dtype)
+
+    def candidate(self, name: str) -> Reduction:
+        """The mode of format ``name`` (one of :attr:`formats`)."""
+        return self.modes[name]
+
+    # -------------------------------------------------------- delegation
+    def pack(self, ctx, bucket, grads) -> None:
+        if ctx.iteration != self._it:
+            self._enter(ctx)
+        if self._pending:
+            values = self._pending.pop(bucket.index, None)
+            if values is not None and not self.cur.adopt_residual(ctx, bucket, values):
+                self._note(ctx.iteration, f"bucket {bucket.index}'s residual dropped: {self.cur_name} keeps "
+                                          "its residuals in another layout")
+        self.cur.pack(ctx, bucket, grads)
+
+    def issue(self, ctx, bucket):
+        return self.cur.issue(ctx, bucket)
+
+    def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
+        self.cur.unpack(ctx, bucket, result, track_unused)
+        self.clock.end(ctx.iteration)
+
+    def check_result(self, bucket, result) -> None:
+        self.cur.check_result(bucket, result)
+
+    def shadow(self, ctx, bucket):
+        if self.next_name != self.cur_name:  # a joined rank packs nothing: it switches here
+            self._switch(ctx.iteration)
+        return self.cur.shadow(ctx, bucket)
+
+    def early_copy(self, world: int):
+        return self.modes[self.next_name].early_copy(world)  # armed before the next iteration's packs
+
+    def residual_of(self, bucket_index: int):
+        v = self._pending.get(bucket_index)
+        return v if v is not None else self.cur.residual_of(bucket_index)
+
+    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
+        """Every candidate moves its own state; a trial restarts (its steps
+        timed other buckets), a settled watch takes a new baseline."""
+        for m in self.modes.values():
+            m.carry_over(old_buckets, old_locate, new_buckets)
+        if self._pending:
+            self._note(self._it, f"{len(self._pending)} carried residuals dropped: the buckets were rebuilt")
+            self._pending = {}
+        self._restart = True
+
+    # ----------------------------------------------------------- steps
+    def _enter(self, ctx) -> None:
+        """The first pack of iteration ``ctx.iteration``: switch to the format
+        fixed for it, read finished windows, decide the next one, start timing."""
+        it = self._it = ctx.iteration
+        self._rank = ctx.rank
+        if self.next_name != self.cur_name:
+            self._switch(it)
+        self.samples.update(self.clock.take(it))
+        if self._restart:
+            self._restart = False
+            self.samples.clear()
+            if self.phase == _TRIAL:
+                self._begin_trial(it + 1, self._trigger + "; restarted: the buckets were rebuilt")
+            elif self.phase == _SETTLED and self.watch is not None:
+                self.watch.restart()
+                self._win0, self._wins = it + 1, 0
+        if self.phase == _WAIT and ctx.layout_settled:
+            self._begin_trial(it + 1, "first measurement")
+        elif self.phase == _TRIAL:
+            self._trial(ctx, it)
+        elif self.phase == _SETTLED and self.watch is not None:
+            self._watch(ctx, it)
+        if self.phase == _TRIAL:
+            self.next_name = self._scheduled(it + 1)
+        self.clock.start(it, self.cur_name)
+
+    def _scheduled(self, it: int) -> str:
+        """The trial's format for iteration ``it``: a warm-up round, then rotated rounds."""
+        j, n = it - self._t0, len(self.formats)
+        if j < 0:
+            return self.cur_name
+        if j < n:
+            return self.formats[j]
+        r, p = divmod(j - n, n)
+        return rotation(self.formats, r)[p]
+
+    def _begin_trial(self, t0: int, why: str) -> None:
+        st = self.state
+        self.search = PrecisionSearch(self.formats, min_rounds=st.min_rounds, max_rounds=st.max_rounds)
+        self.phase, self._t0, self._reduced, self._trigger = _TRIAL, t0, 0, why
+        self.samples.clear()
+
+    def _trial(self, ctx, it: int) -> None:
+        n = len(self.formats)
+        while True:
+            first = self._t0 + n + self._reduced * n
+            if first + n - 1 > it - self.clock.lag:
+                return
+            order = rotation(self.formats, self._reduced)
+            vals = []
+            for f in self.formats:
+                got = self.samples.pop(first + order.index(f), None)
+                vals.append(got[1] if got is not None and got[0] == f else math.inf)
+            vals = self._max(ctx, vals)
+            self.search.record(dict(zip(self.formats, vals)))
+            self._reduced += 1
+            # rounds dropped for missing steps do not count: bound the trial all the same
+            if self.search.done or self._reduced >= 2 * self.search.max_rounds:
+                self._settle(it)
+                return
+
+    def _settle(self, it: int) -> None:
+        s = self.search
+        pick, _, steps = s.walk()
+        self.next_name, self.phase, self.settled_at = pick, _SETTLED, it + 1
+        self.trial_steps += it + 1 - self._t0
+        self.decisions.append({"step": it + 1, "chosen": pick, "trigger": self._trigger, "rounds": s.rounds,
+                               "dropped_rounds": s.dropped, "costs_ms": s.costs_ms(), "comparisons": steps,
+                               "reason": s.explain()})
+        self.samples.clear()
+        if self.watch is not None:
+            self.watch.restart()
+            self._win0, self._wins = it + 1, 0
+        self._log(f"chose {s.explain()}; trial of {it + 1 - self._t0} steps ({self._trigger}); from step {it + 1}")
+
+    def _watch(self, ctx, it: int) -> None:
+        if self.watch.exhausted:
+            return
+        k = self.state.watch_steps
+        w0 = self._win0 + self._wins * k
+        if w0 + k - 1 > it - self.clock.lag:
+            return
+        vals = [self.samples.pop(i)[1] for i in range(w0, w0 + k) if i in self.samples]
+        for i in [i for i in self.samples if i < w0 + k]:
+            del self.samples[i]
+        v = self._max(ctx, [statistics.median(vals) if vals else math.inf])[0]
+        self._wins += 1
+        base = self.watch.baseline
+        if self.watch.feed(v):
+            self._begin_trial(it + 1, f"re-measure {self.watch.remeasures}: the step moved to {v * 1e3:.2f} ms "
+                                      f"from {base * 1e3:.2f} ms for {self.watch.sustain} windows of {k} steps")
+
+    def _max(self, ctx, vals: list) -> list:
+        """``vals`` MAX-reduced over the ranks (every rank decides from the same numbers)."""
+        if ctx.world == 1:
+            return vals
+        t = torch.tensor(vals, dtype=torch.float64, device=ctx.comm.device)
+        groups.all_reduce(t, ctx.comm.pg, op=dist.ReduceOp.MAX)
+        return t.cpu().tolist()
+
+    def _switch(self, it: int) -> None:
+        """Make :attr:`next_name` current.  Error-feedback residuals: the old
+        format's finished ones go to the new format where it keeps them in
+        the bucket's layout (bf16 <-> fp8: adopted at each bucket's next
+        pack), else they are dropped; either way it is noted."""
+        old, new = self.cur, self.modes[self.next_name]
+        carried = dict(self._pending)
+        if isinstance(old, ResidualBook) and old.error_feedback:
+            carried.update(old.finished_residuals())
+        keeps = isinstance(new, ResidualBook) and new.error_feedback
+        if keeps:
+            new.finished_residuals()  # its own, from when it was last in use, are stale
+        self._pending = carried if keeps else {}
+        if carried:
+            self._note(it, f"{'carried' if keeps else 'dropped'} the residuals of {len(carried)} buckets: "
+                           f"{self.cur_name} -> {self.next_name}"
+                           + ("" if keeps else f" ({self.next_name} keeps none)"))
+        self.cur_name = self.next_name
+
+    def freeze(self, why: str) -> None:
+        """join(): the best format measured so far (else the most precise),
+        from the next iteration on; no more collectives of its own."""
+        if self.phase == _FROZEN:
+            return
+        if self.phase in (_WAIT, _TRIAL):
+            s = self.search
+            self.next_name = s.pick() if s is not None and s.rounds else self.formats[0]
+            self.decisions.append({"step": self._it + 1, "chosen": self.next_name, "trigger": f"{why} froze it",
+                                   "rounds": s.rounds if s else 0, "reason": s.explain() if s and s.rounds
+                                   else "nothing measured: the most precise format"})
+            self._log(f"{why} froze the choice at {self.next_name}")
+        self.phase = _FROZEN
+
+    # ------------------------------------------------------------ report
+    def _note(self, it: int, text: str) -> None:
+        self.residual_events.append(f"step {it}: {text}")
+        del self.residual_events[:-16]
+
+    def _log(self, text: str) -> None:
+        if self._rank == 0:
+            log.info("fastddp auto precision: %s", text)
+
+    def stats(self) -> dict:
+        s = self.search
+        return {"auto_precision": {
+            "state": self.phase, "current": self.cur_name,
+            "chosen": self.next_name if self.phase in (_SETTLED, _FROZEN) else None,
+            "candidates": list(self.formats), "lowest": self.state.lowest,
+            "error_feedback": self.state.error_feedback, "topology": self.where,
+            "settled_at_step": self.settled_at, "trial_steps": self.trial_steps,
+            "decisions": list(self.decisions), "residual": list(self.residual_events),
+            "watch": self.watch.report() if self.watch is not None else None,
+            "trial": None if s is None else {"rounds": s.rounds, "costs_ms": s.costs_ms(),
+                                             "comparisons": s.walk()[2]},
+        }}
