@@ -590,9 +590,12 @@ def _reducer(e: _Entry):
 
 
 def _tuning(e: _Entry) -> bool:
-    """The wrapper is fastddp with ``bucket_cap_mb="auto"`` still tuning."""
+    """The wrapper is fastddp with ``bucket_cap_mb="auto"`` still tuning, or
+    with ``auto_precision_hook`` still measuring its formats."""
     r = _reducer(e)
-    return r is not None and r.tuning_active
+    if r is None:
+        return False
+    return r.tuning_active or r.stats().get("auto_precision", {}).get("state") in ("waiting", "trial")
 
 
 def _buckets(e: _Entry) -> list[list[int]] | None:

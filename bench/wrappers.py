@@ -259,6 +259,17 @@ def _fastddp_hier(model, process_group, options, wire: str):
     return ddp, f"hooks.hierarchical_hook, wire={wire}"
 
 
+def _fastddp_autoprec(model, process_group, options, lowest: str):
+    """fastddp with the wire format chosen from measured steps, down to ``lowest``."""
+    from fastddp import hooks
+
+    ddp, _ = _fastddp(model, process_group, options)
+    state = hooks.AutoPrecisionState(lowest=lowest) if process_group is None else \
+        hooks.AutoPrecisionState(lowest=lowest, process_group=process_group)
+    ddp.register_comm_hook(state, hooks.auto_precision_hook)
+    return ddp, f"hooks.auto_precision_hook, lowest={lowest}"
+
+
 def replicate_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules ``replicate`` is applied to before the root: the model's
     repeated unit, as torchtitan wraps each transformer block.
@@ -346,6 +357,8 @@ def registry() -> dict[str, WrapperSpec]:
         *(WrapperSpec(f"fastddp-hier-{w}", "fastddp", f"hier-{w}", P(_fastddp_hier, wire=w),
                       baselines=("torch", "torch-fp16"), wire_itemsize=size)
           for w, size in (("fp32", None), ("bf16", 2), ("fp8", 1))),
+        WrapperSpec("fastddp-autoprec", "fastddp", "autoprec", P(_fastddp_autoprec, lowest="fp8"),
+                    baselines=("torch", "torch-fp16")),
         WrapperSpec("replicate", "replicate", "default", _replicate),
         WrapperSpec("replicate-bf16", "replicate", "bf16", P(_replicate, reduce_dtype=torch.bfloat16),
                     wire_itemsize=2),

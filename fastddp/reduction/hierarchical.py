@@ -26,7 +26,8 @@ Only the host shard crosses between hosts: per step each host sends
 flat ring sends 2(W-1)/W of it per host link crossing.  Inside a host the
 sum is exact fp32; a compressed format's rounding enters once per host, not
 once per rank.  The fp8 format's exempt parameters (1-D by default) are
-all-reduced in fp32 over the whole group, beside round 0 (few bytes).
+summed in fp32 inside the host beside round 0 and across the hosts (each
+local rank with its peers) in round 1, waited with the last round.
 Error feedback keeps the host shard's own encoding error (S fp32 per bucket
 and rank); it is not per parameter, so a rebuild of the buckets resets it.
 """
@@ -77,6 +78,7 @@ class HierWire(ShardWire):
         self.host = recv[:S]
         self.inside, self.across, self.inner = inside, across, inner
         self.ex, self.exbuf = ex, exbuf
+        self._ex_inside, self._ex_works = None, []
         self.rounds = 3 if inner is None else 4
         self.bounds = [(0, S)]
         self.gathered = None  # the encoded all-gather's receive buffers (compressed wires)
@@ -103,14 +105,15 @@ class HierWire(ShardWire):
             self.inner.stage_in()
             if self.gathered is None:
                 self._decode()
-                return [groups.all_gather_into_tensor(self.stage, self.host, self.inside)]
+                return [groups.all_gather_into_tensor(self.stage, self.host, self.inside)] + self._ex_works
             # the host's reduced shards travel inside the host still encoded
             # (decoding is exact, so the bits are the same): fp8 4x, bf16 2x
             # fewer bytes than fp32; every rank decodes the whole bucket (finish)
             return [groups.all_gather_into_tensor(o, i, self.inside)
-                    for o, i in zip(self.gathered, self._encoded(self.inner))]
+                    for o, i in zip(self.gathered, self._encoded(self.inner))] + self._ex_works
         if r == 1:
             if k == 0:
+                self._ex_works = self._exempt_across()  # waited with the last round
                 kernels.reduce_shards(self.recv, self.host, self.L, health=health)
                 if self.inner is None:
                     return [groups.all_reduce(self.host, self.across, async_op=True)]
@@ -143,7 +146,17 @@ class HierWire(ShardWire):
             self.host.copy_(self.inner.wire)  # bf16 -> fp32 is exact
 
     def start_extra(self, pg) -> list:
-        return [groups.all_reduce(self.exbuf, pg, async_op=True)] if self.ex else []
+        """fp8's exempt values: summed inside the host beside round 0 (fp32);
+        across the hosts in round 1 (:meth:`_exempt_across`)."""
+        self._ex_inside = groups.all_reduce(self.exbuf, self.inside, async_op=True) if self.ex else None
+        return []
+
+    def _exempt_across(self) -> list:
+        if self._ex_inside is None:
+            return []
+        groups.wait(self._ex_inside)
+        self._ex_inside = None
+        return [groups.all_reduce(self.exbuf, self.across, async_op=True)]
 
     def zero(self) -> None:
         self.stage.zero_()
