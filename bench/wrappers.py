@@ -39,6 +39,9 @@ fastddp-hier-W     ... + fastddp.hooks.hierarchical_hook, HierarchicalState(wire
                    in fp32, bf16, fp8: exact inside a host, W between hosts (opt-in;
                    for ``--link netns:RATE --ranks-per-host L``; unavailable on a
                    fastddp without them)
+fastddp-autoprec   ... + fastddp.hooks.auto_precision_hook, AutoPrecisionState(lowest="fp8"):
+                   the wire format chosen from measured steps (opt-in; stepped alone
+                   until it has chosen, as fastddp-auto until its buckets settle)
 replicate          torch's FSDP2-based ``replicate``
                    (torch.distributed._composable.replicate_with_fsdp), applied
                    per block then on the root as torchtitan's apply_replicate

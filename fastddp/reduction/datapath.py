@@ -34,6 +34,18 @@ def plain_grads(ctx, bucket, grads) -> bool:
     return True
 
 
+def pack_sources(ctx, bucket, grads) -> tuple:
+    """``(sources, plain)``: what a mode's own staging pack reads.  Plain
+    grads (see :func:`plain_grads`) are read where they are; else (missing
+    grads, grads already bucket views) they go through the flat bucket
+    first and its views are read.  ``plain``: call :func:`alias_views`
+    after the pack."""
+    if plain_grads(ctx, bucket, grads):
+        return grads, True
+    fill_flat(ctx, bucket, grads, Scaling.NONE)
+    return bucket.views, False
+
+
 def alias_views(ctx, bucket, grads) -> None:
     """gradient_as_bucket_view: the grads become views of the bucket.  The
     grads they replace were just read by a pack queued on the comm stream, so

@@ -9,12 +9,22 @@ import torch
 
 from .. import groups, kernels
 from .compression import ResidualBook
-from .datapath import Scaling, alias_views, fill_flat, plain_grads, unpack_grads
+from .datapath import Scaling, alias_views, pack_sources, unpack_grads
 from .kinds import Kind
 from .plain import Reduction
 from .twophase import ShardWire, TwoPhase
 
-__all__ = ["BlockFp8"]
+__all__ = ["BlockFp8", "Fp8Wire", "is_exempt"]
+
+
+def is_exempt(rule, p) -> bool:
+    """``FP8CompressionState.exempt``'s rule: None exempts 1-D parameters; a
+    callable decides; else a collection of the exempt parameters."""
+    if rule is None:
+        return p.dim() <= 1
+    if callable(rule):
+        return bool(rule(p))
+    return any(p is q for q in rule)
 
 
 @dataclass(eq=False)
@@ -168,12 +178,7 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
         self.exempt_rule = state.exempt
 
     def _exempt(self, p) -> bool:
-        rule = self.exempt_rule
-        if rule is None:
-            return p.dim() <= 1
-        if callable(rule):
-            return bool(rule(p))
-        return any(p is q for q in rule)
+        return is_exempt(self.exempt_rule, p)
 
     def residual_numel(self, ctx, bucket) -> int:
         return ctx.world * self.shard_wire(ctx, bucket).shard
@@ -231,12 +236,7 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
         d = self.shard_wire(ctx, bucket)
         res, health = self.residual_for_pack(bucket, ctx.world * d.shard), bucket.health
         scale = 1.0 / ctx.divisor()
-        plain = plain_grads(ctx, bucket, grads)
-        if plain:
-            src = grads
-        else:  # missing grads (zeros), or grads already bucket views: through the flat bucket
-            fill_flat(ctx, bucket, grads, Scaling.NONE)
-            src = bucket.views
+        src, plain = pack_sources(ctx, bucket, grads)
         # Each value flagged once: the exempt ones by their pack, the others by
         # the quantize, which reads all of the stage (x * fp32(1/W) is finite
         # exactly when x is; the stage's other slots hold zeros).
