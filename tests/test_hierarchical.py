@@ -115,6 +115,13 @@ def test_fp32_equals_the_exact_average(world6, per_host):
         assert worst < (6 + 1) * 2 ** -24, worst
 
 
+def test_fp32_equals_the_exact_average_2x2(world4):
+    for worst, rel, hier, fused in world4.run(_fp32_body, 2):
+        assert fused[0] == "hierarchical" and hier["hosts"] == 2 and hier["ranks_per_host"] == 2
+        assert rel < 2e-7, rel
+        assert worst < (4 + 1) * 2 ** -24, worst
+
+
 def _same_on_all(rank, world, wire):
     grads, _, _ = _one_step(rank, world, wire, 2)
     flat = torch.cat([g.reshape(-1) for g in grads])
