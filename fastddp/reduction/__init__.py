@@ -77,7 +77,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     if kind is Kind.AUTO:
         from .autoprec import build
 
-        return build(state, batched_grad_copy, group_ok, device, pg)
+        return build(state, batched_grad_copy, group_ok, device, pg, choose)
     if kind is Kind.HIER:
         return _hierarchical(hook, state, group_ok, device, pg)
     if kind is Kind.FP8:

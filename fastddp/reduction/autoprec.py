@@ -54,13 +54,14 @@ _LOWEST_INDEX = {"fp32": 2, "bf16": 4, "fp8": 6}  # formats allowed for each ``l
 _WAIT, _TRIAL, _SETTLED, _FROZEN = "waiting", "trial", "settled", "frozen"
 
 
-def build(state, batched_grad_copy: bool, group_ok: bool, device, pg):
+def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose):
     """``(dense, sparse)`` modes for ``auto_precision_hook``: its candidates
-    built as their own hooks' fused paths; sparse buckets as without a hook."""
+    built as their own hooks' fused paths by ``choose``
+    (:func:`fastddp.reduction.choose`, passed in: this module sits below the
+    package); sparse buckets as without a hook."""
     from .. import topology
     from ..hooks import (AutoPrecisionState, CompressionState, FP8CompressionState, HierarchicalState,
                          bf16_fp32acc_hook, fp8_compress_hook, hierarchical_hook)
-    from . import choose
 
     if state is None:
         state = AutoPrecisionState()
