@@ -360,17 +360,22 @@ _BYTES = textwrap.dedent("""
     dist.all_reduce(t, group=mine)  # connect before counting
     dist.all_reduce(t)
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    # a window is read between two barriers: the one before, which every
+    # rank reaches only when the last collective is done (its bytes are all
+    # in), and the one after, which lets the others start the next (read
+    # after it, a rank of host 0 may already be sending into host 1)
+    def mark():
+        dist.barrier()
+        marks.append(read_counters(ifname))
+        dist.barrier()
+
     marks = []
-    dist.barrier()
-    marks.append(read_counters(ifname))
+    mark()
     dist.all_reduce(t, group=mine)  # inside each host only
-    dist.barrier(group=mine)
-    marks.append(read_counters(ifname))
-    dist.barrier()
-    marks.append(read_counters(ifname))
+    mark()
+    marks.append(marks[-1])
     dist.all_reduce(t)  # across the hosts
-    dist.barrier()
-    marks.append(read_counters(ifname))
+    mark()
     assert t[0].item() == 4 * 4 ** 2, t[0]  # three all-reduces of 4 ranks' ones, one of 2
     if rank == L:  # host 1's first rank reads host 1's veth end
         open(sys.argv[1], "w").write(json.dumps(marks))
