@@ -21,27 +21,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests._dist import World, fastddp_only
+from tests._dist import _world_fixture, fastddp_only
 
 pytestmark = [fastddp_only, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    w = World(4, tmp_path_factory.mktemp("world4"))
-    try:
-        yield w
-    finally:
-        w.close()
-
-
-@pytest.fixture(scope="module")
-def world6(tmp_path_factory):
-    w = World(6, tmp_path_factory.mktemp("world6"))
-    try:
-        yield w
-    finally:
-        w.close()
+world4 = _world_fixture(4)
+world6 = _world_fixture(6)
 
 
 def _model(seed: int = 0) -> nn.Module:
