@@ -41,7 +41,7 @@ from .fp8 import BlockFp8
 from .fp32acc import Fp32Accumulate
 from .hierarchical import Hierarchical
 from .kinds import Kind
-from .plain import AllReduce, NoOp, PythonHook, Reduction, SparseAllReduce
+from .plain import AllReduce, NoOp, PythonHook, Reduction, SparseAllReduce, fused_state
 from .twophase import CHUNK_BYTES, MAX_CHUNKS, TwoPhase, chunk_bounds
 
 __all__ = ["Kind", "Scaling", "StepContext", "Reduction", "AllReduce", "PythonHook", "FusedCompression",
@@ -116,13 +116,7 @@ def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, R
     from .. import groups, topology
     from ..hooks import HierarchicalState
 
-    if state is None:
-        state = HierarchicalState()
-    if not isinstance(state, HierarchicalState):
-        raise TypeError(f"hierarchical_hook takes a HierarchicalState (or None), got {type(state).__name__}")
-    if not group_ok:
-        raise ValueError("hierarchical_hook runs only as fastddp's fused path: its state's process_group "
-                         "must be None or the DDP module's process group")
+    state = fused_state("hierarchical_hook", state, HierarchicalState, group_ok)
     sparse = PythonHook(hook, state)
     topo = topology.resolve(pg, state.ranks_per_host)
     if isinstance(topo, topology.Flat):

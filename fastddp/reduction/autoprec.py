@@ -42,7 +42,7 @@ from .. import groups
 from ..autotune.precision import PrecisionSearch, Watch, rotation
 from .compression import ResidualBook
 from .kinds import Kind
-from .plain import Reduction, SparseAllReduce
+from .plain import Reduction, SparseAllReduce, fused_state
 
 __all__ = ["ORDER", "AutoPrecision", "build"]
 
@@ -63,13 +63,7 @@ def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose):
     from ..hooks import (AutoPrecisionState, CompressionState, FP8CompressionState, HierarchicalState,
                          bf16_fp32acc_hook, fp8_compress_hook, hierarchical_hook)
 
-    if state is None:
-        state = AutoPrecisionState()
-    if not isinstance(state, AutoPrecisionState):
-        raise TypeError(f"auto_precision_hook takes an AutoPrecisionState (or None), got {type(state).__name__}")
-    if not group_ok:
-        raise ValueError("auto_precision_hook runs only as fastddp's fused path: its state's process_group "
-                         "must be None or the DDP module's process group")
+    state = fused_state("auto_precision_hook", state, AutoPrecisionState, group_ok)
     topo = topology.resolve(pg, state.ranks_per_host)  # collective where nothing explicit is set
     hosts = not isinstance(topo, topology.Flat)
     ef, cb = state.error_feedback, state.chunk_bytes

@@ -29,6 +29,20 @@ from .kinds import Kind
 __all__ = ["Reduction", "AllReduce", "NoOp", "SparseAllReduce", "PythonHook"]
 
 
+def fused_state(hook_name: str, state, cls, group_ok: bool):
+    """A fused-only hook's state: ``cls()`` for None, else checked to be a
+    ``cls`` on the module's own group (errors name the hook and the fix)."""
+    if state is None:
+        state = cls()
+    if not isinstance(state, cls):
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise TypeError(f"{hook_name} takes {article} {cls.__name__} (or None), got {type(state).__name__}")
+    if not group_ok:
+        raise ValueError(f"{hook_name} runs only as fastddp's fused path: its state's process_group "
+                         "must be None or the DDP module's process group")
+    return state
+
+
 class Reduction:
     """One bucket mode (see the module docstring)."""
 
