@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-__all__ = ["is_registered", "rank", "size", "global_rank", "all_reduce", "broadcast",
+__all__ = ["is_registered", "rank", "size", "global_rank", "global_ranks", "all_reduce", "broadcast",
            "all_gather", "wait", "backend_name", "check_member"]
 
 _NO_TIMEOUT = datetime.timedelta(0)
@@ -60,6 +60,11 @@ def global_rank(pg, group_rank: int) -> int:
     if is_registered(pg):
         return dist.get_global_rank(pg, group_rank)
     return group_rank
+
+
+def global_ranks(pg) -> list[int]:
+    """Every member's global rank, in group-rank order."""
+    return [global_rank(pg, r) for r in range(size(pg))]
 
 
 def backend_name(pg) -> str:

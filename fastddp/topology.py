@@ -153,7 +153,7 @@ def subgroups(pg, topo: Topology):
     if got is not None and got[0] is pg:
         return got[1], got[2]
     me = groups.rank(pg)
-    to_global = [groups.global_rank(pg, r) for r in range(groups.size(pg))]
+    to_global = groups.global_ranks(pg)
     backend = dist.get_backend(pg)
     inside = across = None
     for ranks in topo.hosts:
