@@ -23,9 +23,16 @@ A step's time is its reduction window: the first bucket's pack to the last
 bucket's unpack (what a wire format changes; forward, optimizer and
 ``no_sync`` micro-batches are outside it).  CPU: ``time.perf_counter``.
 CUDA: two timing events on the stream that packs and unpacks, read two
-iterations later (by then they have completed: reading them waits for no
-work in practice, and no sync is issued per step); the decisions'
-all-reduces copy their few floats to the host, once per round or window.
+iterations later.  The host never waits for the device once settled: the
+watch reads an event only if ``query()`` says it has completed (a window
+still queued is left out, as a missing step), and the decisions' few floats
+are MAX-reduced on a gloo group of the same ranks (made once, at
+registration), host memory to host memory, not on NCCL with a copy back.
+The trial, a tuning phase of a few dozen steps like the bucket tuner's
+probes, waits for its events (``synchronize``) so that no round is lost.
+A group that is not the whole world cannot get a gloo twin (``new_group``
+needs every rank of the world): its decisions go over NCCL and copy to the
+host, one wait per round or window, and ``stats()`` says so.
 """
 
 from __future__ import annotations
@@ -33,7 +40,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -43,6 +49,7 @@ from ..autotune.precision import PrecisionSearch, Watch, rotation
 from .compression import ResidualBook
 from .kinds import Kind
 from .plain import Reduction, SparseAllReduce, fused_state
+from .stepclock import StepClock, decision_group
 
 __all__ = ["ORDER", "AutoPrecision", "build"]
 
@@ -86,55 +93,10 @@ def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose):
     }
     names = [n for n in ORDER[:_LOWEST_INDEX[state.lowest]] if hosts or not n.startswith("hier-")]
     where = topo.describe() if hosts else f"flat ({topo.why})"
-    return AutoPrecision(state, {n: makers[n]() for n in names}, device, where), SparseAllReduce()
-
-
-class _Clock:
-    """Per iteration, its reduction window (first pack -> last unpack)."""
-
-    def __init__(self, device, synthetic):
-        self.synthetic = synthetic
-        self.cuda = synthetic is None and device is not None and device.type == "cuda"
-        self.lag = 2 if self.cuda else 1  # iterations until a window is read
-        self.marks: dict = {}  # iteration -> [start, end, format]
-
-    def _now(self, fmt: str):
-        if self.synthetic is not None:
-            return float(self.synthetic(fmt))
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def start(self, it: int, fmt: str) -> None:
-        self.marks[it] = [self._now(fmt), None, fmt]
-
-    def end(self, it: int) -> None:
-        m = self.marks.get(it)
-        if m is None:
-            return
-        if self.cuda:
-            if m[1] is None:
-                m[1] = torch.cuda.Event(enable_timing=True)
-            m[1].record()  # re-recorded at each unpack: the last one counts
-        else:
-            m[1] = self._now(m[2])
-
-    def take(self, before: int) -> dict:
-        """Windows of the iterations up to ``before - lag``: ``{it: (format, s)}``
-        (an iteration that never reached an unpack is left out)."""
-        out = {}
-        for it in [k for k in self.marks if k <= before - self.lag]:
-            start, end, fmt = self.marks.pop(it)
-            if end is None:
-                continue
-            if self.cuda:
-                end.synchronize()  # recorded two iterations ago: complete by now
-                out[it] = (fmt, start.elapsed_time(end) / 1e3)
-            else:
-                out[it] = (fmt, end - start)
-        return out
+    mode = AutoPrecision(state, {n: makers[n]() for n in names}, device, where)
+    if len(names) > 1:  # one format makes no decisions
+        mode.side, mode.decided_on = decision_group(pg, device)
+    return mode, SparseAllReduce()
 
 
 class AutoPrecision(Reduction):
@@ -146,7 +108,7 @@ class AutoPrecision(Reduction):
     def __init__(self, state, modes: dict, device=None, where: str = ""):
         self.state, self.modes, self.formats, self.where = state, modes, list(modes), where
         self.cur_name = self.next_name = self.formats[0]
-        self.clock = _Clock(device, state.clock)
+        self.clock = StepClock(device, state.clock)
         single = len(self.formats) == 1
         self.phase = _SETTLED if single else _WAIT
         self.watch = Watch() if state.watch and not single else None
@@ -159,11 +121,13 @@ class AutoPrecision(Reduction):
         self._trigger = ""
         self._restart = False
         self._pending: dict = {}     # bucket index -> residual carried from the last format
+        self._spare: dict = {}       # bucket index -> a dropped residual's memory, for the next format's
         self._rank = 0
         self.decisions: list = []
         self.residual_events: list = []
         self.settled_at = None if not single else 0
         self.trial_steps = 0
+        self.side, self.decided_on = None, "the process group (host tensors)"  # set by build()
 
     cur = property(lambda self: self.modes[self.cur_name], doc="The mode that packs this iteration.")
     scaling = property(lambda self: self.cur.scaling)
@@ -177,11 +141,15 @@ class AutoPrecision(Reduction):
     def pack(self, ctx, bucket, grads) -> None:
         if ctx.iteration != self._it:
             self._enter(ctx)
-        if self._pending:
-            values = self._pending.pop(bucket.index, None)
-            if values is not None and not self.cur.adopt_residual(ctx, bucket, values):
+        values = self._pending.pop(bucket.index, None) if self._pending else None
+        if values is not None:
+            if not self.cur.adopt_residual(ctx, bucket, values):
                 self._note(ctx.iteration, f"bucket {bucket.index}'s residual dropped: {self.cur_name} keeps "
                                           "its residuals in another layout")
+        elif (bucket.index in self._spare and isinstance(self.cur, ResidualBook) and self.cur.error_feedback
+              and self.cur.residual_of(bucket.index) is None):
+            # a dropped residual's memory, zeroed: the format starts from zeros without allocating
+            self.cur.adopt_residual(ctx, bucket, self._spare.pop(bucket.index).zero_())
         self.cur.pack(ctx, bucket, grads)
 
     def issue(self, ctx, bucket):
@@ -214,6 +182,7 @@ class AutoPrecision(Reduction):
         if self._pending:
             self._note(self._it, f"{len(self._pending)} carried residuals dropped: the buckets were rebuilt")
             self._pending = {}
+        self._spare = {}  # laid out for the old buckets
         self._restart = True
 
     # ----------------------------------------------------------- steps
@@ -224,7 +193,7 @@ class AutoPrecision(Reduction):
         self._rank = ctx.rank
         if self.next_name != self.cur_name:
             self._switch(it)
-        self.samples.update(self.clock.take(it))
+        self.samples.update(self.clock.take(it, wait=self.phase == _TRIAL))
         if self._restart:
             self._restart = False
             self.samples.clear()
@@ -241,7 +210,9 @@ class AutoPrecision(Reduction):
             self._watch(ctx, it)
         if self.phase == _TRIAL:
             self.next_name = self._scheduled(it + 1)
-        self.clock.start(it, self.cur_name)
+        if self.phase == _TRIAL or (self.phase == _SETTLED and self.watch is not None
+                                    and not self.watch.exhausted):
+            self.clock.start(it, self.cur_name)  # timed only where a window is read
 
     def _scheduled(self, it: int) -> str:
         """The trial's format for iteration ``it``: a warm-up round, then rotated rounds."""
@@ -274,7 +245,7 @@ class AutoPrecision(Reduction):
             self.search.record(dict(zip(self.formats, vals)))
             self._reduced += 1
             # rounds dropped for missing steps do not count: bound the trial all the same
-            if self.search.done or self._reduced >= 2 * self.search.max_rounds:
+            if self.search.done or self._reduced >= 2 * self.search.limit:
                 self._settle(it)
                 return
 
@@ -284,6 +255,7 @@ class AutoPrecision(Reduction):
         self.next_name, self.phase, self.settled_at = pick, _SETTLED, it + 1
         self.trial_steps += it + 1 - self._t0
         self.decisions.append({"step": it + 1, "chosen": pick, "trigger": self._trigger, "rounds": s.rounds,
+                               "trial_from_step": self._t0, "trial_steps": it + 1 - self._t0,
                                "dropped_rounds": s.dropped, "costs_ms": s.costs_ms(), "comparisons": steps,
                                "reason": s.explain()})
         self.samples.clear()
@@ -313,9 +285,13 @@ class AutoPrecision(Reduction):
         """``vals`` MAX-reduced over the ranks (every rank decides from the same numbers)."""
         if ctx.world == 1:
             return vals
+        if self.side is not None:  # CUDA: the gloo twin, host memory only
+            t = torch.tensor(vals, dtype=torch.float64)
+            groups.all_reduce(t, self.side, op=dist.ReduceOp.MAX)
+            return t.tolist()
         t = torch.tensor(vals, dtype=torch.float64, device=ctx.comm.device)
         groups.all_reduce(t, ctx.comm.pg, op=dist.ReduceOp.MAX)
-        return t.cpu().tolist()
+        return t.cpu().tolist()  # gloo: a host tensor; a CUDA group without a gloo twin: one wait
 
     def _switch(self, it: int) -> None:
         """Make :attr:`next_name` current.  Error-feedback residuals: the old
@@ -327,8 +303,14 @@ class AutoPrecision(Reduction):
         if isinstance(old, ResidualBook) and old.error_feedback:
             carried.update(old.finished_residuals())
         keeps = isinstance(new, ResidualBook) and new.error_feedback
-        if keeps:
-            new.finished_residuals()  # its own, from when it was last in use, are stale
+        # memory no format holds any more: the new format's own (stale, from when it was last in use),
+        # or the carried ones it cannot keep; kept only while the trial switches at every step
+        unheld = new.finished_residuals() if keeps else carried
+        if self.phase == _TRIAL:
+            for i, t in unheld.items():
+                self._spare.setdefault(i, t)
+        else:
+            self._spare = {}
         self._pending = carried if keeps else {}
         if carried:
             self._note(it, f"{'carried' if keeps else 'dropped'} the residuals of {len(carried)} buckets: "
@@ -369,6 +351,7 @@ class AutoPrecision(Reduction):
             "settled_at_step": self.settled_at, "trial_steps": self.trial_steps,
             "decisions": list(self.decisions), "residual": list(self.residual_events),
             "watch": self.watch.report() if self.watch is not None else None,
+            "decided_on": self.decided_on, "windows_not_ready": self.clock.not_ready,
             "trial": None if s is None else {"rounds": s.rounds, "costs_ms": s.costs_ms(),
                                              "comparisons": s.walk()[2]},
         }}
