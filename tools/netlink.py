@@ -314,13 +314,15 @@ class NetnsLink:
         return subprocess.Popen(self.exec_prefix(side) + list(argv),
                                 env=self.rank_env(side) if env is None else env, **kwargs)
 
-    def run_ranks(self, argv: list[str], timeout_s: float | None = None, grace_s: float = 30.0) -> list[int]:
+    def run_ranks(self, argv: list[str], timeout_s: float | None = None, grace_s: float = 30.0,
+                  on_poll=None) -> list[int]:
         """Run ``argv`` as every rank: ``ranks_per_host`` in each namespace
         (:meth:`rank_env`), and wait for all.  When one fails the others get
         ``grace_s`` to notice before they are killed; all are killed on
-        timeout or on an exception here.  Returns the exit codes in rank
-        order; raises :class:`LinkError` when any is non-zero (a killed rank
-        shows -9)."""
+        timeout or on an exception here.  ``on_poll()``, if given, runs at
+        every poll while they run (e.g. to change the rate when the ranks ask).
+        Returns the exit codes in rank order; raises :class:`LinkError` when
+        any is non-zero (a killed rank shows -9)."""
         procs = [self.popen(side, argv, env=self.rank_env(side, local))
                  for side in (0, 1) for local in range(self.ranks_per_host)]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -338,6 +340,8 @@ class NetnsLink:
                 if deadline is not None and now > deadline:
                     raise LinkError(f"ranks still running after {timeout_s:g} s (exit codes so far "
                                     f"{codes}, in rank order); killed")
+                if on_poll is not None:
+                    on_poll()
                 time.sleep(0.1)
         finally:
             for p in procs:
