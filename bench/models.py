@@ -119,7 +119,7 @@ def model_zoo() -> dict[str, ModelSpec]:
     """All benchmark models by name (a fresh dict on every call)."""
     specs = [
         ModelSpec("small", "150 x [Linear(64,64), LayerNorm(64)]: 600 tensors, 0.64M params, batch 32",
-                  _small, _dense_batch(32, 64), F.mse_loss, steps=50, quick_steps=6),
+                  _small, _dense_batch(32, 64), F.mse_loss, steps=50, quick_steps=3),
         ModelSpec("transformer", "6 x TransformerEncoderLayer(d=256, h=4, ff=1024) + Linear, batch 4 x 32 tokens",
                   _Transformer, _seq_batch, F.mse_loss, steps=25, quick_steps=3),
         ModelSpec("convnet", "4 x [Conv3x3, BatchNorm2d, ReLU] + Linear, batch 16 x 3 x 32 x 32",

@@ -37,15 +37,17 @@ __all__ = [
     "Row", "Section", "Report", "StopRule", "Stopper", "pairs", "derive",
     "comparison_table", "format_table", "summary_text", "run_text", "clip_span",
     "to_markdown", "to_json", "from_json", "slugify", "write_report",
-    "MIN_ROUNDS", "DEFAULT_BUDGET_S", "TERMINAL_WIDTH",
+    "advice", "advice_text", "Advice", "wire_line",
+    "MIN_ROUNDS", "DEFAULT_BUDGET_S", "TERMINAL_WIDTH", "SUMMARY_LINES",
 ]
 
 #: Rounds before the precision goal may stop a model: a bootstrap interval
 #: of a dozen rounds is too narrow too often to stop on.
 MIN_ROUNDS = 20
 #: Default time per model (build, warm-up, rounds, profiled step): the 4
-#: default models then take about 10 minutes on 2 cores.
-DEFAULT_BUDGET_S = 140.0
+#: default models then take at most 7 minutes on 2 cores, and the main job
+#: with its wire section (``runner.WIRE_BUDGET_S``) about 10.
+DEFAULT_BUDGET_S = 105.0
 #: Time kept back at the end of a model's budget, in rounds' time, for the
 #: profiled step of every wrapper that follows the rounds (a step under the
 #: memory profiler takes 2-4x a plain one on the 600-tensor model).
@@ -54,6 +56,8 @@ POST_ROUNDS = 3.0
 MIN_TIMED_ROUNDS = 3
 #: Every line the terminal summary prints fits this.
 TERMINAL_WIDTH = 100
+#: The one-screen summary (:func:`advice_text`) is at most this many lines.
+SUMMARY_LINES = 25
 
 MiB = 1 << 20
 
@@ -106,6 +110,10 @@ class Row:
     """fastddp rows: the parameter indices of each bucket after the timed
     rounds.  Rows with equal lists ran the same buckets (the bucket sweep
     pools them: ``bucket_cap_mb`` 1, 5 and 10 can give one layout)."""
+    autoprec: dict | None = None
+    """``auto_precision_hook`` rows: what it chose after the timed rounds
+    (``chosen``, ``state``, ``candidates``, ``settled_at_step``,
+    ``trial_steps``, ``tuned_alone_steps``; from its ``stats()``)."""
     # derived by derive()
     step: Quantiles | None = None
     exposed: Quantiles | None = None
@@ -148,6 +156,12 @@ class Section:
     ``fixed`` or ``quick``), ``elapsed_s`` and ``budget_s``."""
     comparisons: list[Comparison] = field(default_factory=list)
     """Derived by :func:`derive`."""
+    wire: dict | None = None
+    """What carried this section's gradients, when the run says
+    (``kind``: ``loopback``, ``netns`` or ``simulated``; ``gbit``: the rate
+    in Gbit/s; ``netns``: ``what``, ``measured_gbit``, ``probe``; a
+    simulated wire standing in for a real link: ``why``).  None: a section
+    of a run with a single wire (the report's ``meta`` says which)."""
 
     @property
     def goal(self) -> float:
@@ -155,14 +169,52 @@ class Section:
         return self.precision if self.precision is not None else self.half_width
 
     @property
+    def kind(self) -> str:
+        """``loopback``, ``netns`` or ``simulated``."""
+        if self.wire and self.wire.get("kind"):
+            return self.wire["kind"]
+        return "loopback" if self.bandwidth_gbps is None else "simulated"
+
+    @property
+    def gbit(self) -> float | None:
+        """The wire's rate in Gbit/s (None: loopback, or an unshaped link)."""
+        if self.wire and self.wire.get("gbit") is not None:
+            return self.wire["gbit"]
+        return None if self.bandwidth_gbps is None else self.bandwidth_gbps * 8
+
+    @property
     def title(self) -> str:
-        if self.bandwidth_gbps is None:
-            return "Results"
-        return f"Simulated interconnect: {self.bandwidth_gbps:g} GB/s"
+        if self.kind == "netns":
+            rate = "unshaped" if self.gbit is None else f"{self.gbit:g} Gbit/s"
+            return f"Real link: {rate}"
+        if self.bandwidth_gbps is not None:
+            return f"Simulated interconnect: {self.bandwidth_gbps:g} GB/s ({self.bandwidth_gbps * 8:g} Gbit/s)"
+        return "Loopback: no slow wire" if self.wire else "Results"
 
     @property
     def tag(self) -> str:
+        if self.kind == "netns":
+            return "-link" if self.gbit is None else f"-link{self.gbit:g}"
         return "" if self.bandwidth_gbps is None else f"-bw{self.bandwidth_gbps:g}"
+
+    @property
+    def description(self) -> str:
+        """One line: what carried the gradients (and why, for a simulated
+        wire standing in for a real link)."""
+        w = self.wire or {}
+        if self.kind == "netns":
+            text = ("real link: 2 ranks in two network namespaces over a veth pair "
+                    + ("unshaped" if self.gbit is None else f"shaped to {self.gbit:g} Gbit/s by tc tbf"))
+            if w.get("measured_gbit") is not None:
+                text += f"; measured {w['measured_gbit']:g} Gbit/s"
+                if w.get("probe"):
+                    text += f" ({w['probe']})"
+            return text
+        if self.kind == "simulated":
+            text = (f"simulated wire: every row but local behind a serial wire of {self.bandwidth_gbps:g} GB/s "
+                    f"({self.bandwidth_gbps * 8:g} Gbit/s; bench/simwire.py)")
+            return text + (f"; not a real link because {w['why']}" if w.get("why") else "")
+        return "no slow wire: the ranks talk over loopback TCP on this machine's shared cores"
 
 
 @dataclass
@@ -336,7 +388,10 @@ def run_text(model: str, info: Mapping | None, margin: float) -> str:
     else:
         how = {"fixed": "fixed number of rounds (--steps)", "quick": "--quick smoke run, no verdicts",
                "failed": "every wrapper failed"}.get(stopped, str(stopped))
-    return f"{model}: {info.get('rounds', '?')} rounds in {info.get('elapsed_s', 0):.0f} s, stopped: {how}"
+    rebuilt = info.get("rebuilds")
+    rebuilt = f" ({rebuilt} rebuild{'s' if rebuilt > 1 else ''})" if rebuilt else ""
+    return (f"{model}: {info.get('rounds', '?')} rounds{rebuilt} in {info.get('elapsed_s', 0):.0f} s, "
+            f"stopped: {how}")
 
 
 # -- cells -----------------------------------------------------------------------
@@ -498,6 +553,175 @@ def summary_text(report: Report) -> str:
     return "\n".join(parts)
 
 
+# -- the one-screen summary: what to use, and what it gains ------------------------
+
+#: How a fastddp row is set, where its note does not say (bucket options).
+_SETTING = {"fastddp": "the default", "fastddp-view": "gradient_as_bucket_view=True",
+            "fastddp-batched": "batched_grad_copy=True"}
+
+
+@dataclass
+class Advice:
+    """One (section, model): the fastddp setting to use and what it gains."""
+
+    section: str
+    """The section's short name: ``no slow wire (loopback)``, ``1 Gbit/s link (real)``..."""
+    model: str
+    pick: str | None
+    """The fastddp wrapper to use; None when no fastddp row was measured."""
+    setting: str = ""
+    """How to get it (``gradient_as_bucket_view=True``, ``hooks.fp8_compress_hook``...)."""
+    why: str = ""
+    """Why this one: ``no other setting decidedly faster than the default``..."""
+    gains: list[Comparison] = field(default_factory=list)
+    """The pick against torch's fastest row here, then against torch's DDP
+    default (``torch``) when that is another row."""
+    default_vs_torch: Comparison | None = None
+    """fastddp's default against torch's DDP, when the pick is another setting."""
+
+
+def _short_name(section: Section) -> str:
+    if section.kind == "netns":
+        rate = "unshaped" if section.gbit is None else f"{section.gbit:g} Gbit/s"
+        return f"{rate} link (real)"
+    if section.kind == "simulated":
+        return f"{section.gbit:g} Gbit/s link (simulated)"
+    return "no slow wire (loopback)"
+
+
+def _heading(section: Section) -> str:
+    """The summary's line for a section: the wire, its rate and how it was made."""
+    w = section.wire or {}
+    if section.kind == "netns":
+        rate = "an unshaped" if section.gbit is None else f"a {section.gbit:g} Gbit/s"
+        measured = f", measured {w['measured_gbit']:.2f} Gbit/s" if w.get("measured_gbit") is not None else ""
+        return f"on {rate} link (real: two network namespaces, veth + tc tbf{measured}):"
+    if section.kind == "simulated":
+        why = f"; not real: {w['why']}" if w.get("why") else ""
+        return f"on a {section.gbit:g} Gbit/s link (simulated wire, {section.bandwidth_gbps:g} GB/s{why}):"
+    return "no slow wire (loopback: 2 ranks on this machine's shared cores):"
+
+
+#: The summary's names of torch's rows.
+_TORCH_NAMES = {"torch": "torch DDP", "torch-fp16": "torch's fp16 hook", "torch-bf16": "torch's bf16 hook",
+                "torch-batched": "torch batched_grad_copy", "torch-view": "torch bucket view"}
+
+
+def _setting(r: Row) -> str:
+    if r.wrapper in _SETTING:
+        return _SETTING[r.wrapper]
+    text = r.note or r.wrapper
+    chosen = (r.autoprec or {}).get("chosen")
+    if chosen and "chose" not in text:
+        text += f", chose {chosen}"
+    return text
+
+
+def _cmp(a: Row, b: Row, section: Section, rs: dict) -> Comparison:
+    n = min(len(a.step_ms), len(b.step_ms))
+    if n >= MIN_CI_ROUNDS and n not in rs:
+        rs[n] = Resampler(n)
+    return compare(a.step_ms[:n], b.step_ms[:n], margin=section.half_width, verdict=section.verdicts,
+                   resampler=rs.get(n), model=a.model, wrapper=a.wrapper, peer=b.wrapper)
+
+
+def advice(section: Section) -> list[Advice]:
+    """Per model of ``section``: the fastddp setting to use and its gains.
+
+    The pick: fastddp's default, unless another fastddp row is decidedly
+    faster than it (paired by round, its whole 90% interval below 1); of
+    those the fastest, except that ``auto_precision_hook`` is preferred when
+    it is among them and not decidedly slower than the fastest (it measures
+    the formats on the user's own link and keeps fp32 where a smaller format
+    does not pay).  Its gains: paired ratios against torch's fastest row in
+    the section (lowest trimmed mean step) and against torch's DDP default.
+    No verdicts (``--quick``): no pick beyond the default."""
+    out = []
+    rs: dict[int, Resampler] = {}
+    for model in _models(section.rows):
+        rows = [r for r in section.rows if r.model == model and r.ok and r.step_ms]
+        ours = [r for r in rows if r.family == "fastddp"]
+        torch_rows = [r for r in rows if r.family == "torch"]
+        name = _short_name(section)
+        if not ours:
+            out.append(Advice(name, model, None, why="no fastddp row was measured"))
+            continue
+        default = next((r for r in ours if r.wrapper == "fastddp"), ours[0])
+        faster = []
+        for r in ours:
+            if r is not default:
+                c = _cmp(r, default, section, rs)
+                if c.verdict == "faster":
+                    faster.append((c.ratio, r))
+        pick, why = default, ("no other setting decidedly faster than the default" if section.verdicts
+                              else "--quick: no verdicts, so no other pick")
+        if faster:
+            best = min(faster, key=lambda x: x[0])[1]
+            auto = next((r for _, r in faster if r.autoprec is not None or r.wrapper == "fastddp-autoprec"), None)
+            if auto is not None and auto is not best and _cmp(auto, best, section, rs).verdict != "slower":
+                best, why = auto, "decidedly faster than the default and not slower than the fastest row"
+            else:
+                why = "decidedly faster than the default" + (" and the fastest" if len(faster) > 1 else "")
+            pick = best
+        adv = Advice(name, model, pick.wrapper, _setting(pick), why)
+        if torch_rows:
+            fastest = min(torch_rows, key=lambda r: trimmed_mean(r.step_ms))
+            adv.gains.append(_cmp(pick, fastest, section, rs))
+            plain = next((r for r in torch_rows if r.wrapper == "torch"), None)
+            if plain is not None and plain is not fastest:
+                adv.gains.append(_cmp(pick, plain, section, rs))
+            if pick is not default and plain is not None:
+                adv.default_vs_torch = _cmp(default, plain, section, rs)
+        out.append(adv)
+    return out
+
+
+def _gain(c: Comparison, margin: float, what: str = "") -> str:
+    """``"0.757 (0.731-0.781) x torch's fp16 hook, torch's fastest: faster"``."""
+    ci = "(no interval)" if c.ratio_ci is None else f"({c.ratio_ci[0]:.3f}-{c.ratio_ci[1]:.3f})"
+    text = f"{c.ratio:.3f} {ci} x {_TORCH_NAMES.get(c.peer, c.peer)}{what}"
+    return text if c.verdict is None else f"{text}: {verdict_text(c.verdict, margin)}"
+
+
+def wire_line(section: Section) -> str:
+    """``"1 Gbit/s link (real): real link: ... measured 0.94 Gbit/s"``: a section's one-line heading."""
+    return f"{_short_name(section)}: {section.description}"
+
+
+def advice_text(report: Report) -> str:
+    """The one-screen summary (at most :data:`SUMMARY_LINES` lines of
+    :data:`TERMINAL_WIDTH` columns): per section and model, which fastddp
+    setting to use and its step time against torch's fastest row and
+    torch's DDP default, with the 90% interval and the verdict."""
+    margin = report.sections[0].half_width if report.sections else DEFAULT_HALF_WIDTH
+    if report.sections and not all(s.verdicts for s in report.sections):
+        lines = ["Smoke run (--quick): no verdicts and no picks; these ratios are not for decisions",
+                 "(step time x torch's, paired by round, < 1: fastddp faster; tables above)"]
+    else:
+        lines = [f"What to use, and what it gains: step time ratio, 90% interval, verdict at ±{margin * 100:g}%",
+                 "(< 1: fastddp faster; paired by round; tables above, report below)"]
+    for s in report.sections:
+        if not s.comparisons:
+            derive(s)
+        lines.append(_clip(_heading(s)))
+        for a in advice(s):
+            if a.pick is None:
+                lines.append(_clip(f"  {a.model}: {a.why}"))
+                continue
+            use = "use " if s.verdicts else ""  # a smoke run picks nothing
+            lines.append(_clip(f"  {a.model}: {use}{a.pick} ({a.setting})"))
+            for i, c in enumerate(a.gains):
+                what = ", torch's fastest" if i == 0 and len(a.gains) > 1 else ""
+                lines.append(_clip(f"    {_gain(c, s.half_width, what)}"))
+            if not a.gains:
+                lines.append("    no torch row to compare with")
+            if a.default_vs_torch is not None:
+                lines.append(_clip(f"    fastddp default: {_gain(a.default_vs_torch, s.half_width)}"))
+    if len(lines) > SUMMARY_LINES:  # keep one screen: the rest is in the tables above
+        lines = lines[:SUMMARY_LINES - 1] + [f"... {len(lines) - SUMMARY_LINES + 1} more lines in the report"]
+    return "\n".join(lines)
+
+
 # -- markdown and JSON -----------------------------------------------------------
 
 def _md(cells: Sequence[str]) -> str:
@@ -581,7 +805,8 @@ def _meta_lines(meta: Mapping) -> list[str]:
         ("git", "git commit"), ("models", "models"), ("wrappers", "wrappers"),
         ("rounds", "rounds"), ("half_width", "verdict margin (±)"), ("precision", "precision goal (±)"), ("budget_s", "budget per model (s)"),
         ("warmup", "warm-up rounds"), ("bucket_cap_mb", "bucket_cap_mb"),
-        ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("link", "link"), ("quick", "quick"),
+        ("simulate_bandwidth_gbps", "simulated bandwidth (GB/s)"), ("link", "link"),
+        ("wire", "wire section"), ("quick", "quick"),
         ("load", "load average (1, 5, 15 min)"),
         ("command", "command"), ("elapsed_s", "run time (s)"), ("elapsed_per_model_s", "per model (s)"),
     ]
@@ -606,12 +831,16 @@ def to_markdown(report: Report, charts: Mapping[str, Sequence[str]] | None = Non
     m = report.meta
     out = [f"# fastddp-bench: {m.get('label', '')} on {m.get('device', '?')}", ""]
     out += ["How this report is produced and how to read it: [docs/benchmarking.md](../../docs/benchmarking.md).", ""]
+    if report.sections:
+        out += ["## Summary", "", "```text", advice_text(report), "```", ""]
     out += ["## Setup", ""] + _meta_lines(m) + [""]
     models = m.get("model_descriptions") or {}
     if models:
         out += ["Models:", ""] + [f"* `{k}`: {v}" for k, v in models.items()] + [""]
     for section in report.sections:
         out += [f"## {section.title}", ""]
+        if section.wire or section.bandwidth_gbps is not None:
+            out += [section.description[0].upper() + section.description[1:] + ".", ""]
         if not section.verdicts:
             out += ["**Smoke run (`--quick`): no verdicts; the figures below are not for decisions.**", ""]
         out += [_md_runs(section), "", _md_rows(section), "", _LEGEND, ""]
@@ -636,7 +865,7 @@ def _row_json(r: Row) -> dict:
 def to_json(report: Report) -> str:
     doc = {"meta": report.meta,
            "sections": [{"bandwidth_gbps": s.bandwidth_gbps, "half_width": s.half_width, "precision": s.precision,
-                         "verdicts": s.verdicts, "runs": s.runs,
+                         "verdicts": s.verdicts, "runs": s.runs, "wire": s.wire,
                          "rows": [_row_json(r) for r in s.rows],
                          "comparisons": [dataclasses.asdict(c) for c in s.comparisons]}
                         for s in report.sections]}
@@ -656,7 +885,8 @@ def from_json(text: str) -> Report:
     for s in doc["sections"]:
         rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in s["rows"]]
         sec = Section(s["bandwidth_gbps"], rows, half_width=s.get("half_width", DEFAULT_HALF_WIDTH),
-                      verdicts=s.get("verdicts", True), runs=s.get("runs", {}), precision=s.get("precision"))
+                      verdicts=s.get("verdicts", True), runs=s.get("runs", {}), precision=s.get("precision"),
+                      wire=s.get("wire"))
         sections.append(derive(sec))
     return Report(doc["meta"], sections)
 

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,7 +61,8 @@ from .simwire import SimulatedWire
 from .wrappers import (CUDA_EXTRA_WRAPPERS, DEFAULT_WRAPPERS, WrapperOptions, build_wrapper,
                        computed_wire_bytes, registry, wire_bytes_counter)
 
-__all__ = ["BenchConfig", "run", "worker", "under_torchrun"]
+__all__ = ["BenchConfig", "WirePlan", "plan_wire", "run", "worker", "under_torchrun",
+           "WIRE_MODEL", "WIRE_WRAPPERS", "DEFAULT_WIRE_GBIT", "WIRE_BUDGET_S"]
 
 DEFAULT_WARMUP = 3
 QUICK_WARMUP = 1
@@ -72,6 +73,25 @@ runs it, rather than one trial step per rotated round after the other
 wrappers' steps.  (Measured: its steps spread as much alone, 15-25% step
 to step, as inside the rounds.)"""
 TRACE_STEPS = 3
+REBUILD_EVERY = 20
+"""``--rebuild-every``'s default: every row is rebuilt in fresh
+allocations after each 20 timed rounds (the row effect: rows running the
+same program measured 1.6-4.2% apart for a whole run, which the bootstrap
+over rounds cannot see).  20 is the stop rule's first precision check, so a
+model that is precise by then pays nothing; a rebuild costs about two
+rounds (auto precision's trial again at most)."""
+
+# The main job's wire section (``BenchConfig.wire_gbit``): the wire-bound
+# model over a slow link, with the rows a user on such a link chooses from.
+WIRE_MODEL = "mlp25m"
+WIRE_WRAPPERS = ("torch", "torch-fp16", "fastddp", "fastddp-fp8", "fastddp-autoprec")
+DEFAULT_WIRE_GBIT = 1.0
+"""Gbit/s of the wire section's link: a common Ethernet rate, where the
+25M-parameter model's fp32 all-reduce (~0.8 s a step) dwarfs its compute."""
+WIRE_BUDGET_S = 150.0
+"""The wire section's time (build, auto precision's trial, rounds, profile),
+plus what the loopback models left of theirs: at 1 Gbit/s a round of the 5
+rows takes ~4 s, so ~25 rounds after ~40 s of building and trials."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,17 @@ class BenchConfig:
     CPU); None: loopback."""
     ranks_per_host: int | None = None
     """``--link`` only: ranks in each namespace (None: 1); the world is twice it."""
+    rebuild_every: int = REBUILD_EVERY
+    """Rebuild every row (model, wrapper, optimizer, buckets: fresh
+    allocations) after each this many timed rounds, so that a row's speed
+    from where its memory landed is resampled during the run; 0: never
+    (:data:`REBUILD_EVERY`)."""
+    wire_gbit: float | None = None
+    """The main job's wire section: after the sections above, :data:`WIRE_MODEL`
+    with :data:`WIRE_WRAPPERS` over a link of this many Gbit/s (a real one,
+    two network namespaces and tc tbf, where :func:`plan_wire` finds root,
+    iproute2 and the clone's tools; else the simulated wire at this rate),
+    one more section of the same report; None: no wire section."""
 
     def resolved_label(self) -> str:
         if self.label:
@@ -143,6 +174,12 @@ class BenchConfig:
         if self.steps is not None:
             return self.steps
         return spec.quick_steps if self.quick else None
+
+    @property
+    def sections_budget_s(self) -> float:
+        """The adaptive run's total time (models x sections x budget: model i
+        ends by (i + 1) x budget, :meth:`report.StopRule.model_budget`)."""
+        return self.stop_rule().budget_s * len(self.models) * len(self.bandwidths)
 
     def stop_rule(self) -> R.StopRule:
         return R.StopRule(self.precision if self.precision is not None else self.half_width,
@@ -172,6 +209,8 @@ class BenchConfig:
             raise ValueError("no model to run")
         if self.steps is not None and self.steps < 1:
             raise ValueError("--steps must be >= 1")
+        if isinstance(self.rebuild_every, bool) or not isinstance(self.rebuild_every, int) or self.rebuild_every < 0:
+            raise ValueError(f"--rebuild-every must be an integer >= 0 (0: never), got {self.rebuild_every!r}")
         if not 0.0 < self.half_width < 1.0:
             raise ValueError(f"--half-width must be a percentage between 0 and 100 (exclusive), "
                              f"got {self.half_width * 100:g}")
@@ -201,6 +240,15 @@ class BenchConfig:
         elif self.ranks_per_host is not None:
             raise ValueError("--ranks-per-host places ranks on the two hosts of --link netns:RATE; "
                              "without --link there are no hosts (use --world)")
+        if self.wire_gbit is not None:
+            if not (isinstance(self.wire_gbit, (int, float)) and 0 < self.wire_gbit < math.inf):
+                raise ValueError(f"--wire-rate must be a positive number of Gbit/s, got {self.wire_gbit!r}")
+            if self.link is not None or any(bw is not None for bw in self.bandwidths):
+                raise ValueError("the wire section is the main job's: with --link or --simulate-bandwidth "
+                                 "the whole run is on that wire already")
+            if self.world not in (None, 2):
+                raise ValueError(f"the wire section runs 2 ranks; --world {self.world} has no wire section "
+                                 "(add --no-wire)")
 
 
 # -- per-rank machinery -----------------------------------------------------------
@@ -279,6 +327,10 @@ class _Entry:
     counter: object = None
     tuned_alone: int = 0
     """Steps it ran alone to tune its buckets before the rounds (:func:`_tune_alone`)."""
+    builds: int = 1
+    """Times it was built: the first, and every :func:`_rebuild`."""
+    chose: list = field(default_factory=list)
+    """Auto precision's pick of each earlier build (a rebuild measures again)."""
 
 
 def _step(ctx: _Ctx, spec: ModelSpec, e: _Entry, batch) -> tuple[float, float, float]:
@@ -485,14 +537,15 @@ def _batch(ctx: _Ctx, spec: ModelSpec, index: int):
 
 
 def _build(ctx: _Ctx, spec: ModelSpec, base: nn.Module, name: str, options: WrapperOptions,
-           first_batch) -> tuple[_Entry | None, R.Row]:
+           first_batch, measure: bool = True) -> tuple[_Entry | None, R.Row]:
     """Copy ``base``, attach the gradient clock, wrap it as ``name`` and run
-    its first step (rank 0 measures the memory this leaves resident).  The
-    ranks agree on failure; a failed wrapper comes back as ``(None, row)``."""
+    its first step (rank 0 measures the memory this leaves resident, unless
+    ``measure`` is False).  The ranks agree on failure; a failed wrapper
+    comes back as ``(None, row)``."""
     ws = registry()[name]
     row = R.Row(spec.name, name, family=ws.family, baselines=list(ws.baselines))
     entry, error = None, None
-    with _Memory(ctx).net() as resident:
+    with (_Memory(ctx).net() if measure else contextlib.nullcontext({"bytes": None})) as resident:
         try:
             model = copy.deepcopy(base)
             clock = _GradClock(ctx.cuda)
@@ -615,16 +668,56 @@ def _tune_alone(ctx: _Ctx, spec: ModelSpec, e: _Entry) -> None:
     e.tuned_alone = steps
 
 
+def _rebuild(ctx: _Ctx, spec: ModelSpec, base: nn.Module, entries: list[_Entry], options: WrapperOptions,
+             index: int) -> None:
+    """Every live row's model, wrapper, optimizer and buckets built afresh
+    (the row keeps its samples): the row effect (a row keeps one speed for
+    the whole run, from where its memory happened to land) is resampled.
+    Row by row, in an order rotated by ``index``: the new one is built while
+    the old one still holds its memory (so it lands elsewhere), then the old
+    one is freed (for the next row's new one to land in; one row's memory
+    extra at most).  A row whose rebuild fails on any rank is marked failed."""
+    live = [e for e in entries if e.row.ok]
+    if not live:
+        return
+    k = index % len(live)
+    for e in live[k:] + live[:k]:
+        new, row = _build(ctx, spec, base, e.name, options, _batch(ctx, spec, -1), measure=False)
+        if new is None:
+            e.row.status = f"{row.status.split(':', 1)[0]}: on rebuild:{row.status.split(':', 1)[1]}"
+            continue
+        for h in e.clock.handles:
+            h.remove()
+        r = _reducer(e)
+        ap = None if r is None else r.stats().get("auto_precision")
+        if ap is not None:
+            e.chose.append(ap.get("chosen"))
+        e.module, e.opt, e.clock, e.counter = new.module, new.opt, new.clock, new.counter
+        e.builds += 1
+        del new
+        gc.collect()
+
+
+def _agree(ctx: _Ctx, flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (a rebuild only where its time fits rank 0's budget)."""
+    return bool(_from_lead(ctx, int(flag)))
+
+
 _STOPS = (None, "precision", "budget")
+
+
+def _from_lead(ctx: _Ctx, value: int) -> int:
+    """Rank 0's ``value`` on every rank."""
+    t = torch.tensor([value], dtype=torch.int64)
+    if ctx.cuda:
+        t = t.to(ctx.device)
+    dist.broadcast(t, src=0)
+    return int(t.item())
 
 
 def _agree_stop(ctx: _Ctx, reason: str | None) -> str | None:
     """Rank 0's stop decision, on every rank (its clock and its rule decide)."""
-    t = torch.tensor([_STOPS.index(reason)], dtype=torch.int64)
-    if ctx.cuda:
-        t = t.to(ctx.device)
-    dist.broadcast(t, src=0)
-    return _STOPS[int(t.item())]
+    return _STOPS[_from_lead(ctx, _STOPS.index(reason))]
 
 
 def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: WrapperOptions,
@@ -647,13 +740,26 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
     rule = ctx.cfg.stop_rule()
     budget = rule.model_budget(ctx.models_done, ctx.used_s)
     stopper = R.Stopper(rule, budget) if ctx.lead and fixed is None else None
-    for e in entries:
-        _tune_alone(ctx, spec, e)
+    if not ctx.cfg.quick:  # a smoke run does not wait for tuners: their rounds include tuning steps
+        for e in entries:
+            _tune_alone(ctx, spec, e)
     for i in range(warmup - 1):
         _round(ctx, spec, entries, i, timed=False)
         progress.tick(time.perf_counter() - t0, 0, None)
-    rounds, stopped, round_s = 0, None, 0.0
+    rounds, stopped, round_s, rebuilds = 0, None, 0.0, 0
+    every = ctx.cfg.rebuild_every
     while stopped is None:
+        if every and rounds and rounds % every == 0 and any(e.row.ok for e in entries) and _agree(
+                ctx, fixed is not None or stopper is None
+                or time.perf_counter() - t0 + round_s * (3.0 + R.POST_ROUNDS) <= stopper.budget_s):
+            # fresh allocations for every row, then what its first rounds had: tuning alone, one
+            # untimed round (torch's bucket rebuild after its first step, caches)
+            _rebuild(ctx, spec, base, entries, options, rounds // every)
+            rebuilds += 1
+            if not ctx.cfg.quick:
+                for e in entries:
+                    _tune_alone(ctx, spec, e)
+            _round(ctx, spec, entries, warmup + rounds, timed=False)
         t_round = time.perf_counter()
         _round(ctx, spec, entries, warmup + rounds, timed=True)
         rounds += 1
@@ -670,9 +776,21 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
 
     for e in entries:
         r = _reducer(e)
-        tune = None if r is None else r.stats().get("autotune")
+        stats = {} if r is None else r.stats()
+        tune = stats.get("autotune")
         if tune is not None:
             e.row.autotune = {**tune, "tuned_alone_steps": e.tuned_alone}
+        ap = stats.get("auto_precision")
+        if ap is not None:
+            e.row.autoprec = {k: ap.get(k) for k in ("chosen", "state", "candidates", "settled_at_step",
+                                                     "trial_steps")}
+            e.row.autoprec["tuned_alone_steps"] = e.tuned_alone
+            e.row.autoprec["chosen_per_build"] = e.chose + [ap.get("chosen")]
+            if ap.get("chosen"):
+                picks = e.row.autoprec["chosen_per_build"]
+                what = f"chose {ap['chosen']}" + ("" if len(set(picks)) == 1 else
+                                                  f" (each build: {', '.join(str(c) for c in picks)})")
+                e.row.note = f"{e.row.note}, {what}" if e.row.note else what
         e.row.buckets = _buckets(e)
     t_post = time.perf_counter()
     for e in entries:
@@ -695,15 +813,15 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
     ctx.used_s += elapsed
     info = {"rounds": rounds, "stopped": stopped, "elapsed_s": round(elapsed, 1),
             "budget_s": round(budget, 1) if fixed is None else None,
-            "round_s": round(round_s, 3), "profile_s": round(t_post, 1)}
+            "round_s": round(round_s, 3), "profile_s": round(t_post, 1), "rebuilds": rebuilds}
     return rows, info
 
 
-def _section(ctx: _Ctx, bw: float | None, names: tuple[str, ...], bar) -> R.Section:
+def _section(ctx: _Ctx, bw: float | None, names: tuple[str, ...], bar, wire: dict | None = None) -> R.Section:
     cfg = ctx.cfg
     zoo = model_zoo()
     section = R.Section(bw, half_width=cfg.half_width, verdicts=not cfg.quick,
-                        precision=cfg.precision)
+                        precision=cfg.precision, wire=wire)
     with contextlib.ExitStack() as stack:
         wire = None
         if bw is not None:
@@ -853,18 +971,21 @@ def worker(rank: int, world: int, local_rank: int, cfg: BenchConfig, init_method
             ctx.meter = LinkMeter.for_rank()
         names = cfg.wrapper_names(cuda)
         bar = _Progress(ctx.lead and cfg.progress, cfg)
+        wire = None
+        if link_probe is not None:  # the section says what carried it (the main job has several wires)
+            spec = netlink().parse_link(cfg.link)
+            wire = {"kind": "netns", "gbit": spec.gbit, "what": spec.describe(), **link_probe}
+            link_meta = {"spec": cfg.link, "what": wire["what"], "ranks_per_host": cfg.ranks_per_host or 1,
+                         **link_probe}
         try:
-            sections = [_section(ctx, bw, names, bar) for bw in cfg.bandwidths]
+            sections = [_section(ctx, bw, names, bar, wire) for bw in cfg.bandwidths]
         finally:
             bar.close()
         if not ctx.lead:
             return None
         meta = _meta(ctx, names, time.perf_counter() - t_start, sections)
         if link_probe is not None:
-            from .clone import netlink
-
-            meta["link"] = {"spec": cfg.link, "what": netlink().parse_link(cfg.link).describe(),
-                            "ranks_per_host": cfg.ranks_per_host or 1, **link_probe}
+            meta["link"] = link_meta
         report = R.Report(meta, sections)
         for s in report.sections:
             R.derive(s)
@@ -905,7 +1026,7 @@ class _Progress:
         zoo = model_zoo()
         models = list(cfg.models) * len(cfg.bandwidths)
         self.adaptive = cfg.mode == "adaptive"
-        self.total_s = cfg.stop_rule().budget_s * len(models)
+        self.total_s = cfg.sections_budget_s
         self.used_s = 0.0
         self.bar = None
         if not enabled:
@@ -999,25 +1120,134 @@ def _run_linked(cfg: BenchConfig) -> R.Report:
         return R.from_json(result.read_text())
 
 
+@dataclass(frozen=True)
+class WirePlan:
+    """How the main job's wire section runs (:func:`plan_wire`)."""
+
+    kind: str
+    """``netns`` (a real link) or ``simulated``."""
+    gbit: float
+    why: str = ""
+    """``simulated``: why not a real link (what was missing)."""
+
+    def describe(self) -> str:
+        if self.kind == "netns":
+            return (f"{WIRE_MODEL} over a real {self.gbit:g} Gbit/s link (two network namespaces, "
+                    f"a veth pair shaped by tc tbf)")
+        return (f"{WIRE_MODEL} over the simulated wire at {self.gbit:g} Gbit/s ({self.gbit / 8:g} GB/s), "
+                f"not a real link: {self.why}")
+
+
+def plan_wire(gbit: float) -> WirePlan:
+    """A real link where this process can build one (root, ``ip`` and ``tc``,
+    the clone's tools/netlink.py), else the simulated wire at the same rate,
+    saying what was missing."""
+    from .clone import ToolsMissing, netlink
+
+    try:
+        N = netlink()
+    except ToolsMissing:
+        return WirePlan("simulated", gbit, "no clone of the repository here (the real link's tooling, "
+                                           "tools/netlink.py, is not installed with the package)")
+    try:
+        N.check_requirements()
+    except N.LinkError as e:  # "--link netns needs root (...). Without them use ...": the first part
+        why = str(e).split(". Without them")[0].replace("--link netns needs", "a real link needs", 1)
+        return WirePlan("simulated", gbit, why)
+    return WirePlan("netns", gbit)
+
+
+def _wire_cfg(cfg: BenchConfig, plan: WirePlan, budget_s: float | None) -> BenchConfig:
+    """The wire section as a run of its own (the parent merges the reports)."""
+    import dataclasses
+
+    common = dict(models=(WIRE_MODEL,), wrappers=WIRE_WRAPPERS, wire_gbit=None, budget_s=budget_s, world=None)
+    if plan.kind == "netns":
+        return dataclasses.replace(cfg, link=f"netns:{plan.gbit:g}", bandwidths=(None,), **common)
+    return dataclasses.replace(cfg, bandwidths=(plan.gbit / 8,), **common)
+
+
+def _launch(cfg: BenchConfig) -> R.Report | None:
+    """Run ``cfg``'s ranks; rank 0's report (None on other torchrun ranks)."""
+    if cfg.link is not None:
+        return _run_linked(cfg)
+    if under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return worker(rank, world, int(os.environ["LOCAL_RANK"]), cfg, "env://", None)
+    import torch.multiprocessing as mp
+
+    world = resolve_world(cfg)
+    with tempfile.TemporaryDirectory(prefix="fastddp-bench-") as tmp:
+        init = Path(tmp, "init").as_uri()
+        result = Path(tmp, "result.json")
+        mp.spawn(_spawn_entry, args=(world, cfg, init, str(result)), nprocs=world, join=True)
+        return R.from_json(result.read_text())
+
+
+def _say(text: str) -> None:
+    print(f"fastddp-bench: {text}", file=sys.stderr, flush=True)
+
+
+def _wire_budget(cfg: BenchConfig, report: R.Report) -> float | None:
+    """The wire section's budget: :data:`WIRE_BUDGET_S` plus what the
+    loopback models left of their budget (--budget: the same per model);
+    None outside the adaptive mode."""
+    if cfg.mode != "adaptive":
+        return None
+    if cfg.budget_s is not None:
+        return cfg.budget_s
+    total = cfg.sections_budget_s
+    used = sum((report.meta.get("elapsed_per_model_s") or {}).values())
+    return WIRE_BUDGET_S + max(0.0, total - used)
+
+
+def _with_wire(cfg: BenchConfig, report: R.Report, t_start: float) -> R.Report:
+    """Run the wire section (:func:`plan_wire`; a real link that fails to
+    come up falls back to the simulated wire) and add it to ``report``."""
+    plan = plan_wire(cfg.wire_gbit)
+    budget = _wire_budget(cfg, report)
+    _say(f"wire section: {plan.describe()}"
+         + ("" if budget is None else f"; at most ~{budget:.0f} s"))
+    try:
+        wired = _launch(_wire_cfg(cfg, plan, budget))
+    except Exception as exc:  # noqa: BLE001 - a link that cannot come up: the simulated wire instead
+        from .clone import netlink
+
+        if plan.kind != "netns" or not isinstance(exc, netlink().LinkError):
+            raise
+        plan = WirePlan("simulated", plan.gbit, f"the link could not be set up: {_reason(exc)}")
+        _say(f"wire section: {plan.describe()}")
+        wired = _launch(_wire_cfg(cfg, plan, budget))
+    for s in report.sections:
+        s.wire = {"kind": "loopback"}
+    for s in wired.sections:
+        if plan.kind == "simulated":
+            s.wire = {"kind": "simulated", "gbit": plan.gbit, "why": plan.why}
+        report.sections.append(s)
+    m, w = report.meta, wired.meta
+    m["rounds"] = {**(m.get("rounds") or {}), **(w.get("rounds") or {})}
+    m["elapsed_per_model_s"] = {**(m.get("elapsed_per_model_s") or {}), **(w.get("elapsed_per_model_s") or {})}
+    m["model_descriptions"] = {**(m.get("model_descriptions") or {}), **(w.get("model_descriptions") or {})}
+    m["wire"] = (f"{plan.describe()}; rows {', '.join(WIRE_WRAPPERS)}"
+                 + ("" if budget is None else f"; budget {budget:.0f} s"))
+    m["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    if w.get("load"):
+        m["load"] = f"{m.get('load')}; wire section: {w['load']}"
+    return report
+
+
 def run(cfg: BenchConfig) -> tuple[R.Report, dict] | None:
     """Run the benchmark and write the report; returns ``(report, paths)`` on
-    the process that holds rank 0's results (None on other torchrun ranks)."""
+    the process that holds rank 0's results (None on other torchrun ranks).
+    With ``wire_gbit`` the wire section runs after the others, as a second
+    launch (a real link needs its ranks inside the namespaces), into the
+    same report."""
     cfg.validate()
-    if cfg.link is not None:
-        report = _run_linked(cfg)
-    elif under_torchrun():
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        report = worker(rank, world, int(os.environ["LOCAL_RANK"]), cfg, "env://", None)
-        if report is None:
-            return None
-    else:
-        import torch.multiprocessing as mp
-
-        world = resolve_world(cfg)
-        with tempfile.TemporaryDirectory(prefix="fastddp-bench-") as tmp:
-            init = Path(tmp, "init").as_uri()
-            result = Path(tmp, "result.json")
-            mp.spawn(_spawn_entry, args=(world, cfg, init, str(result)), nprocs=world, join=True)
-            report = R.from_json(result.read_text())
+    t_start = time.perf_counter()
+    report = _launch(cfg)
+    if report is None:
+        return None
+    if cfg.wire_gbit is not None:
+        report = _with_wire(cfg, report, t_start)
     paths = R.write_report(report, cfg.out, charts_on=cfg.charts)
     return report, paths

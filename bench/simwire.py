@@ -20,7 +20,9 @@ sleep, so it costs no compute: a DDP that overlaps communication with
 backward hides the wire, one that does not pays it.
 
 ``bytes_i`` is the size of the collective's result on this rank (the
-tensors of an all-reduce or broadcast, every output of an all-gather);
+tensors of an all-reduce or broadcast, every output of an all-gather), or
+for an all-to-all and an all-gather into one tensor the part of it that
+came from the other ranks, (W - 1) / W;
 :attr:`SimulatedWire.bytes_sent` adds them up.
 """
 
@@ -33,6 +35,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 
 __all__ = ["SimulatedWire"]
 
@@ -77,7 +80,9 @@ class SimulatedWire(dist.ProcessGroup):
     """``inner`` behind a serial wire of ``gbps`` GB/s (1e9 bytes/s).
 
     Use it as a context manager (the wire thread runs inside the block).
-    ``allreduce``, ``broadcast`` and ``allgather`` go through the wire;
+    ``allreduce``, ``broadcast``, ``allgather``, ``alltoall_base`` and
+    ``_allgather_base`` (the two-phase reductions' all-to-all and
+    all-gather: fp8, bf16 with an fp32 sum) go through the wire;
     ``barrier`` goes straight to ``inner``; anything else is not supported.
     """
 
@@ -161,8 +166,23 @@ class SimulatedWire(dist.ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         work = self.inner.allgather(output_tensors, input_tensors,
-                                    opts if opts is not None else dist.AllgatherOptions())
+                                    opts if opts is not None else _c10d.AllgatherOptions())
         return self._put(work, _nbytes(t for outs in output_tensors for t in outs))
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        work = self.inner.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                        opts if opts is not None else dist.AllToAllOptions())
+        return self._put(work, self._sent(output))
+
+    def _allgather_base(self, output, input, opts=None):
+        work = self.inner._allgather_base(output, input, opts if opts is not None else _c10d.AllgatherOptions())
+        return self._put(work, self._sent(output))
+
+    def _sent(self, output: torch.Tensor) -> int:
+        """What this rank sends in an all-to-all or all-gather into ``output``:
+        every slice but its own, (W - 1) / W of the result (a ring
+        all-reduce sends 2 (W - 1) / W of its tensor: the result's size at W = 2)."""
+        return _nbytes([output]) * (self.size() - 1) // max(1, self.size())
 
     def barrier(self, opts=None):
         return self.inner.barrier(opts if opts is not None else dist.BarrierOptions())

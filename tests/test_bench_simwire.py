@@ -168,3 +168,38 @@ def test_torch_and_fastddp_train_the_same_through_the_wire(world2):
         assert min(t_bwd) >= _seconds(grad_bytes, gbps)
         assert min(f_bwd) >= _seconds(grad_bytes, gbps)
 
+
+
+def _fp8_through_the_wire(rank, world_size, gbps):
+    """fastddp's fp8 hook (all-to-all, fp32 sum, all-gather) behind the wire:
+    the wire counts the bytes each rank sends in its two collectives."""
+    import fastddp
+    from fastddp import hooks
+
+    world = dist.group.WORLD
+    a = torch.arange(8.0) + 8 * rank
+    with SimulatedWire(world, gbps, CPU) as wire:
+        out = torch.empty(8)
+        wire.alltoall_base(out, a, [], [], dist.AllToAllOptions()).wait()
+        exchanged = (out.tolist(), wire.bytes_sent)
+        gathered = torch.empty(16)
+        wire._allgather_base(gathered, a).wait()
+        exchanged += (gathered.tolist(), wire.bytes_sent)
+        model = _model()
+        ddp = fastddp.DistributedDataParallel(model, process_group=wire)
+        ddp.register_comm_hook(None, hooks.fp8_compress_hook)
+        torch.nn.functional.mse_loss(ddp(torch.randn(8, 32)), torch.zeros(8, 4)).backward()
+        grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    return exchanged, grads_finite
+
+
+def test_the_two_phase_collectives_cross_the_wire(world2):
+    """All-to-all and all-gather into one tensor (fp8's and bf16+fp32-sum's
+    collectives) go through the wire: before, fastddp-fp8 failed behind
+    --simulate-bandwidth ("No backend type associated with device type cpu")."""
+    for rank, ((a2a, sent1, gathered, sent2), finite) in enumerate(world2.run(_fp8_through_the_wire, 1.0)):
+        # rank r gets slice r of every rank's tensor
+        assert a2a == [float(x) for x in list(range(4 * rank, 4 * rank + 4)) + list(range(8 + 4 * rank, 12 + 4 * rank))]
+        assert sent1 == 16  # half of the 32-byte result came from the other rank
+        assert gathered == [float(x) for x in range(16)] and sent2 == 16 + 32
+        assert finite
