@@ -30,6 +30,7 @@ SLOW_GBIT = 0.05
 BOUND_STEPS = 40
 
 pytestmark = [
+    pytest.mark.rig,
     pytest.mark.timeout(300),
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                        reason="needs root and iproute2 (ip, tc) to build two network namespaces and "

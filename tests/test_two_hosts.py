@@ -42,6 +42,7 @@ RDZV_PORT = 29400  # inside namespaces this test creates: nothing else listens t
 RUN_TIMEOUT_S = 120
 
 pytestmark = [
+    pytest.mark.rig,
     pytest.mark.timeout(600),
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                        reason="needs root and iproute2 (ip, tc) to create the two 'hosts' as network "
