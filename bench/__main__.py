@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     from .models import model_zoo
     from .wrappers import registry
     from . import report as R
+    from .advice import advice_text
     from .runner import WIRE_BUDGET_S, run
 
     parser = build_parser()
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.trace_dir:
         print(f"traces: {cfg.trace_dir}/")
     print()
-    print(R.advice_text(report))  # last, so that it is what the screen shows
+    print(advice_text(report))  # last, so that it is what the screen shows
     bad = not_ok_fastddp_rows(report)
     if bad:
         print(f"fastddp-bench: {len(bad)} fastddp row(s) not ok (exit 1):", file=sys.stderr)

@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     where: list[Path] = []
 
     def save(res: dict) -> None:
-        from fastddp.bench.report import slugify
+        from fastddp.bench.export import slugify
 
         folder = Path(args.dest) if args.dest else Path(args.out) / slugify(res["meta"]["device"])
         folder.mkdir(parents=True, exist_ok=True)

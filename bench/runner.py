@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import report as R
+from . import export, report as R
 from . import stats as S
 from .models import DEFAULT_MODELS, ModelSpec, model_zoo
 from .simwire import SimulatedWire
@@ -1249,5 +1249,5 @@ def run(cfg: BenchConfig) -> tuple[R.Report, dict] | None:
         return None
     if cfg.wire_gbit is not None:
         report = _with_wire(cfg, report, t_start)
-    paths = R.write_report(report, cfg.out, charts_on=cfg.charts)
+    paths = export.write_report(report, cfg.out, charts_on=cfg.charts)
     return report, paths

@@ -10,6 +10,7 @@ import pytest
 
 from fastddp.bench import linkbytes as LB
 from fastddp.bench import report as R
+from fastddp.bench import export as E
 from fastddp.bench import runner
 from fastddp.bench import wrappers as W
 from fastddp.bench.runner import BenchConfig
@@ -158,10 +159,10 @@ def _report(link: bool) -> R.Report:
 
 
 def test_markdown_has_the_link_columns_only_on_a_link_run():
-    md = R._md_rows(_report(True).sections[0])
+    md = E._md_rows(_report(True).sections[0])
     assert "| link out MB | link in MB | out / wire |" in md
     assert "| 0.0015 | 0.0015 | 1.50 |" in md
-    assert "link out MB" not in R._md_rows(_report(False).sections[0])
+    assert "link out MB" not in E._md_rows(_report(False).sections[0])
 
 
 def test_json_keeps_the_per_step_link_bytes():

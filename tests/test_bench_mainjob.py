@@ -13,6 +13,8 @@ import pytest
 
 from fastddp.bench import clone
 from fastddp.bench import report as R
+from fastddp.bench import advice as A
+from fastddp.bench import export as E
 from fastddp.bench import runner
 from fastddp.bench.__main__ import build_parser, config_from_args, main
 
@@ -194,7 +196,7 @@ def test_a_link_section_says_what_carried_it_and_round_trips():
     old = R.Section(None)
     assert (old.kind, old.title, old.tag, old.wire) == ("loopback", "Results", "", None)
     assert R.Section(2.0).title.startswith("Simulated interconnect: 2 GB/s")
-    md = R.to_markdown(back)
+    md = E.to_markdown(back)
     assert md.index("## Summary") < md.index("## Setup") < md.index("## Real link: 1 Gbit/s")
     assert "Real link: 2 ranks in two network namespaces" in md
 
@@ -235,7 +237,7 @@ def _wire_section(means=WIRE, **kw):
 
 def test_on_the_link_it_picks_auto_precision_against_torchs_fastest_and_ddp():
     sec = _wire_section()
-    (a,) = R.advice(sec)
+    (a,) = A.advice(sec)
     assert a.pick == "fastddp-autoprec" and "chose fp8" in a.setting
     fastest, plain = a.gains
     assert (fastest.peer, plain.peer) == ("torch-fp16", "torch")
@@ -244,7 +246,7 @@ def test_on_the_link_it_picks_auto_precision_against_torchs_fastest_and_ddp():
     lo, hi = fastest.ratio_ci
     assert lo < fastest.ratio < hi and hi < 1
     assert a.default_vs_torch.peer == "torch" and a.default_vs_torch.verdict == "equal"
-    text = R.advice_text(R.Report({}, [sec]))
+    text = A.advice_text(R.Report({}, [sec]))
     assert "on a 1 Gbit/s link (real: two network namespaces, veth + tc tbf, measured 0.94 Gbit/s):" in text
     assert "  mlp25m: use fastddp-autoprec (hooks.auto_precision_hook, lowest=fp8, chose fp8)" in text
     assert f"{fastest.ratio:.3f} ({lo:.3f}-{hi:.3f}) x torch's fp16 hook, torch's fastest: faster" in text
@@ -254,7 +256,7 @@ def test_on_the_link_it_picks_auto_precision_against_torchs_fastest_and_ddp():
 
 
 def test_the_fastest_setting_when_auto_precision_is_decidedly_slower_than_it():
-    (a,) = R.advice(_wire_section({**WIRE, "fastddp-autoprec": 700.0}))
+    (a,) = A.advice(_wire_section({**WIRE, "fastddp-autoprec": 700.0}))
     assert a.pick == "fastddp-fp8" and a.setting == "hooks.fp8_compress_hook"
 
 
@@ -268,11 +270,11 @@ def test_the_default_when_nothing_is_decidedly_faster_and_undecided_says_so():
             R.Row("small", "fastddp-view", family="fastddp", baselines=["torch"],
                   step_ms=[100.0 * x for x in swing[3:] + swing[:3]])]
     sec = R.derive(R.Section(None, rows))
-    (a,) = R.advice(sec)
+    (a,) = A.advice(sec)
     assert a.pick == "fastddp" and a.setting == "the default" and "no other setting" in a.why
     assert a.default_vs_torch is None  # the pick is the default: said once
     assert all(c.verdict == "undecided" for c in a.gains)
-    text = R.advice_text(R.Report({}, [sec]))
+    text = A.advice_text(R.Report({}, [sec]))
     assert "  small: use fastddp (the default)" in text
     assert text.count(": undecided") == len(a.gains) and "faster" not in text.split("\n", 2)[2]
 
@@ -281,9 +283,9 @@ def test_a_smoke_run_picks_nothing_and_gives_no_verdict():
     sec = _wire_section(rounds=3)
     sec.verdicts = False
     R.derive(sec)
-    (a,) = R.advice(sec)
+    (a,) = A.advice(sec)
     assert a.pick == "fastddp" and all(c.verdict is None and c.ratio_ci is None for c in a.gains)
-    text = R.advice_text(R.Report({}, [sec]))
+    text = A.advice_text(R.Report({}, [sec]))
     assert text.startswith("Smoke run (--quick): no verdicts and no picks")
     assert "use " not in text and "(no interval) x torch DDP" in text
     body = text.split("\n", 2)[2]  # below the two heading lines
@@ -296,7 +298,7 @@ def test_the_summary_of_the_main_job_fits_one_screen():
         loop += _rows(m, {"local": 50.0, "torch": 100.0, "torch-batched": 97.0, "torch-fp16": 99.0,
                           "fastddp": 96.0, "fastddp-view": 90.0}, seed=i)
     rep = R.Report({}, [R.derive(R.Section(None, loop, wire={"kind": "loopback"})), _wire_section()])
-    text = R.advice_text(rep)
+    text = A.advice_text(rep)
     lines = text.splitlines()
     assert len(lines) <= R.SUMMARY_LINES == 25
     assert all(len(line) <= R.TERMINAL_WIDTH for line in lines)
@@ -304,7 +306,7 @@ def test_the_summary_of_the_main_job_fits_one_screen():
     assert sum(line.startswith("  ") and not line.startswith("   ") for line in lines) == 5  # one pick per model
     assert "  small: use fastddp-view (gradient_as_bucket_view=True)" in lines
     # at the top of the markdown report too
-    md = R.to_markdown(rep)
+    md = E.to_markdown(rep)
     assert md.split("## Summary", 1)[1].split("```text\n", 1)[1].startswith(text)
 
 
@@ -313,13 +315,13 @@ def test_the_summary_is_cut_to_one_screen_with_a_pointer():
     for i in range(9):
         loop += _rows(f"m{i}", {"torch": 100.0, "torch-batched": 97.0, "fastddp": 96.0, "fastddp-view": 90.0},
                       seed=i)
-    lines = R.advice_text(R.Report({}, [R.derive(R.Section(None, loop))])).splitlines()
+    lines = A.advice_text(R.Report({}, [R.derive(R.Section(None, loop))])).splitlines()
     assert len(lines) == R.SUMMARY_LINES and lines[-1].endswith("more lines in the report")
 
 
 def test_a_section_without_fastddp_rows_says_so():
     sec = R.derive(R.Section(None, [R.Row("m", "torch", family="torch", step_ms=[1.0] * 6)]))
-    assert "  m: no fastddp row was measured" in R.advice_text(R.Report({}, [sec]))
+    assert "  m: no fastddp row was measured" in A.advice_text(R.Report({}, [sec]))
     assert math.isclose(R.DEFAULT_BUDGET_S * 4 + runner.WIRE_BUDGET_S, 570.0)  # the main job's ~10 minutes
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fastddp.bench import report as R
+from fastddp.bench import export as E
 from fastddp.bench import stats as S
 from fastddp.bench.wrappers import DEFAULT_WRAPPERS, computed_wire_bytes, registry
 from tests._dist import torch_ddp_accepts, world2  # noqa: F401  (module-scoped 2-rank gloo fixture)
@@ -93,7 +94,7 @@ def test_json_roundtrip_and_markdown():
     assert [(x.model, x.wrapper, x.status, x.step_ms) for x in back.sections[1].rows] == \
            [(x.model, x.wrapper, x.status, x.step_ms) for x in rep.sections[1].rows]
     assert back.sections[0].rows[4].ratio == pytest.approx(0.75, abs=1e-3)
-    md = R.to_markdown(rep, {"": ["x-step.png"]})
+    md = E.to_markdown(rep, {"": ["x-step.png"]})
     assert "## Results" in md and "## Simulated interconnect: 1 GB/s" in md
     assert "![x-step.png](x-step.png)" in md and "unavailable: not built" in md
     assert "| m | 10 | 1 | - | fixed number of rounds (--steps) |" in md
@@ -103,7 +104,7 @@ def test_json_roundtrip_and_markdown():
 def test_write_report_files(tmp_path):
     rep = R.Report({"label": "unit test", "device": "Unit CPU", "date": "2026-01-02"},
                    [_section(1.0), _section(10.0)])
-    paths = R.write_report(rep, tmp_path)
+    paths = E.write_report(rep, tmp_path)
     folder = tmp_path / "unit-cpu"
     assert paths["md"] == folder / "2026-01-02-unit-test.md" and paths["md"].exists()
     assert json.loads(paths["json"].read_text())["meta"]["label"] == "unit test"

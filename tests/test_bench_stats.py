@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fastddp.bench import report as R
+from fastddp.bench import export as E
 from fastddp.bench import stats as S
 
 
@@ -339,7 +340,7 @@ def _wide_section(verdicts=True):
 def test_terminal_and_markdown_list_the_same_comparisons():
     s = _wide_section()
     text = R.format_table(s)
-    md = R.to_markdown(R.Report({}, [s]))
+    md = E.to_markdown(R.Report({}, [s]))
     term = re.findall(r"^  (fastddp-\S+)\s+(\*?\S+)\s+(\d\.\d{3})", text, re.M)
     mark = re.findall(r"^\| transformer \| (fastddp-\S+) \| (\*?\S+) \| (\d\.\d{3}) \|", md, re.M)
     cells = [tuple(c[1:4]) for c in R.comparison_table(s)]
@@ -357,7 +358,7 @@ def test_quick_gives_no_verdicts():
     assert "no verdicts" in text
     for word in ("faster", "slower", "equal ±", "undecided"):
         assert word not in text
-    md = R.to_markdown(R.Report({}, [s]))
+    md = E.to_markdown(R.Report({}, [s]))
     assert "Smoke run" in md and "undecided" not in md
 
 
