@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -684,7 +684,8 @@ def _rebuild(ctx: _Ctx, spec: ModelSpec, base: nn.Module, entries: list[_Entry],
     for e in live[k:] + live[:k]:
         new, row = _build(ctx, spec, base, e.name, options, _batch(ctx, spec, -1), measure=False)
         if new is None:
-            e.row.status = f"{row.status.split(':', 1)[0]}: on rebuild:{row.status.split(':', 1)[1]}"
+            what, _, why = row.status.partition(":")
+            e.row.status = f"{what}: on rebuild:{why}"
             continue
         for h in e.clock.handles:
             h.remove()
@@ -1102,14 +1103,13 @@ def link_rank(cfg_path: str, result_path: str) -> None:
 def _run_linked(cfg: BenchConfig) -> R.Report:
     """``--ranks-per-host`` ranks (1 by default) in each of two network
     namespaces, over the ``--link`` veth pair."""
-    import dataclasses
     import pickle
 
     from .clone import netlink
 
     N = netlink()
     L = cfg.ranks_per_host or 1
-    cfg = dataclasses.replace(cfg, cpu=True, world=2 * L)
+    cfg = replace(cfg, cpu=True, world=2 * L)
     with tempfile.TemporaryDirectory(prefix="fastddp-bench-") as tmp:
         cfg_path, result = Path(tmp, "cfg.pkl"), Path(tmp, "result.json")
         cfg_path.write_bytes(pickle.dumps(cfg))
@@ -1159,12 +1159,10 @@ def plan_wire(gbit: float) -> WirePlan:
 
 def _wire_cfg(cfg: BenchConfig, plan: WirePlan, budget_s: float | None) -> BenchConfig:
     """The wire section as a run of its own (the parent merges the reports)."""
-    import dataclasses
-
     common = dict(models=(WIRE_MODEL,), wrappers=WIRE_WRAPPERS, wire_gbit=None, budget_s=budget_s, world=None)
     if plan.kind == "netns":
-        return dataclasses.replace(cfg, link=f"netns:{plan.gbit:g}", bandwidths=(None,), **common)
-    return dataclasses.replace(cfg, bandwidths=(plan.gbit / 8,), **common)
+        return replace(cfg, link=f"netns:{plan.gbit:g}", bandwidths=(None,), **common)
+    return replace(cfg, bandwidths=(plan.gbit / 8,), **common)
 
 
 def _launch(cfg: BenchConfig) -> R.Report | None:

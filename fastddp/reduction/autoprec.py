@@ -127,7 +127,7 @@ class AutoPrecision(Reduction):
         self.residual_events: list = []
         self.settled_at = None if not single else 0
         self.trial_steps = 0
-        self.side, self.decided_on = None, "the process group (host tensors)"  # set by build()
+        self.side, self.decided_on = decision_group(None, None)  # the host default; build() sets CUDA's
 
     cur = property(lambda self: self.modes[self.cur_name], doc="The mode that packs this iteration.")
     scaling = property(lambda self: self.cur.scaling)
