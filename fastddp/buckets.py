@@ -30,7 +30,8 @@ class Bucket:
 
     __slots__ = ("index", "spec", "params", "indices", "layout", "flat", "views", "size",
                  "pending", "work", "ready_event", "flat_layout", "complex", "grad_views",
-                 "hook_layout", "sparse", "sparse_grad", "reduction", "health", "prefilled")
+                 "hook_layout", "sparse", "sparse_grad", "reduction", "health", "prefilled",
+                 "in_place", "_segments")
 
     def __init__(self, spec: planner.Bucket, params: Sequence[torch.Tensor], dtype: torch.dtype | None = None):
         self.index = spec.index
@@ -45,6 +46,8 @@ class Bucket:
         self.reduction = None
         self.health: torch.Tensor | None = None  # check_finite: this bucket's int32 flag (a view)
         self.prefilled = 0  # grads the native hooks already copied into their views this iteration
+        self.in_place: list | None = None  # this step's tensor per segment (a mode that reduces grads in place)
+        self._segments: tuple | None = None  # (min_numel, segments(min_numel))
         self.ready_event = torch.cuda.Event() if spec.device.type == "cuda" else None
         dtype = dtype or spec.dtype
         self.complex = dtype.is_complex
@@ -70,7 +73,30 @@ class Bucket:
 
     def reset(self) -> None:
         """A new (or abandoned) iteration: every gradient pending, nothing in flight."""
-        self.pending, self.work, self.sparse_grad = self.size, None, None
+        self.pending, self.work, self.sparse_grad, self.in_place = self.size, None, None, None
+
+    def segments(self, min_numel: int) -> tuple:
+        """The bucket cut so that each gradient of at least ``min_numel``
+        elements can be reduced where it is: ``((start, stop, pos), ...)`` in
+        slot order, ``pos`` the position of such a parameter whose slot is
+        ``flat[start:stop]``, or -1 for a run of smaller slots between them.
+        ``()`` when no dense parameter is that large.  The same on every rank
+        (it depends on the plan alone): the collectives follow it."""
+        if self._segments is not None and self._segments[0] == min_numel:
+            return self._segments[1]
+        out: list = []
+        if not self.sparse and not self.complex:
+            slots = sorted(zip(self.layout.offsets, self.layout.numels, range(self.size)))
+            if any(n >= min_numel for _, n, _ in slots):
+                for off, n, k in slots:
+                    if n >= min_numel:
+                        out.append((off, off + n, k))
+                    elif out and out[-1][2] < 0:
+                        out[-1] = (out[-1][0], off + n, -1)
+                    elif n:
+                        out.append((off, off + n, -1))
+        self._segments = (min_numel, tuple(out))
+        return self._segments[1]
 
     def adopt_grads(self) -> None:
         """gradient_as_bucket_view after a rebuild (torch's initialize_bucket_views):

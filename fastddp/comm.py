@@ -54,8 +54,8 @@ _NULL = contextlib.nullcontext()
 
 
 class Pending:
-    """One bucket's collective in flight: a ``Work`` (plain all-reduce) or a
-    ``Future`` (comm hook)."""
+    """One bucket's collective in flight: a ``Work`` (plain all-reduce), a
+    list of them (:meth:`Comm.all_reduce_each`) or a ``Future`` (comm hook)."""
 
     __slots__ = ("work", "future", "tensor")
 
@@ -198,6 +198,17 @@ class Comm:
         work = groups.all_reduce(tensor, self.pg, async_op=True)
         return Pending(work=work, tensor=tensor)
 
+    def all_reduce_each(self, tensors) -> Pending:
+        """SUM-all-reduce each of ``tensors`` in place, asynchronously, in
+        order: one bucket's collectives (its large gradients reduced where
+        they are, the rest from the flat bucket)."""
+        works = []
+        for t in tensors:
+            self.bytes_on_wire += t.numel() * t.element_size()
+            self.collectives += 1
+            works.append(groups.all_reduce(t, self.pg, async_op=True))
+        return Pending(work=works)
+
     def hook(self, future: Any, nbytes: int) -> Pending:
         """Track a comm hook's Future as this bucket's collective."""
         self.bytes_on_wire += nbytes
@@ -207,7 +218,10 @@ class Comm:
     def wait(self, pending: Pending):
         """Complete one collective; returns the hook's result (or None)."""
         result = None
-        if pending.work is not None:
+        if isinstance(pending.work, list):
+            for w in pending.work:
+                groups.wait(w)
+        elif pending.work is not None:
             groups.wait(pending.work)
             if pending.tensor is not None and pending.tensor.layout != torch.strided:
                 result = pending.work.get_future().value()  # sparse: gloo returns the reduced tensor

@@ -44,6 +44,7 @@ choice is the same in the pytest process and in every rank.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import gc
@@ -399,6 +400,23 @@ def _restore_env(key, old):
         os.environ.pop(key, None)
     else:
         os.environ[key] = old
+
+
+@contextlib.contextmanager
+def setting(name: str, value):
+    """Environment variable ``name`` set to ``value`` (None: unset) in this
+    process, fastddp's settings re-read, both restored after (use inside a
+    rank worker; the pytest process has monkeypatch)."""
+    from fastddp import settings
+
+    old = os.environ.get(name)
+    _restore_env(name, None if value is None else str(value))
+    settings.reload()
+    try:
+        yield
+    finally:
+        _restore_env(name, old)
+        settings.reload()
 
 
 # --------------------------------------------------------------------------

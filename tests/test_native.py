@@ -11,7 +11,6 @@ nodes replaced under mixed precision, a parameter changed after wrapping).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import os
@@ -23,30 +22,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fastddp import settings
-from tests._dist import REPO_ROOT, fastddp_only, single_rank_group, world2  # noqa: F401 (fixture)
+from tests._dist import REPO_ROOT, fastddp_only, setting, single_rank_group, world2  # noqa: F401 (fixture)
 
 pytestmark = fastddp_only
 
 OFF = os.environ.get("FASTDDP_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
 
 
-@contextlib.contextmanager
 def _native_env(value: str | None):
-    old = os.environ.get("FASTDDP_NATIVE")
-    if value is None:
-        os.environ.pop("FASTDDP_NATIVE", None)
-    else:
-        os.environ["FASTDDP_NATIVE"] = value
-    settings.reload()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("FASTDDP_NATIVE", None)
-        else:
-            os.environ["FASTDDP_NATIVE"] = old
-        settings.reload()
+    return setting("FASTDDP_NATIVE", value)
 
 
 def _module():

@@ -85,18 +85,18 @@ class Arming:
         self._views, self._any = None, False
 
     # ------------------------------------------------------ per iteration
-    def arm(self, ready, buckets, mode, *, debug: bool, probe: bool, join_pending: bool,
+    def arm(self, ready, buckets, mode, ctx, *, debug: bool, probe: bool, join_pending: bool,
             world: int, view_mode: bool) -> None:
         """Before a synced backward: FAST where nothing is tracked, else PY."""
         self.fast = not (ready.track_used or ready.static or ready.unused or ready.collect_order or debug)
         if self.native is None:
             return
         fast = self.fast and not probe
-        early, divide = self._early(buckets, mode, join_pending, world) if fast else (-1.0, 0.0)
+        early, divide = self._early(buckets, mode, ctx, join_pending, world) if fast else (-1.0, 0.0)
         self.native.arm(HookMode.FAST if fast else HookMode.PY, [b.size for b in buckets], early, divide,
                         view_mode)
 
-    def _early(self, buckets, mode, join_pending: bool, world: int) -> tuple[float, float]:
+    def _early(self, buckets, mode, ctx, join_pending: bool, world: int) -> tuple[float, float]:
         """The native hooks' early copy this iteration (on the CPU, where the
         mode allows it): each gradient goes into its bucket slot as it
         arrives, scaled as the mode's pack would, read while still in cache
@@ -107,7 +107,7 @@ class Arming:
         for ``Countdown.arm`` (early -1: none, 0: a plain copy, else the
         scale; divide > 0: divide by it instead)."""
         if self._views is None:
-            self._views = self._find_views(buckets, mode, world)
+            self._views = self._find_views(buckets, mode, ctx, world)
             self._any = any(v is not None for v in self._views)
             self.native.set_views(self._views)
         if not self._any or join_pending:
@@ -115,15 +115,16 @@ class Arming:
         return mode.early_copy(world) or (-1.0, 0.0)  # a mode may copy early in some iterations only
 
     @staticmethod
-    def _find_views(buckets, mode, world: int) -> list:
+    def _find_views(buckets, mode, ctx, world: int) -> list:
         views: list = [None] * sum(b.size for b in buckets)
         if mode.early_copy(world) is None:
             return views
         for b in buckets:
             if (not b.sparse and not b.complex and b.flat.device.type == "cpu"
                     and b.flat.numel() >= EARLY_COPY_MIN_NUMEL * b.size):
-                for i, p, v in zip(b.indices, b.params, b.views):  # (= grad_views: not complex)
-                    views[i] = v if v.dtype == p.dtype else None
+                own = mode.in_place(ctx, b)  # reduced where they are: no copy
+                for k, (i, p, v) in enumerate(zip(b.indices, b.params, b.views)):  # (= grad_views: not complex)
+                    views[i] = v if v.dtype == p.dtype and k not in own else None
         return views
 
     def every_hook(self) -> None:

@@ -78,7 +78,8 @@ class Reducer(BucketPlans):
         self.ctx = reduction.StepContext.of(self.comm, self.world, self.rank, options.gradient_as_bucket_view,
                                             self.names, self._index_of, self.divisor.get,
                                             self.ready.globally_unused, self.arming.early_filled,
-                                            collaborators.pre_unpack)
+                                            collaborators.pre_unpack,
+                                            options.static_graph or options.find_unused_parameters)
         self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
         self.tuner = autotune.Tuner(self) if options.auto_bucket_cap else None
         self.second = SecondBackward(self)
@@ -155,7 +156,7 @@ class Reducer(BucketPlans):
                 self.abort_iteration()
                 raise
         self._probe = self.tuner.on_ready if self.tuning_active and self.tuner.wants_ready_marks else None
-        self.arming.arm(r, self._buckets, self._dense, debug=self.debug, probe=self._probe is not None,
+        self.arming.arm(r, self._buckets, self._dense, self.ctx, debug=self.debug, probe=self._probe is not None,
                         join_pending=self.divisor.pending, world=self.world, view_mode=self.view_mode)
 
     def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from .. import kernels, settings
 from .compression import FusedCompression, ResidualBook
 from .context import StepContext
 from .datapath import REDUCED_NONFINITE, Scaling, fill_flat, unpack_grads
@@ -41,12 +41,13 @@ from .fp8 import BlockFp8
 from .fp32acc import Fp32Accumulate
 from .hierarchical import Hierarchical
 from .kinds import Kind
-from .plain import AllReduce, NoOp, PythonHook, Reduction, SparseAllReduce, fused_state
+from .plain import IN_PLACE_MIN_NUMEL, AllReduce, NoOp, PythonHook, Reduction, SparseAllReduce, fused_state
 from .twophase import CHUNK_BYTES, MAX_CHUNKS, TwoPhase, chunk_bounds
 
 __all__ = ["Kind", "Scaling", "StepContext", "Reduction", "AllReduce", "PythonHook", "FusedCompression",
            "Fp32Accumulate", "BlockFp8", "Hierarchical", "NoOp", "SparseAllReduce", "TwoPhase", "ResidualBook", "choose",
-           "fill_flat", "unpack_grads", "chunk_bounds", "CHUNK_BYTES", "MAX_CHUNKS", "REDUCED_NONFINITE"]
+           "fill_flat", "unpack_grads", "chunk_bounds", "CHUNK_BYTES", "MAX_CHUNKS", "REDUCED_NONFINITE",
+           "IN_PLACE_MIN_NUMEL"]
 
 
 def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
@@ -60,7 +61,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     the modes pack with.  ``pg``: the module's process group (the
     hierarchical hook resolves its topology on it, collectively)."""
     if hook is None:
-        return AllReduce(Scaling.DIV if batched_grad_copy else Scaling.MUL), SparseAllReduce()
+        return _all_reduce(Scaling.DIV if batched_grad_copy else Scaling.MUL, device), SparseAllReduce()
     from ..hooks import CompressionState, FP8CompressionState
 
     tag = getattr(hook, "_fastddp_fused", None)
@@ -99,13 +100,22 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         return PythonHook(hook, state), PythonHook(hook, state)
     sparse = PythonHook(hook, state)  # sparse buckets: the hook itself, as torch
     if kind is Kind.ALLREDUCE:
-        return AllReduce(Scaling.DIV, fused=True), sparse
+        return _all_reduce(Scaling.DIV, device, fused=True), sparse
     if kind is Kind.NOOP:
         return NoOp(), sparse
     reference = kernels.backend(device) == "reference"
     if kind is Kind.FP32ACC:
         return Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference), sparse
     return FusedCompression(dtype, error_feedback, reference), sparse
+
+
+def _all_reduce(scaling: Scaling, device, fused: bool = False) -> AllReduce:
+    """The plain all-reduce; on the CPU its large grads are reduced where they
+    are (``FASTDDP_IN_PLACE_NUMEL``, default :data:`IN_PLACE_MIN_NUMEL`; on a
+    GPU the one fused pack is the point)."""
+    cpu = device is None or torch.device(device).type == "cpu"
+    least = settings.get().in_place_numel
+    return AllReduce(scaling, fused=fused, in_place_min=least if cpu and least else None)
 
 
 def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, Reduction]:
@@ -124,7 +134,7 @@ def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, R
             logging.getLogger("fastddp.topology").warning(
                 "fastddp: hierarchical_hook(wire=%s) runs flat: %s", state.wire, topo.why)
         if state.wire == "fp32":
-            return AllReduce(Scaling.MUL, fused=True), sparse
+            return _all_reduce(Scaling.MUL, device, fused=True), sparse
         if state.wire == "bf16":
             reference = kernels.backend(device) == "reference"
             return Fp32Accumulate(state.error_feedback, state.chunk_bytes, reference), sparse

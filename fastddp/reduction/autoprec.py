@@ -170,6 +170,10 @@ class AutoPrecision(Reduction):
     def early_copy(self, world: int):
         return self.modes[self.next_name].early_copy(world)  # armed before the next iteration's packs
 
+    def in_place(self, ctx, bucket) -> frozenset:
+        # the early copy's views are found once for every format: none copies these
+        return frozenset().union(*(m.in_place(ctx, bucket) for m in self.modes.values()))
+
     def residual_of(self, bucket_index: int):
         v = self._pending.get(bucket_index)
         return v if v is not None else self.cur.residual_of(bucket_index)

@@ -24,7 +24,7 @@ class StepContext:
 
     __slots__ = ("comm", "world", "rank", "view_mode", "names", "index_of", "divisor",
                  "globally_unused", "early_filled", "pre_unpack", "iteration", "num_buckets",
-                 "layout_settled")
+                 "layout_settled", "keeps_unused")
 
     comm: Any
     """:class:`~fastddp.comm.Comm`: collectives, streams, ``release``/``hand_over``."""
@@ -56,13 +56,18 @@ class StepContext:
     """No bucket change is pending: torch's one rebuild is done (or never
     comes) and ``bucket_cap_mb="auto"`` has settled (set before each
     synchronising forward); a mode that measures steps waits for it."""
+    keeps_unused: bool
+    """find_unused_parameters or static_graph: a globally unused parameter's
+    ``.grad`` is left as it was (torch's rule), so a mode must not change a
+    gradient before it knows the parameter was used."""
 
     @classmethod
     def of(cls, comm, world: int, rank: int, view_mode: bool, names: Sequence[str], index_of: dict,
            divisor: Callable[[], int], globally_unused: Callable[[int], bool] = _never,
-           early_filled: Callable[[Any], bytes] = lambda b: b"", pre_unpack: Callable | None = None):
+           early_filled: Callable[[Any], bytes] = lambda b: b"", pre_unpack: Callable | None = None,
+           keeps_unused: bool = False):
         return cls(comm, world, rank, view_mode, names, index_of, divisor, globally_unused,
-                   early_filled, pre_unpack, 0, 0, False)
+                   early_filled, pre_unpack, 0, 0, False, keeps_unused)
 
     def name(self, p) -> str:
         """The parameter's name (``module.path.weight``)."""

@@ -88,7 +88,7 @@ def fill_flat(ctx, bucket, grads, scaling: Scaling, health=None) -> None:
     if done:  # the native early copy put (some of) the grads in their slots, scaled
         bucket.prefilled = 0
         if done < bucket.size:
-            _fill_flat_mixed(ctx, bucket, grads, scaling, W, ctx.early_filled(bucket))
+            fill_flat_mixed(ctx, bucket, grads, scaling, W, ctx.early_filled(bucket))
         if health is not None:
             check_flat(bucket, health)
         return
@@ -111,15 +111,16 @@ def fill_flat(ctx, bucket, grads, scaling: Scaling, health=None) -> None:
         elif divide is not None:
             bucket.flat.div_(divide)
         return
-    _fill_flat_mixed(ctx, bucket, grads, scaling, W)
+    fill_flat_mixed(ctx, bucket, grads, scaling, W)
     if health is not None:
         check_flat(bucket, health)
 
 
-def _fill_flat_mixed(ctx, bucket, grads, scaling: Scaling, W: int, filled=()) -> None:
+def fill_flat_mixed(ctx, bucket, grads, scaling: Scaling, W: int, filled=()) -> None:
     """Some grads missing or already aliased: torch's per-parameter rules.
-    ``filled``: per bucket position, the grad went into its view as it
-    arrived (the native early copy), already scaled."""
+    ``filled``: per bucket position, the slot needs nothing (the native
+    early copy put the grad there, already scaled, or the mode reduces that
+    grad where it is)."""
     view_mode, batched, release = ctx.view_mode, scaling is Scaling.DIV, ctx.comm.release
     deferred_src, deferred_dst, deferred = [], [], []
     for k, (p, g, v, gv) in enumerate(zip(bucket.params, grads, bucket.views, bucket.grad_views)):
@@ -162,8 +163,10 @@ def _fill_flat_mixed(ctx, bucket, grads, scaling: Scaling, W: int, filled=()) ->
             bucket.flat.div_(W)
 
 
-def unpack_grads(ctx, bucket, src: torch.Tensor, track_unused: bool) -> None:
-    """Write the reduced ``src`` back into .grad (torch's finalize_bucket_dense)."""
+def unpack_grads(ctx, bucket, src: torch.Tensor, track_unused: bool, skip=None) -> None:
+    """Write the reduced ``src`` back into .grad (torch's finalize_bucket_dense).
+    ``skip``: per bucket position, that ``.grad`` was reduced where it is and
+    holds its result already (never with bucket views)."""
     ctx.before_unpack(bucket)
     if ctx.view_mode:
         if src is not bucket.flat:
@@ -181,10 +184,12 @@ def unpack_grads(ctx, bucket, src: torch.Tensor, track_unused: bool) -> None:
         return
     grads = [p.grad for p in bucket.params]
     unused = any(ctx.globally_unused(i) for i in bucket.indices) if track_unused else False
-    if not unused and all(g is not None for g in grads):
+    if skip is None and not unused and all(g is not None for g in grads):
         kernels.unpack(src, bucket.kernel_grads(grads), layout=bucket.layout)
         return
-    for i, p, g, v in zip(bucket.indices, bucket.params, grads, bucket.layout.views(src)):
+    for k, (i, p, g, v) in enumerate(zip(bucket.indices, bucket.params, grads, bucket.layout.views(src))):
+        if skip is not None and skip[k]:
+            continue
         if track_unused and ctx.globally_unused(i):
             continue  # globally unused: .grad untouched, as torch
         if bucket.complex:
