@@ -1,0 +1,186 @@
+"""Where a step's time goes: forward, backward (with the reduction) and
+optimizer, wall clock and the process's CPU time, for torch's DDP and
+fastddp's paths side by side on 2 gloo ranks.
+
+    python -m tools.step_phases --link netns:10 --rows torch,fastddp --steps 60
+    python -m tools.step_phases --link local --rows torch-fp16,fastddp-bf16acc
+
+Every row wraps its own copy of one model (``fastddp.bench.models``) and
+trains on the same batches; the rows step in turn, the order reversed every
+step, each step behind a barrier.  Rank 0 prints each row's median per phase
+and, for the first row against each other one, the paired step-time ratio
+(geometric mean of per-step ratios, 90% t interval).  The CPU column is
+``time.process_time()`` of the whole rank process (the gloo threads
+included): on shared cores, CPU a row adds is time another thread waits for.
+``--link netns:RATE`` runs the ranks in two network namespaces over a
+``tc tbf`` link (root, iproute2: ``tools.netlink``); ``--link local`` on
+loopback.  Rows: ``torch``, ``torch-fp16`` (its fp16 hook), ``fastddp``,
+``fastddp-batched``, ``fastddp-bf16acc``, ``fastddp-fp16``; the fastddp rows
+read ``FASTDDP_*`` settings from the environment, and ``ROW:N`` builds a
+fastddp row with ``FASTDDP_IN_PLACE_NUMEL=N`` (``fastddp:0``: the in-place
+reduction off, a before/after in one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROWS = ("torch", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-bf16acc", "fastddp-fp16")
+PHASES = ("fwd", "bwd", "opt", "step", "cpu")
+
+
+def _wrap(name: str, module):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import fastddp
+    import fastddp.hooks as fh
+    from fastddp import settings
+
+    name, _, least = name.partition(":")
+    if least:  # fastddp...:N -- FASTDDP_IN_PLACE_NUMEL=N for this row alone
+        old = os.environ.get("FASTDDP_IN_PLACE_NUMEL")
+        os.environ["FASTDDP_IN_PLACE_NUMEL"] = least
+        settings.reload()
+        try:
+            return _wrap(name, module)
+        finally:
+            del os.environ["FASTDDP_IN_PLACE_NUMEL"]
+            if old is not None:
+                os.environ["FASTDDP_IN_PLACE_NUMEL"] = old
+            settings.reload()
+    if name.startswith("torch"):
+        ddp = TorchDDP(module)
+        if name == "torch-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp
+    ddp = fastddp.DistributedDataParallel(module, batched_grad_copy=name == "fastddp-batched")
+    hook = {"fastddp-bf16acc": fh.bf16_fp32acc_hook, "fastddp-fp16": fh.fp16_compress_hook}.get(name)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of ``b[i] / a[i]`` with a 90% t interval."""
+    r = [math.log(y / x) for x, y in zip(a, b)]
+    m = statistics.fmean(r)
+    h = 1.7 * statistics.stdev(r) / math.sqrt(len(r)) if len(r) > 1 else math.inf
+    return math.exp(m), math.exp(m - h), math.exp(m + h)
+
+
+def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | None:
+    """Run inside every rank (the process group is up); rank 0 returns the
+    per-step samples, the others None."""
+    import torch
+    import torch.distributed as dist
+
+    from fastddp.bench.models import model_zoo
+
+    spec = model_zoo()[model]
+    torch.manual_seed(0)
+    base = spec.build()
+    wrapped = {}
+    for name in rows:
+        m = _wrap(name, __import__("copy").deepcopy(base))
+        wrapped[name] = (m, torch.optim.SGD(m.parameters(), lr=1e-3))
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    samples = {n: {p: [] for p in PHASES} for n in rows}
+    for i in range(warmup + steps):
+        x, y = spec.make_batch(gen, torch.device("cpu"))
+        for name in (rows if i % 2 == 0 else rows[::-1]):
+            ddp, opt = wrapped[name]
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            loss = spec.loss(ddp(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t3, c3 = time.perf_counter(), time.process_time()
+            if i >= warmup:
+                for p, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0)):
+                    samples[name][p].append(v * 1e3)
+    return samples if dist.get_rank() == 0 else None
+
+
+def summary(samples: dict) -> str:
+    rows = list(samples)
+    lines = [f"{'row':<17}" + "".join(f"{p + ' ms':>10}" for p in PHASES)]
+    for n in rows:
+        lines.append(f"{n:<17}" + "".join(f"{statistics.median(samples[n][p]):>10.2f}" for p in PHASES))
+    for n in rows[1:]:
+        for p in ("step", "cpu"):
+            g, lo, hi = paired(samples[rows[0]][p], samples[n][p])
+            lines.append(f"{n} / {rows[0]} {p}: {g:.3f} ({lo:.3f}-{hi:.3f})")
+    return "\n".join(lines)
+
+
+def _worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        out = measure(args.rows.split(","), args.model, args.steps)
+        if out is not None:
+            print(summary(out), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_rank(rank: int, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    _worker(args)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.step_phases", description=__doc__.split("\n\n")[0])
+    p.add_argument("--link", default="local", help="local (loopback), netns (unshaped) or netns:RATE (Gbit/s)")
+    p.add_argument("--rows", default="torch,fastddp",
+                   help=f"comma-separated, the first is the base: {', '.join(ROWS)}; a fastddp row may end "
+                        "in :N (FASTDDP_IN_PLACE_NUMEL=N for it)")
+    p.add_argument("--model", default="mlp25m")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--json", help="write rank 0's per-step samples here")
+    p.add_argument("--port", type=int, default=29517)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    bad = [r for r in args.rows.split(",") if r.partition(":")[0] not in ROWS
+           or (r.partition(":")[2] and (r.startswith("torch") or not r.partition(":")[2].isdigit()))]
+    if bad:
+        p.error(f"--rows: unknown {bad}; choose from {', '.join(ROWS)}")
+    if args.steps < 2:
+        p.error("--steps must be at least 2 (an interval needs two samples)")
+    if args.worker:
+        _worker(args)
+        return 0
+    me = [sys.executable, "-m", "tools.step_phases", "--worker", "--rows", args.rows, "--model", args.model,
+          "--steps", str(args.steps)] + (["--json", os.path.abspath(args.json)] if args.json else [])
+    if args.link == "local":
+        import torch.multiprocessing as mp
+
+        mp.spawn(_local_rank, args=(args,), nprocs=2)
+        return 0
+    from tools.netlink import NetnsLink, check_requirements, parse_link
+
+    check_requirements()
+    with NetnsLink(parse_link(args.link)) as link:
+        link.run_ranks(me, timeout_s=1800)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
