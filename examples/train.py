@@ -132,6 +132,9 @@ def main(argv=None) -> None:
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        import fastddp  # torch's DDP has the same exit race that fastddp's DDP guards against itself
+        fastddp.install_exit_drain()  # (docs/options.md, "Exit"): the comparison row gets the same clean exit
+
     torch.manual_seed(args.seed)
     model = make_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

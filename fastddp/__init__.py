@@ -9,8 +9,10 @@ __version__ = "0.1.0"
 
 from . import kernels  # noqa: F401  (installed from the top-level kernels/ folder)
 from . import hooks, settings
+from ._exit import install as install_exit_drain
 from .ddp import DistributedDataParallel
 from .settings import configure
 from .hooks import GradBucket
 
-__all__ = ["DistributedDataParallel", "GradBucket", "configure", "hooks", "kernels", "settings"]
+__all__ = ["DistributedDataParallel", "GradBucket", "configure", "hooks", "install_exit_drain", "kernels",
+           "settings"]

@@ -1,24 +1,36 @@
 """A clean interpreter exit while communication threads still hold Python objects.
 
 The abort this prevents (``terminate called without an active exception`` on a
-rank after the script's last line, exit status -6) has one cause, read from a
-core dump: a comm hook's ``Future.then`` callback is owned by C++
-(``torch::jit::PythonFunctionGuard``) and is released on the thread that
-completed the future -- for gloo, one of the process group's worker threads --
-*after* the future is marked complete.  Releasing it takes the GIL.  The main
-thread, woken by that completion, can run on to the end of the script and into
-interpreter finalisation first; from then on CPython ends any other thread that
-asks for the GIL with ``pthread_exit``, whose forced unwind passes through the
-guard's ``noexcept`` destructor, and the C++ runtime calls ``std::terminate``.
-torch's own DDP with torch's PowerSGD hook does the same (it is torch's code
-path); nothing in the hook or the reducer can order that release before the
-wake-up.
+rank after the script's last line, exit status -6) has two causes, each read
+from a core dump; in both a thread of the process group releases, after the
+waiting main thread has been woken, an object whose release takes the GIL:
+
+* a comm hook's ``Future.then`` callback is owned by C++
+  (``torch::jit::PythonFunctionGuard``) and is released on the thread that
+  completed the future -- for gloo, one of the process group's worker
+  threads -- *after* the future is marked complete;
+* a finished collective (``AsyncWork``) holds its tensors, and gloo's worker
+  drops its reference only after marking the work complete.  A ``barrier``
+  also holds the works that were in flight when it was issued: a training
+  script's ``dist.all_reduce(total); dist.barrier()``, then its return, left
+  the all-reduce's tensor, whose Python object had meanwhile been freed by
+  the main thread (so that the tensor now owns it), to be released by
+  ``~AsyncBarrierWork`` on the worker thread, which takes the GIL to drop it
+  (``TensorImpl::decref_pyobject``).  On the 2-core CI machine, 5 of 125
+  two-rank runs of ``examples/train.py`` (fastddp's default path, with
+  ``destroy_process_group``: the DDP module still holds the group) aborted so.
+
+The main thread, woken by the completion, can run on to the end of the script
+and into interpreter finalisation first; from then on CPython ends any other
+thread that asks for the GIL with ``pthread_exit``, whose forced unwind passes
+through a ``noexcept`` destructor, and the C++ runtime calls
+``std::terminate``.  torch's own DDP does the same (it is torch's code path);
+nothing in a hook or the reducer can order those releases before the wake-up.
 
 What can be ordered is the exit: atexit handlers run before finalisation starts,
 while every thread may still take the GIL.  :func:`drain` (registered once,
-by :func:`install`, when a module registers a comm hook that runs as Python
-``Future`` callbacks; a module without one, or whose hook is a fused path,
-leaves the exit alone) releases the GIL in short sleeps until
+by :func:`install`, which every ``DistributedDataParallel`` construction
+calls) releases the GIL in short sleeps until
 no other thread of the process has been runnable for several consecutive
 samples of ``/proc/self/task/*/stat`` -- a thread waiting for the GIL is woken
 by every sleep, so it cannot stay asleep while the GIL is free -- and no thread

@@ -133,6 +133,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         self.use_side_stream_for_tensor_copies = settings.get().use_side_stream
         self._ddp_sink_clone = True
         self._passing_sync_batchnorm_handle(module)
+        # gloo's and NCCL's threads release finished work, and the Python
+        # tensors it holds, after the waiter wakes: wait for them at exit (see _exit)
+        _exit.install()
         self._comm_hooks: list[tuple[Callable, object]] = []
         self._mp = None
         self._delayed = None
@@ -318,8 +321,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         group = hooks.state_group(state)
         self.reducer.register_comm_hook(hook, state, group is None or group is self.process_group)
         self._comm_hooks.append((hook, state))
-        if self.reducer.fused_path is None or any(self.reducer.sparse):
-            _exit.install()  # the hook runs as Future callbacks that gloo's threads release (see _exit)
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict:
