@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .stats import (DEFAULT_HALF_WIDTH, MIN_CI_ROUNDS, Comparison, Quantiles, Resampler, compare, interval,
-                    paired, summarize, trimmed_mean, verdict_text)
+from .stats import (DEFAULT_HALF_WIDTH, MIN_BLOCKS, MIN_CI_ROUNDS, Comparison, Quantiles, Resampler, block_ids,
+                    compare, paired, summarize, trimmed_mean, verdict_text)
 
 __all__ = [
     "Row", "Section", "Report", "StopRule", "Stopper", "pairs", "derive", "model_names",
@@ -248,14 +248,15 @@ def derive(section: Section) -> Section:
     each fastddp row's ``ratio`` is the one against its best peer.  Returns
     ``section`` (modified in place)."""
     by = {(r.model, r.wrapper): r for r in section.rows}
-    samplers: dict[int, Resampler] = {}
+    samplers: dict[tuple[str, int], Resampler] = {}
 
-    def sampler(n: int) -> Resampler | None:
+    def sampler(model: str, n: int) -> Resampler | None:
         if n < MIN_CI_ROUNDS:
             return None
-        if n not in samplers:
-            samplers[n] = Resampler(n)
-        return samplers[n]
+        if (model, n) not in samplers:  # rounds of one model share its placements
+            starts = (section.runs.get(model) or {}).get("placements")
+            samplers[model, n] = Resampler(n, blocks=block_ids(n, starts))
+        return samplers[model, n]
 
     for r in section.rows:
         r.step = summarize(r.step_ms) if r.ok else None
@@ -269,7 +270,8 @@ def derive(section: Section) -> Section:
             r.overhead_ms = 0.0
         else:
             n = min(len(r.step_ms), len(local.step_ms))
-            r.overhead_ms, r.overhead_ci = paired([x - y for x, y in zip(r.step_ms, local.step_ms)], sampler(n))
+            r.overhead_ms, r.overhead_ci = paired([x - y for x, y in zip(r.step_ms, local.step_ms)],
+                                                  sampler(r.model, n))
         n = min(len(r.cpu_ms), len(local.cpu_ms))
         if n:
             r.cpu_overhead_ms = trimmed_mean([x - y for x, y in zip(r.cpu_ms, local.cpu_ms)])
@@ -281,7 +283,7 @@ def derive(section: Section) -> Section:
         n = min(len(r.step_ms), len(peer.step_ms), len(loc) if loc else len(r.step_ms))
         section.comparisons.append(compare(
             r.step_ms, peer.step_ms, loc, margin=section.half_width, verdict=section.verdicts,
-            resampler=sampler(n), model=r.model, wrapper=r.wrapper, peer=peer.wrapper))
+            resampler=sampler(r.model, n), model=r.model, wrapper=r.wrapper, peer=peer.wrapper))
     for r in section.rows:
         mine = [c for c in section.comparisons if (c.model, c.wrapper) == (r.model, r.wrapper)]
         if not mine:
@@ -328,20 +330,25 @@ class StopRule:
         takes more than ``models x budget_s``.  May be <= 0 after an overrun."""
         return (index + 1) * self.budget_s - used_s
 
-    def widest(self, rows: Sequence[Row]) -> float | None:
+    def widest(self, rows: Sequence[Row], placements: Sequence[int] | None = None) -> float | None:
         """The widest half-width of the compared pairs' ratio intervals in
         ``rows`` (one model); None when nothing is compared, inf with too
-        few rounds for an interval."""
+        few rounds for an interval, or, where the rows are rebuilt
+        (``placements``: the rounds at which each build began), too few
+        placements for the interval to cover the spread between them."""
         found = pairs(rows)
         if not found:
             return None
         n = min(min(len(a.step_ms), len(b.step_ms)) for a, b in found)
         if n < MIN_CI_ROUNDS:
             return math.inf
-        rs = Resampler(n)
+        rs = Resampler(n, blocks=block_ids(n, placements))
+        if placements is not None and rs.blocks < MIN_BLOCKS:
+            return math.inf
         worst = 0.0
         for a, b in found:
-            lo, hi = interval(rs.trimmed_means([math.log(x / y) for x, y in zip(a.step_ms[:n], b.step_ms[:n])]))
+            logs = [math.log(x / y) for x, y in zip(a.step_ms[:n], b.step_ms[:n])]
+            lo, hi = rs.interval(logs, trimmed_mean(logs))
             worst = max(worst, (math.exp(hi) - math.exp(lo)) / 2)
         return worst
 
@@ -361,12 +368,13 @@ class Stopper:
         self.next_check = rule.min_rounds
         self.widest: float | None = None
 
-    def update(self, rows: Sequence[Row], rounds: int, elapsed_s: float, round_s: float) -> str | None:
+    def update(self, rows: Sequence[Row], rounds: int, elapsed_s: float, round_s: float,
+               placements: Sequence[int] | None = None) -> str | None:
         """``"precision"``, ``"budget"`` or None (go on), after ``rounds``
         timed rounds, ``elapsed_s`` into the model's budget, the last round
-        having taken ``round_s``."""
+        having taken ``round_s`` (``placements``: :meth:`StopRule.widest`)."""
         if rounds >= self.next_check:
-            self.widest = self.rule.widest(rows)
+            self.widest = self.rule.widest(rows, placements)
             self.next_check = rounds + max(1, rounds // 10)
             if self.widest is not None and self.widest <= self.rule.half_width:
                 return "precision"

@@ -73,13 +73,15 @@ runs it, rather than one trial step per rotated round after the other
 wrappers' steps.  (Measured: its steps spread as much alone, 15-25% step
 to step, as inside the rounds.)"""
 TRACE_STEPS = 3
-REBUILD_EVERY = 20
+REBUILD_EVERY = 10
 """``--rebuild-every``'s default: every row is rebuilt in fresh
-allocations after each 20 timed rounds (the row effect: rows running the
-same program measured 1.6-4.2% apart for a whole run, which the bootstrap
-over rounds cannot see).  20 is the stop rule's first precision check, so a
-model that is precise by then pays nothing; a rebuild costs about two
-rounds (auto precision's trial again at most)."""
+allocations after each 10 timed rounds (the row effect: rows running the
+same program measured 1.6-4.2% apart for a whole run, and one pair's mean
+ratio ranged 0.944-1.127 between 20-round placements of one run).  The
+intervals resample placements as well as rounds (``stats.Resampler``) and
+the stop rule waits for 3 of them, so a model stops at 21 rounds at the
+earliest; a rebuild costs about two rounds (auto precision's trial again
+at most)."""
 
 # The main job's wire section (``BenchConfig.wire_gbit``): the wire-bound
 # model over a slow link, with the rows a user on such a link chooses from.
@@ -749,6 +751,7 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
         progress.tick(time.perf_counter() - t0, 0, None)
     rounds, stopped, round_s, rebuilds = 0, None, 0.0, 0
     every = ctx.cfg.rebuild_every
+    placements = [0] if every else None  # the timed round at which each build of the rows began
     while stopped is None:
         if every and rounds and rounds % every == 0 and any(e.row.ok for e in entries) and _agree(
                 ctx, fixed is not None or stopper is None
@@ -757,6 +760,7 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
             # untimed round (torch's bucket rebuild after its first step, caches)
             _rebuild(ctx, spec, base, entries, options, rounds // every)
             rebuilds += 1
+            placements.append(rounds)
             if not ctx.cfg.quick:
                 for e in entries:
                     _tune_alone(ctx, spec, e)
@@ -771,7 +775,8 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
         elif fixed is not None:
             stopped = ctx.cfg.mode if rounds >= fixed else None
         else:
-            reason = stopper.update([e.row for e in entries], rounds, now - t0, round_s) if stopper else None
+            reason = (stopper.update([e.row for e in entries], rounds, now - t0, round_s, placements)
+                      if stopper else None)
             stopped = _agree_stop(ctx, reason)
         progress.tick(now - t0, rounds, stopper.widest if stopper else None)
 
@@ -814,7 +819,8 @@ def _bench_model(ctx: _Ctx, spec: ModelSpec, names: tuple[str, ...], options: Wr
     ctx.used_s += elapsed
     info = {"rounds": rounds, "stopped": stopped, "elapsed_s": round(elapsed, 1),
             "budget_s": round(budget, 1) if fixed is None else None,
-            "round_s": round(round_s, 3), "profile_s": round(t_post, 1), "rebuilds": rebuilds}
+            "round_s": round(round_s, 3), "profile_s": round(t_post, 1), "rebuilds": rebuilds,
+            "placements": placements}
     return rows, info
 
 

@@ -362,9 +362,10 @@ def test_rebuild_every_k_rounds_in_a_run(tmp_path):
     rep = R.from_json(next(tmp_path.glob("*/*-rb.json")).read_text())
     (sec,) = rep.sections
     assert sec.runs["tiny"]["rebuilds"] == 2 and sec.runs["tiny"]["rounds"] == 5
+    assert sec.runs["tiny"]["placements"] == [0, 2, 4]  # the timed round each build began at
     assert all(r.ok and len(r.step_ms) == 5 for r in sec.rows)
     assert "5 rounds (2 rebuilds)" in R.run_text("tiny", sec.runs["tiny"], 0.03)
-    assert build_parser().parse_args([]).rebuild_every == runner.REBUILD_EVERY == 20
+    assert build_parser().parse_args([]).rebuild_every == runner.REBUILD_EVERY == 10
     with pytest.raises(ValueError, match="rebuild-every"):
         runner.BenchConfig(rebuild_every=-1).validate()
 

@@ -8,6 +8,7 @@ statistic gives a wrong verdict and fails here."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -404,3 +405,99 @@ def test_ratio_over_runs_is_the_t_interval_of_the_log_ratios():
         S.ratio_over_runs([])
     with pytest.raises(ValueError, match="> 0"):
         S.ratio_over_runs([1.0, 0.0])
+
+
+# -- placements (the row effect) ----------------------------------------------------
+
+def test_block_ids_map_rounds_to_their_placement():
+    assert S.block_ids(7, [0, 3, 5]) == [0, 0, 0, 1, 1, 2, 2]
+    assert S.block_ids(4, None) is None and S.block_ids(4, []) is None
+    assert S.block_ids(3, [0, 10]) == [0, 0, 0]  # a build after the last round counts for nothing
+    for bad in ([1, 3], [0, 3, 3], [0, 5, 2]):
+        with pytest.raises(ValueError, match="placement starts"):
+            S.block_ids(6, bad)
+
+
+def test_resampler_over_placements_weighs_each_round_by_its_placements_draws():
+    """With unequal placements (a short last one) the per-resample totals
+    differ; each resample's value is still the trimmed mean of exactly the
+    rounds its drawn placements hold."""
+    import torch
+
+    n, starts = 23, [0, 10, 20]
+    x = list(np.random.default_rng(4).standard_cauchy(n))
+    ids = S.block_ids(n, starts)
+    rs = S.Resampler(n, resamples=100, seed=5, blocks=ids)
+    assert rs.blocks == 3
+    got = rs.trimmed_means(x, rs.block_counts).tolist()
+    for r in range(100):
+        counts = rs.block_counts[r].tolist()
+        drawn = [x[i] for i in range(n) for _ in range(int(counts[i]))]
+        assert got[r] == pytest.approx(S.trimmed_mean(drawn), rel=1e-9, abs=1e-9)
+    # every round of a placement has the same weight in every resample
+    for b in range(3):
+        cols = [i for i in range(n) if ids[i] == b]
+        assert torch.equal(rs.block_counts[:, cols].min(1).values, rs.block_counts[:, cols].max(1).values)
+    with pytest.raises(ValueError, match="placements for 22"):
+        S.Resampler(n, blocks=ids[:-1])
+
+
+def _placement_effect(n_blocks, per_block, offsets, seed=0, sd=0.01):
+    """Log ratios: each placement shifted by its offset (the row effect), rounds noisy around it."""
+    rng = np.random.default_rng(seed)
+    logs = [math.log(1.0 + offsets[b]) + rng.normal(0, sd) for b in range(n_blocks) for _ in range(per_block)]
+    return logs, [b * per_block for b in range(n_blocks)]
+
+
+def test_a_placement_effect_widens_the_interval_past_a_false_verdict():
+    """Three placements at +8%, +5%, 0%: the rounds alone decide 'slower'
+    (a narrow interval around +4%); over placements the interval covers
+    what another placement would give, and the verdict is undecided."""
+    logs, starts = _placement_effect(3, 20, [0.08, 0.05, 0.0])
+    n = len(logs)
+    point = S.trimmed_mean(logs)
+    rounds_only = S.interval(S.Resampler(n).trimmed_means(logs))
+    placed = S.Resampler(n, blocks=S.block_ids(n, starts)).interval(logs, point)
+    assert S.decide(tuple(math.exp(v) for v in rounds_only), 0.03) == "slower"
+    assert S.decide(tuple(math.exp(v) for v in placed), 0.03) == "undecided"
+    assert placed[0] < rounds_only[0] and placed[1] > rounds_only[1]
+
+
+def test_without_a_placement_effect_the_interval_stays_decisive():
+    """Placements that agree (+5% each): the interval over placements is
+    no wider than a few t/z factors and the verdict stays decided; it is
+    never narrower than the one over rounds (the union)."""
+    logs, starts = _placement_effect(6, 10, [0.05] * 6, seed=2)
+    n = len(logs)
+    point = S.trimmed_mean(logs)
+    rs = S.Resampler(n, blocks=S.block_ids(n, starts))
+    lo, hi = rs.interval(logs, point)
+    rlo, rhi = S.interval(rs.trimmed_means(logs))
+    assert lo <= rlo and hi >= rhi
+    assert S.decide((math.exp(lo), math.exp(hi)), 0.03) == "slower"
+    assert rs.widen == pytest.approx(S.t_quantile(0.90, 5) / 1.6448536269514722 * math.sqrt(6 / 5))
+
+
+def test_two_placements_are_not_enough_to_stop_or_to_resample():
+    logs, starts = _placement_effect(2, 20, [0.0, 0.0])
+    n = len(logs)
+    assert S.Resampler(n, blocks=S.block_ids(n, starts)).blocks == 0  # rounds only
+    rows = [row("m", "torch", [100.0] * n), row("m", "fastddp", [100.0 * math.exp(v) for v in logs],
+                                                 baselines=("torch",))]
+    rule = R.StopRule()
+    assert rule.widest(rows, starts) == math.inf  # rebuilt rows: wait for a third placement
+    assert rule.widest(rows) < 0.03  # a run without rebuilds: rounds only, as before
+    assert rule.widest(rows, starts + [40]) == math.inf  # a build after the last round is no placement
+
+
+def test_derive_reads_the_placements_from_the_section():
+    logs, starts = _placement_effect(3, 20, [0.08, 0.05, 0.0])
+    n = len(logs)
+    rows = [row("m", "local", [50.0] * n), row("m", "torch", [100.0] * n),
+            row("m", "fastddp", [100.0 * math.exp(v) for v in logs], baselines=("torch",))]
+    plain = R.derive(R.Section(None, [dataclasses.replace(r) for r in rows]))
+    placed = R.derive(R.Section(None, [dataclasses.replace(r) for r in rows],
+                                runs={"m": {"rounds": n, "placements": starts}}))
+    assert plain.comparisons[0].verdict == "slower" and placed.comparisons[0].verdict == "undecided"
+    back = R.from_json(R.to_json(R.Report({}, [placed]))).sections[0]
+    assert R.derive(back).comparisons[0].ratio_ci == placed.comparisons[0].ratio_ci
