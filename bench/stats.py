@@ -26,6 +26,7 @@ Two designs, one module:
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -191,7 +192,8 @@ class Resampler:
                 per.scatter_add_(1, draws, torch.ones(resamples, k, dtype=torch.float64))
                 self.block_counts = per[:, bid]
                 self.blocks = k
-                self.widen = t_quantile(LEVEL, k - 1) / _Z[LEVEL] * math.sqrt(k / (k - 1))
+                z = statistics.NormalDist().inv_cdf((1 + LEVEL) / 2)  # Student's t over placements is scaled by t/z
+                self.widen = t_quantile(LEVEL, k - 1) / z * math.sqrt(k / (k - 1))
 
     def trimmed_means(self, samples: Sequence[float], counts: torch.Tensor | None = None) -> torch.Tensor:
         """The trimmed mean of ``samples`` (one per round) in every resample
@@ -217,10 +219,6 @@ class Resampler:
             lo = min(lo, point - self.widen * (point - blo))
             hi = max(hi, point + self.widen * (bhi - point))
         return lo, hi
-
-
-#: The two-sided normal quantile of each level used (Student's t over placements is scaled by t/z).
-_Z = {0.90: 1.6448536269514722}
 
 
 def interval(boot: torch.Tensor | Sequence[float], level: float = LEVEL) -> tuple[float, float]:

@@ -133,7 +133,7 @@ def main(argv=None) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         import fastddp  # torch's DDP has the same exit race that fastddp's DDP guards against itself
-        fastddp.install_exit_drain()  # (docs/options.md, "Exit"): the comparison row gets the same clean exit
+        fastddp.install_exit_drain()  # (docs/options.md, "A clean exit"): the comparison row gets the same clean exit
 
     torch.manual_seed(args.seed)
     model = make_model().to(device)

@@ -16,7 +16,7 @@ waiting main thread has been woken, an object whose release takes the GIL:
   the all-reduce's tensor, whose Python object had meanwhile been freed by
   the main thread (so that the tensor now owns it), to be released by
   ``~AsyncBarrierWork`` on the worker thread, which takes the GIL to drop it
-  (``TensorImpl::decref_pyobject``).  On the 2-core CI machine, 5 of 125
+  (``TensorImpl::decref_pyobject``).  On a 2-core VM like CI's, 5 of 125
   two-rank runs of ``examples/train.py`` (fastddp's default path, with
   ``destroy_process_group``: the DDP module still holds the group) aborted so.
 
