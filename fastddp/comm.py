@@ -202,12 +202,7 @@ class Comm:
         """SUM-all-reduce each of ``tensors`` in place, asynchronously, in
         order: one bucket's collectives (its large gradients reduced where
         they are, the rest from the flat bucket)."""
-        works = []
-        for t in tensors:
-            self.bytes_on_wire += t.numel() * t.element_size()
-            self.collectives += 1
-            works.append(groups.all_reduce(t, self.pg, async_op=True))
-        return Pending(work=works)
+        return Pending(work=[self.all_reduce(t).work for t in tensors])
 
     def hook(self, future: Any, nbytes: int) -> Pending:
         """Track a comm hook's Future as this bucket's collective."""
