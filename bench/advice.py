@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .report import SUMMARY_LINES, Report, Row, Section, clip, derive, model_names
-from .stats import (DEFAULT_HALF_WIDTH, MIN_CI_ROUNDS, Comparison, Resampler, compare, trimmed_mean,
-                    verdict_text)
+from .report import SUMMARY_LINES, Report, Row, Section, clip, derive, model_names, resampler
+from .stats import DEFAULT_HALF_WIDTH, MIN_CI_ROUNDS, Comparison, Resampler, compare, trimmed_mean, verdict_text
 
 __all__ = ["Advice", "advice", "advice_text", "wire_line"]
 
@@ -44,6 +43,9 @@ class Advice:
     default (``torch``) when that is another row."""
     default_vs_torch: Comparison | None = None
     """fastddp's default against torch's DDP, when the pick is another setting."""
+    decided: bool = True
+    """False where the model ran too few rounds for an interval: ``pick`` is
+    then only the fastest fastddp row by its trimmed mean, not advice."""
 
 
 def _short_name(section: Section) -> str:
@@ -84,11 +86,11 @@ def _setting(r: Row) -> str:
 
 
 def _cmp(a: Row, b: Row, section: Section, rs: dict) -> Comparison:
+    """``a`` against ``b``, paired by round, with the interval the report's
+    own comparisons use (over rounds and the rows' placements)."""
     n = min(len(a.step_ms), len(b.step_ms))
-    if n >= MIN_CI_ROUNDS and n not in rs:
-        rs[n] = Resampler(n)
     return compare(a.step_ms[:n], b.step_ms[:n], margin=section.half_width, verdict=section.verdicts,
-                   resampler=rs.get(n), model=a.model, wrapper=a.wrapper, peer=b.wrapper)
+                   resampler=resampler(section, a.model, n, rs), model=a.model, wrapper=a.wrapper, peer=b.wrapper)
 
 
 def advice(section: Section) -> list[Advice]:
@@ -101,7 +103,10 @@ def advice(section: Section) -> list[Advice]:
     the formats on the user's own link and keeps fp32 where a smaller format
     does not pay).  Its gains: paired ratios against torch's fastest row in
     the section (lowest trimmed mean step) and against torch's DDP default.
-    No verdicts (``--quick``): no pick beyond the default."""
+    No verdicts (``--quick``): no pick beyond the default.  Fewer rounds
+    than an interval needs: no pick either (``decided`` False), the fastest
+    fastddp row by its trimmed mean shown as such.  Every interval is the
+    report's own (:func:`bench.report.resampler`: rounds and placements)."""
     out = []
     rs: dict[int, Resampler] = {}
     for model in model_names(section.rows):
@@ -113,6 +118,15 @@ def advice(section: Section) -> list[Advice]:
             out.append(Advice(name, model, None, why="no fastddp row was measured"))
             continue
         default = next((r for r in ours if r.wrapper == "fastddp"), ours[0])
+        rounds = min(len(r.step_ms) for r in rows)
+        if section.verdicts and rounds < MIN_CI_ROUNDS:  # no interval, so nothing can be decided: say so
+            pick = min(ours, key=lambda r: trimmed_mean(r.step_ms))
+            adv = Advice(name, model, pick.wrapper, _setting(pick),
+                         f"{rounds} round{'s are' if rounds != 1 else ' is'} too few to decide ({MIN_CI_ROUNDS} "
+                         f"needed: raise --budget or --steps)", decided=False)
+            _gains(adv, pick, default, torch_rows, section, rs)
+            out.append(adv)
+            continue
         faster = []
         for r in ours:
             if r is not default:
@@ -130,16 +144,23 @@ def advice(section: Section) -> list[Advice]:
                 why = "decidedly faster than the default" + (" and the fastest" if len(faster) > 1 else "")
             pick = best
         adv = Advice(name, model, pick.wrapper, _setting(pick), why)
-        if torch_rows:
-            fastest = min(torch_rows, key=lambda r: trimmed_mean(r.step_ms))
-            adv.gains.append(_cmp(pick, fastest, section, rs))
-            plain = next((r for r in torch_rows if r.wrapper == "torch"), None)
-            if plain is not None and plain is not fastest:
-                adv.gains.append(_cmp(pick, plain, section, rs))
-            if pick is not default and plain is not None:
-                adv.default_vs_torch = _cmp(default, plain, section, rs)
+        _gains(adv, pick, default, torch_rows, section, rs)
         out.append(adv)
     return out
+
+
+def _gains(adv: Advice, pick: Row, default: Row, torch_rows: list, section: Section, rs: dict) -> None:
+    """``adv``'s comparisons: ``pick`` against torch's fastest row and torch's
+    DDP, and fastddp's default against torch's DDP where the pick is another."""
+    if not torch_rows:
+        return
+    fastest = min(torch_rows, key=lambda r: trimmed_mean(r.step_ms))
+    adv.gains.append(_cmp(pick, fastest, section, rs))
+    plain = next((r for r in torch_rows if r.wrapper == "torch"), None)
+    if plain is not None and plain is not fastest:
+        adv.gains.append(_cmp(pick, plain, section, rs))
+    if pick is not default and plain is not None:
+        adv.default_vs_torch = _cmp(default, plain, section, rs)
 
 
 def _gain(c: Comparison, margin: float, what: str = "") -> str:
@@ -174,8 +195,12 @@ def advice_text(report: Report) -> str:
             if a.pick is None:
                 lines.append(clip(f"  {a.model}: {a.why}"))
                 continue
-            use = "use " if s.verdicts else ""  # a smoke run picks nothing
-            lines.append(clip(f"  {a.model}: {use}{a.pick} ({a.setting})"))
+            if not a.decided:
+                lines.append(clip(f"  {a.model}: no pick, {a.why}"))
+                lines.append(clip(f"    fastest here: {a.pick} ({a.setting})"))
+            else:
+                use = "use " if s.verdicts else ""  # a smoke run picks nothing
+                lines.append(clip(f"  {a.model}: {use}{a.pick} ({a.setting})"))
             for i, c in enumerate(a.gains):
                 what = ", torch's fastest" if i == 0 and len(a.gains) > 1 else ""
                 lines.append(clip(f"    {_gain(c, s.half_width, what)}"))

@@ -241,6 +241,25 @@ def model_names(rows: Sequence[Row]) -> list[str]:
     return list(dict.fromkeys(r.model for r in rows))
 
 
+def resampler(section: Section, model: str, n: int, cache: dict | None = None) -> Resampler | None:
+    """The resampler of ``n`` rounds of ``model`` in ``section``: over rounds
+    and, where the section records the model's placements (the rounds at
+    which each build of the rows began), over placements too; None below
+    :data:`MIN_CI_ROUNDS`.  Every interval of a model (its comparisons, the
+    summary's) goes through here, so that all of them see the placements;
+    ``cache`` shares one set of resamples between them."""
+    if n < MIN_CI_ROUNDS:
+        return None
+    key = (model, n)
+    if cache is not None and key in cache:
+        return cache[key]
+    starts = (section.runs.get(model) or {}).get("placements")
+    rs = Resampler(n, blocks=block_ids(n, starts))
+    if cache is not None:  # rounds of one model share its placements
+        cache[key] = rs
+    return rs
+
+
 def derive(section: Section) -> Section:
     """Fill each row's quantiles and paired overhead over ``local`` (with its
     interval), and the section's comparisons: every fastddp row against
@@ -251,12 +270,7 @@ def derive(section: Section) -> Section:
     samplers: dict[tuple[str, int], Resampler] = {}
 
     def sampler(model: str, n: int) -> Resampler | None:
-        if n < MIN_CI_ROUNDS:
-            return None
-        if (model, n) not in samplers:  # rounds of one model share its placements
-            starts = (section.runs.get(model) or {}).get("placements")
-            samplers[model, n] = Resampler(n, blocks=block_ids(n, starts))
-        return samplers[model, n]
+        return resampler(section, model, n, samplers)
 
     for r in section.rows:
         r.step = summarize(r.step_ms) if r.ok else None

@@ -17,6 +17,7 @@ from fastddp.bench import advice as A
 from fastddp.bench import export as E
 from fastddp.bench import runner
 from fastddp.bench.__main__ import build_parser, config_from_args, main
+from fastddp.bench.stats import compare, trimmed_mean
 
 
 # -- when the wire section runs ------------------------------------------------------
@@ -290,6 +291,42 @@ def test_a_smoke_run_picks_nothing_and_gives_no_verdict():
     assert "use " not in text and "(no interval) x torch DDP" in text
     body = text.split("\n", 2)[2]  # below the two heading lines
     assert not any(w in body for w in ("faster", "slower", "equal ±", "undecided"))
+
+
+def test_too_few_rounds_for_an_interval_pick_nothing_and_say_why():
+    sec = _wire_section(rounds=3)  # verdicts on, but 3 rounds give no interval
+    (a,) = A.advice(sec)
+    fastest = min((r for r in sec.rows if r.family == "fastddp"), key=lambda r: trimmed_mean(r.step_ms))
+    assert not a.decided and a.pick == fastest.wrapper != "fastddp"
+    assert all(c.ratio_ci is None and c.verdict == "undecided" for c in a.gains)
+    text = A.advice_text(R.Report({}, [sec]))
+    assert "  mlp25m: no pick, 3 rounds are too few to decide (5 needed: raise --budget or --steps)" in text
+    assert f"    fastest here: {fastest.wrapper} (" in text and "use " not in text
+
+
+def test_the_summary_uses_the_reports_intervals_over_placements():
+    """Three builds of the rows, fastddp 7% faster in the first and 7% slower
+    in the last: over rounds alone the default would read decided, over
+    placements it is undecided; the summary must say what the report says."""
+    rng = random.Random(3)
+    factors = [0.93] * 10 + [1.0] * 10 + [1.07] * 10
+    torch_ms = [100.0 * (1 + rng.uniform(-0.2, 0.2)) for _ in factors]
+    rows = [R.Row("m", "torch", family="torch", step_ms=torch_ms),
+            R.Row("m", "torch-fp16", family="torch", step_ms=[t * 1.2 for t in torch_ms]),
+            R.Row("m", "fastddp", family="fastddp", baselines=["torch"],
+                  step_ms=[t * f * (1 + rng.uniform(-0.002, 0.002)) for t, f in zip(torch_ms, factors)]),
+            R.Row("m", "fastddp-fp8", family="fastddp", baselines=["torch", "torch-fp16"],
+                  step_ms=[t * 0.5 * (1 + rng.uniform(-0.01, 0.01)) for t in torch_ms])]
+    rows[3].note = "hooks.fp8_compress_hook"
+    sec = R.derive(R.Section(None, rows, runs={"m": {"placements": [0, 10, 20]}}))
+    (a,) = A.advice(sec)
+    derived = {(c.wrapper, c.peer): c for c in sec.comparisons}
+    d = a.default_vs_torch
+    assert d.ratio_ci == derived["fastddp", "torch"].ratio_ci and d.verdict == "undecided"
+    over_rounds = compare(rows[2].step_ms, torch_ms, margin=sec.half_width)  # what the summary used to print
+    assert over_rounds.verdict != "undecided"
+    assert a.pick == "fastddp-fp8" and a.gains
+    assert [c.ratio_ci for c in a.gains] == [derived["fastddp-fp8", c.peer].ratio_ci for c in a.gains]
 
 
 def test_the_summary_of_the_main_job_fits_one_screen():
