@@ -9,7 +9,9 @@
 #      kernel source, bit-exact against the reference, and the reducer with
 #      the kernels in the loop.
 # Extra arguments go to both sessions (e.g. -x, -k pattern). The last line says
-# passed or FAILED with both sessions' counts and the time taken.
+# passed or FAILED with both sessions' counts and the time taken; above a
+# FAILED line, every failed test's id (pytest's short summary, both sessions),
+# so that `bash tests/run.sh | tail` still names what failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
@@ -40,6 +42,9 @@ took="$(( (SECONDS - t0) / 60 ))m$(( (SECONDS - t0) % 60 ))s"
 what="default session: $(counts "$logs/default") (rc=$rc1); interpreter session: $(counts "$logs/interpret") (rc=$rc2); $took"
 # pytest exits 5 when a session selects no test: that is a failure here too.
 if [ "$rc1" -ne 0 ] || [ "$rc2" -ne 0 ]; then
+    for session in default interpret; do
+        sed -E 's/\x1b\[[0-9;]*m//g' "$logs/$session" | grep -E '^(FAILED|ERROR) ' | sed "s/^/tests\/run.sh: $session session: /"
+    done
     echo "tests/run.sh: FAILED ($what)"
     exit 1
 fi

@@ -295,6 +295,27 @@ def test_run_sh_ends_with_one_clear_line():
                         r"interpreter session: 1 passed, \d+ deselected \(rc=0\); \d+m\d+s\)", last), last
 
 
+def test_run_sh_names_the_failed_tests(tmp_path):
+    """A failing run ends with the FAILED line and, just above it, the id of
+    every failed test, so that `bash tests/run.sh | tail` names what failed
+    (pytest's own short summary is pages up in a full run)."""
+    failing = tmp_path / "test_fails_on_purpose.py"
+    failing.write_text("def test_fails_on_purpose():\n    assert 1 == 2, 'on purpose'\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHON"] = sys.executable
+    select = "test_fails_on_purpose or test_backend_is_a_kernel"
+    out = subprocess.run(["bash", str(ROOT / "tests" / "run.sh"), "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                          "-k", select, str(failing)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+    assert lines[-1].startswith("tests/run.sh: FAILED (default session: 1 failed"), lines[-1]
+    assert re.fullmatch(r"tests/run\.sh: default session: FAILED \S*::test_fails_on_purpose"
+                        r" - .*on purpose.*", lines[-2]), lines[-3:]
+    # the file lies outside the rootdir: pytest names it "::test_fails_on_purpose"
+    assert not any("interpret session" in line for line in lines), lines[-5:]
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch._dynamo's import
 def test_compile_rows_still_come_from_the_registry(tmp_path):
     """bench.wrappers.registry hands compile_wrappers its spec class and the two
