@@ -15,7 +15,10 @@ included): on shared cores, CPU a row adds is time another thread waits for.
 ``--link netns:RATE`` runs the ranks in two network namespaces over a
 ``tc tbf`` link (root, iproute2: ``tools.netlink``); ``--link local`` on
 loopback.  Rows: ``torch``, ``torch-fp16`` (its fp16 hook), ``fastddp``,
-``fastddp-batched``, ``fastddp-bf16acc``, ``fastddp-fp16``; the fastddp rows
+``fastddp-batched``, ``fastddp-bf16acc``, ``fastddp-fp16``, ``fastddp-fp8``, and
+two per-bucket mixes for the question whether formats chosen per bucket pay
+(issue 31): ``fastddp-fp8-first32`` (the first bucket reduced in fp32, the
+rest in fp8) and ``fastddp-fp8-last32`` (the last one in fp32); the fastddp rows
 read ``FASTDDP_*`` settings from the environment, and ``ROW:N`` builds a
 fastddp row with ``FASTDDP_IN_PLACE_NUMEL=N`` (``fastddp:0``: the in-place
 reduction off, a before/after in one run).
@@ -31,7 +34,8 @@ import statistics
 import sys
 import time
 
-ROWS = ("torch", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-bf16acc", "fastddp-fp16")
+ROWS = ("torch", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-bf16acc", "fastddp-fp16", "fastddp-fp8",
+        "fastddp-fp8-first32", "fastddp-fp8-last32")
 PHASES = ("fwd", "bwd", "opt", "step", "cpu")
 
 
@@ -63,9 +67,27 @@ def _wrap(name: str, module):
         return ddp
     ddp = fastddp.DistributedDataParallel(module, batched_grad_copy=name == "fastddp-batched")
     hook = {"fastddp-bf16acc": fh.bf16_fp32acc_hook, "fastddp-fp16": fh.fp16_compress_hook}.get(name)
+    if name.startswith("fastddp-fp8"):
+        hook = fh.fp8_compress_hook
     if hook is not None:
         ddp.register_comm_hook(None, hook)
     return ddp
+
+
+def mix_buckets(name: str, ddp) -> None:
+    """Before each step of a ``fastddp-fp8-*32`` row: its first (or last)
+    bucket reduced by the plain fp32 all-reduce, the others by fp8.  Set on
+    the reducer's buckets directly (a probe, not a product path: no public
+    API mixes formats), again after torch's rebuild gives new buckets; fp8
+    has no early copy, so the fp32 bucket gathers its grads in its own pack."""
+    if not name.endswith("32") or not name.startswith("fastddp-fp8-"):
+        return
+    from fastddp import reduction
+
+    buckets = [b for b in ddp.reducer._buckets if not b.sparse]
+    b = buckets[0] if name == "fastddp-fp8-first32" else buckets[-1]
+    if not isinstance(b.reduction, reduction.AllReduce):
+        b.reduction = reduction.choose(None, None, False, True)[0]
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
@@ -97,6 +119,7 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | 
         x, y = spec.make_batch(gen, torch.device("cpu"))
         for name in (rows if i % 2 == 0 else rows[::-1]):
             ddp, opt = wrapped[name]
+            mix_buckets(name, ddp)
             dist.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             loss = spec.loss(ddp(x), y)

@@ -36,3 +36,52 @@ def test_unknown_rows_are_refused():
     run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows", "torch,fastdp"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "unknown ['fastdp']" in run.stderr
+
+
+def _mix_rank(rank: int, port: int, out: str) -> None:
+    import copy
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from fastddp.bench.models import model_zoo
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        spec = model_zoo()["tiny"]
+        torch.manual_seed(0)
+        base = spec.build()
+        gen = torch.Generator().manual_seed(1 + rank)
+        batches = [spec.make_batch(gen, torch.device("cpu")) for _ in range(3)]
+        grads = {}
+        for name in ("fastddp", "fastddp-fp8", "fastddp-fp8-first32", "fastddp-fp8-last32"):
+            ddp = step_phases._wrap(name, copy.deepcopy(base))
+            for x, y in batches:  # past torch's bucket rebuild: the mix is set again on the new buckets
+                step_phases.mix_buckets(name, ddp)
+                ddp.zero_grad(set_to_none=True)
+                spec.loss(ddp(x), y).backward()
+            grads[name] = [p.grad.clone() for p in ddp.parameters()]
+            kinds = {type(b.reduction).__name__ for b in ddp.reducer._buckets}
+            grads[name + ":kinds"] = sorted(kinds)
+        if rank == 0:
+            torch.save(grads, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_bucket_mix_rows_reduce_their_bucket_in_fp32(tmp_path):
+    """``tiny`` has one bucket: the fp8 rows with it mixed to fp32 must give
+    the default row's gradients bit for bit, the plain fp8 row must not."""
+    import torch
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "g.pt")
+    mp.spawn(_mix_rank, args=(29533, out), nprocs=2)
+    g = torch.load(out)
+    assert g["fastddp-fp8:kinds"] == ["BlockFp8"] and g["fastddp-fp8-first32:kinds"] == ["AllReduce"]
+    for name in ("fastddp-fp8-first32", "fastddp-fp8-last32"):
+        assert all(torch.equal(a, b) for a, b in zip(g["fastddp"], g[name])), name
+    assert not all(torch.equal(a, b) for a, b in zip(g["fastddp"], g["fastddp-fp8"]))
