@@ -108,7 +108,7 @@ def advice(section: Section) -> list[Advice]:
     fastddp row by its trimmed mean shown as such.  Every interval is the
     report's own (:func:`bench.report.resampler`: rounds and placements)."""
     out = []
-    rs: dict[int, Resampler] = {}
+    rs: dict[tuple[str, int], Resampler] = {}  # bench.report.resampler's cache: (model, rounds)
     for model in model_names(section.rows):
         rows = [r for r in section.rows if r.model == model and r.ok and r.step_ms]
         ours = [r for r in rows if r.family == "fastddp"]
