@@ -353,6 +353,49 @@ def test_format_changes_in_the_trial_reuse_residual_memory(world2):
     assert storages <= 3 * buckets, (storages, packs, buckets)
 
 
+def _slowing_link(rank, world):
+    import torch.distributed as dist
+
+    import fastddp.hooks as fh
+    from fastddp.reduction import autoprec
+
+    clock = SyntheticClock({"fp32": 1.0, "bf16": 2.0, "fp8": 3.0})  # a fast link: fp32
+    m = _ddp(fh.AutoPrecisionState(lowest="fp8", clock=clock))
+    calls, real = [], autoprec.groups.all_reduce
+
+    def all_reduce(t, pg, op=dist.ReduceOp.SUM, async_op=False):
+        if op == dist.ReduceOp.MAX:  # the mode's decisions (the buckets' are SUMs)
+            calls.append((m.reducer.mode.phase, async_op))
+        return real(t, pg, op, async_op=async_op)
+
+    autoprec.groups.all_reduce = all_reduce
+    try:
+        seen = _train(m, 40, rank)
+        settled = m.stats()["auto_precision"]["settled_at_step"]
+        clock.cost.update({"fp32": 8.0, "bf16": 5.0, "fp8": 2.0})  # the link slows 8x and stays slow
+        seen += _train(m, 60, rank)
+    finally:
+        autoprec.groups.all_reduce = real
+    return seen, settled, m.stats()["auto_precision"], calls
+
+
+@ranks
+def test_a_link_that_slows_is_re_measured_and_the_watch_never_waits(world2):
+    """The watch (settled) MAX-reduces each window without waiting, reads
+    it at the next iteration, and re-measures when the link slows: on every
+    rank at the same step, to the format the new link favours."""
+    (s0, settled, st0, calls0), (s1, _, st1, _) = world2.run(_slowing_link)
+    assert s0 == s1, "the ranks reduced in different formats at some step"
+    assert s0[settled + 1] == "fp32" and s0[-1] == "fp8"
+    d = st0["decisions"]
+    assert [x["chosen"] for x in d] == ["fp32", "fp8"] and d[1]["trigger"].startswith("re-measure 1")
+    assert d == st1["decisions"]
+    assert d[1]["trial_from_step"] - 40 <= 5 * 4 + 2, "the re-measure came later than its windows allow"
+    watch = [a for phase, a in calls0 if phase == "settled"]
+    assert watch and all(watch), f"a settled window was all-reduced and waited for mid-backward: {calls0}"
+    assert not any(a for phase, a in calls0 if phase == "trial")  # the trial's rounds: one wait each
+
+
 def _with_autocap(rank, world):
     import fastddp.hooks as fh
     from fastddp import DistributedDataParallel as F

@@ -15,7 +15,8 @@ before ``i + 1``'s backward, follows the format that will pack it::
               (one all-reduce, at the same iteration on every rank) into
               :class:`~fastddp.autotune.precision.PrecisionSearch`
     settled   the pick; every ``watch_steps`` steps one all-reduce of the
-              window's median step into :class:`~fastddp.autotune.precision.Watch`;
+              window's median step, issued without waiting and read at the
+              next iteration, into :class:`~fastddp.autotune.precision.Watch`;
               a sustained change starts the trial again (bounded)
     frozen    join(): no collectives of its own any more
 
@@ -118,6 +119,7 @@ class AutoPrecision(Reduction):
         self._t0 = 0                 # first iteration of the trial
         self._reduced = 0            # trial rounds all-reduced so far
         self._win0 = self._wins = 0  # first watched iteration, windows all-reduced
+        self._window = None          # the last window's MAX in flight: read at the next iteration
         self._trigger = ""
         self._restart = False
         self._pending: dict = {}     # bucket index -> residual carried from the last format
@@ -204,6 +206,7 @@ class AutoPrecision(Reduction):
             if self.phase == _TRIAL:
                 self._begin_trial(it + 1, self._trigger + "; restarted: the buckets were rebuilt")
             elif self.phase == _SETTLED and self.watch is not None:
+                self._drop_window()
                 self.watch.restart()
                 self._win0, self._wins = it + 1, 0
         if self.phase == _WAIT and ctx.layout_settled:
@@ -269,6 +272,15 @@ class AutoPrecision(Reduction):
         self._log(f"chose {s.explain()}; trial of {it + 1 - self._t0} steps ({self._trigger}); from step {it + 1}")
 
     def _watch(self, ctx, it: int) -> None:
+        if self._window is not None:  # the window MAX-reduced at the last read: complete by now
+            v, self._window = self._window()[0], None
+            base = self.watch.baseline
+            if self.watch.feed(v):
+                k = self.state.watch_steps
+                self._begin_trial(it + 1, f"re-measure {self.watch.remeasures}: the step moved to "
+                                          f"{v * 1e3:.2f} ms from {base * 1e3:.2f} ms for "
+                                          f"{self.watch.sustain} windows of {k} steps")
+                return
         if self.watch.exhausted:
             return
         k = self.state.watch_steps
@@ -278,12 +290,34 @@ class AutoPrecision(Reduction):
         vals = [self.samples.pop(i)[1] for i in range(w0, w0 + k) if i in self.samples]
         for i in [i for i in self.samples if i < w0 + k]:
             del self.samples[i]
-        v = self._max(ctx, [statistics.median(vals) if vals else math.inf])[0]
+        self._window = self._max_later(ctx, [statistics.median(vals) if vals else math.inf])
         self._wins += 1
-        base = self.watch.baseline
-        if self.watch.feed(v):
-            self._begin_trial(it + 1, f"re-measure {self.watch.remeasures}: the step moved to {v * 1e3:.2f} ms "
-                                      f"from {base * 1e3:.2f} ms for {self.watch.sustain} windows of {k} steps")
+
+    def _max_later(self, ctx, vals: list):
+        """:meth:`_max`, issued now and read at the next iteration (a callable
+        that returns the list): the watch never waits for a round trip in the
+        middle of a backward.  Every rank issues it and reads it at the same
+        iterations; by the next one it is complete (the buckets' collectives,
+        queued after it on the same ranks, have been waited for).  A CUDA
+        group without a gloo twin reduces a device tensor: as :meth:`_max`."""
+        if ctx.world == 1 or (self.side is None and ctx.comm.device.type != "cpu"):
+            got = self._max(ctx, vals)
+            return lambda: got
+        t = torch.tensor(vals, dtype=torch.float64)
+        work = groups.all_reduce(t, self.side if self.side is not None else ctx.comm.pg,
+                                 op=dist.ReduceOp.MAX, async_op=True)
+
+        def read() -> list:
+            groups.wait(work)
+            return t.tolist()
+        return read
+
+    def _drop_window(self) -> None:
+        """A window in flight whose value no longer counts (the watch starts
+        again): completed and dropped, on every rank alike."""
+        if self._window is not None:
+            self._window()
+            self._window = None
 
     def _max(self, ctx, vals: list) -> list:
         """``vals`` MAX-reduced over the ranks (every rank decides from the same numbers)."""
@@ -327,6 +361,7 @@ class AutoPrecision(Reduction):
         from the next iteration on; no more collectives of its own."""
         if self.phase == _FROZEN:
             return
+        self._drop_window()
         if self.phase in (_WAIT, _TRIAL):
             s = self.search
             self.next_name = s.pick() if s is not None and s.rounds else self.formats[0]
