@@ -12,10 +12,13 @@ and, for the first row against each other one, the paired step-time ratio
 (geometric mean of per-step ratios, 90% t interval).  The CPU column is
 ``time.process_time()`` of the whole rank process (the gloo threads
 included): on shared cores, CPU a row adds is time another thread waits for.
+The training thread's own CPU per phase (``time.thread_time()``) is printed
+as the paired difference from the first row, in ms with a 90% interval.
 ``--link netns:RATE`` runs the ranks in two network namespaces over a
 ``tc tbf`` link (root, iproute2: ``tools.netlink``); ``--link local`` on
 loopback.  Rows: ``torch``, ``torch-fp16`` (its fp16 hook), ``fastddp``,
-``fastddp-batched``, ``fastddp-bf16acc``, ``fastddp-fp16``, ``fastddp-fp8``, and
+``fastddp-batched``, ``fastddp-bf16acc``, ``fastddp-fp16``, ``fastddp-fp8``,
+``fastddp-autoprec`` (lowest fp8; ``--warmup 30`` times it after its trial), and
 two per-bucket mixes for the question whether formats chosen per bucket pay
 (issue 31): ``fastddp-fp8-first32`` (the first bucket reduced in fp32, the
 rest in fp8) and ``fastddp-fp8-last32`` (the last one in fp32); the fastddp rows
@@ -35,8 +38,14 @@ import sys
 import time
 
 ROWS = ("torch", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-bf16acc", "fastddp-fp16", "fastddp-fp8",
-        "fastddp-fp8-first32", "fastddp-fp8-last32")
+        "fastddp-fp8-first32", "fastddp-fp8-last32", "fastddp-autoprec")
 PHASES = ("fwd", "bwd", "opt", "step", "cpu")
+THREAD = ("fwd", "bwd", "opt")
+"""Phases whose CPU time on the training thread alone (``time.thread_time``,
+gloo's threads left out) is also recorded, as ``thread-fwd`` and so on: a
+host cost of a few hundred microseconds shows there with an interval of
+~0.1 ms in a few hundred steps, where wall clock on shared cores cannot
+separate it."""
 
 
 def _wrap(name: str, module):
@@ -69,7 +78,9 @@ def _wrap(name: str, module):
     hook = {"fastddp-bf16acc": fh.bf16_fp32acc_hook, "fastddp-fp16": fh.fp16_compress_hook}.get(name)
     if name.startswith("fastddp-fp8"):
         hook = fh.fp8_compress_hook
-    if hook is not None:
+    if name == "fastddp-autoprec":  # its trial takes ~20 steps: give it a --warmup past them
+        ddp.register_comm_hook(fh.AutoPrecisionState(lowest="fp8"), fh.auto_precision_hook)
+    elif hook is not None:
         ddp.register_comm_hook(None, hook)
     return ddp
 
@@ -114,24 +125,32 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | 
         m = _wrap(name, __import__("copy").deepcopy(base))
         wrapped[name] = (m, torch.optim.SGD(m.parameters(), lr=1e-3))
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
-    samples = {n: {p: [] for p in PHASES} for n in rows}
+    samples = {n: {p: [] for p in PHASES + tuple(f"thread-{q}" for q in THREAD)} for n in rows}
+    tt = time.thread_time
     for i in range(warmup + steps):
         x, y = spec.make_batch(gen, torch.device("cpu"))
         for name in (rows if i % 2 == 0 else rows[::-1]):
             ddp, opt = wrapped[name]
             mix_buckets(name, ddp)
             dist.barrier()
-            c0, t0 = time.process_time(), time.perf_counter()
+            c0, t0, h0 = time.process_time(), time.perf_counter(), tt()
             loss = spec.loss(ddp(x), y)
-            t1 = time.perf_counter()
+            t1, h1 = time.perf_counter(), tt()
             loss.backward()
-            t2 = time.perf_counter()
+            t2, h2 = time.perf_counter(), tt()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            t3, c3 = time.perf_counter(), time.process_time()
+            t3, c3, h3 = time.perf_counter(), time.process_time(), tt()
             if i >= warmup:
                 for p, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0)):
                     samples[name][p].append(v * 1e3)
+                for q, v in zip(THREAD, (h1 - h0, h2 - h1, h3 - h2)):
+                    samples[name][f"thread-{q}"].append(v * 1e3)
+    for name in rows:  # the auto setting's decisions: a re-measure inside the timed steps shows here
+        ap = wrapped[name][0].stats().get("auto_precision") if name.startswith("fastddp") else None
+        if ap:
+            samples[name]["decisions"] = [f"step {d['step']}: {d['chosen']} ({d['trigger']})"
+                                          for d in ap["decisions"]]
     return samples if dist.get_rank() == 0 else None
 
 
@@ -144,7 +163,25 @@ def summary(samples: dict) -> str:
         for p in ("step", "cpu"):
             g, lo, hi = paired(samples[rows[0]][p], samples[n][p])
             lines.append(f"{n} / {rows[0]} {p}: {g:.3f} ({lo:.3f}-{hi:.3f})")
+        diffs = []
+        for q in THREAD:
+            if f"thread-{q}" in samples[n]:
+                d, lo, hi = difference(samples[rows[0]][f"thread-{q}"], samples[n][f"thread-{q}"])
+                diffs.append(f"{q} {d:+.3f} ({lo:+.3f}..{hi:+.3f})")
+        if diffs:
+            lines.append(f"{n} - {rows[0]} training thread CPU ms: " + ", ".join(diffs))
+    for n in rows:
+        for d in samples[n].get("decisions", []):
+            lines.append(f"{n} decided at {d}")
     return "\n".join(lines)
+
+
+def difference(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Mean of ``b[i] - a[i]`` with a 90% t interval."""
+    d = [y - x for x, y in zip(a, b)]
+    m = statistics.fmean(d)
+    h = 1.7 * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.inf
+    return m, m - h, m + h
 
 
 def _worker(args) -> None:
@@ -154,7 +191,7 @@ def _worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        out = measure(args.rows.split(","), args.model, args.steps)
+        out = measure(args.rows.split(","), args.model, args.steps, args.warmup)
         if out is not None:
             print(summary(out), flush=True)
             if args.json:
@@ -177,6 +214,8 @@ def main(argv=None) -> int:
                         "in :N (FASTDDP_IN_PLACE_NUMEL=N for it)")
     p.add_argument("--model", default="mlp25m")
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=3, help="steps per row before the timed ones (fastddp-autoprec: "
+                   "30, past its trial)")
     p.add_argument("--json", help="write rank 0's per-step samples here")
     p.add_argument("--port", type=int, default=29517)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -191,7 +230,8 @@ def main(argv=None) -> int:
         _worker(args)
         return 0
     me = [sys.executable, "-m", "tools.step_phases", "--worker", "--rows", args.rows, "--model", args.model,
-          "--steps", str(args.steps)] + (["--json", os.path.abspath(args.json)] if args.json else [])
+          "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    me += ["--json", os.path.abspath(args.json)] if args.json else []
     if args.link == "local":
         import torch.multiprocessing as mp
 

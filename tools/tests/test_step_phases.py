@@ -26,10 +26,17 @@ def test_two_rows_on_loopback(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "fastddp / torch step:" in run.stdout and "fastddp / torch cpu:" in run.stdout
+    assert "fastddp - torch training thread CPU ms: fwd " in run.stdout
     samples = json.loads(out.read_text())
     assert set(samples) == {"torch", "fastddp"}
     assert all(len(samples[r][p]) == 3 and min(samples[r][p]) > 0 for r in samples for p in step_phases.PHASES
                if p != "cpu")
+    assert all(len(samples[r][f"thread-{q}"]) == 3 for r in samples for q in step_phases.THREAD)
+
+
+def test_thread_cpu_difference_is_paired_with_an_interval():
+    d, lo, hi = step_phases.difference([10.0, 10.0, 10.0, 10.0], [10.4, 10.6, 10.4, 10.6])
+    assert d == pytest.approx(0.5) and lo < 0.5 < hi
 
 
 def test_unknown_rows_are_refused():
