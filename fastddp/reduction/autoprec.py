@@ -297,9 +297,11 @@ class AutoPrecision(Reduction):
         """:meth:`_max`, issued now and read at the next iteration (a callable
         that returns the list): the watch never waits for a round trip in the
         middle of a backward.  Every rank issues it and reads it at the same
-        iterations; by the next one it is complete (the buckets' collectives,
-        queued after it on the same ranks, have been waited for).  A CUDA
-        group without a gloo twin reduces a device tensor: as :meth:`_max`."""
+        iterations.  By the next one it is complete: on the CPU the buckets'
+        collectives, queued after it on the same group, have been waited for;
+        the gloo twin of a CUDA group has had a whole step (the read waits if
+        not).  A CUDA group without a gloo twin reduces a device tensor: as
+        :meth:`_max`."""
         if ctx.world == 1 or (self.side is None and ctx.comm.device.type != "cpu"):
             got = self._max(ctx, vals)
             return lambda: got
