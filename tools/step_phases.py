@@ -103,10 +103,16 @@ def mix_buckets(name: str, ddp) -> None:
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
     """Geometric mean of ``b[i] / a[i]`` with a 90% t interval."""
-    r = [math.log(y / x) for x, y in zip(a, b)]
-    m = statistics.fmean(r)
-    h = 1.7 * statistics.stdev(r) / math.sqrt(len(r)) if len(r) > 1 else math.inf
-    return math.exp(m), math.exp(m - h), math.exp(m + h)
+    m, lo, hi = difference([math.log(x) for x in a], [math.log(y) for y in b])
+    return math.exp(m), math.exp(lo), math.exp(hi)
+
+
+def difference(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Mean of ``b[i] - a[i]`` with a 90% t interval."""
+    d = [y - x for x, y in zip(a, b)]
+    m = statistics.fmean(d)
+    h = 1.7 * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.inf
+    return m, m - h, m + h
 
 
 def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | None:
@@ -165,23 +171,13 @@ def summary(samples: dict) -> str:
             lines.append(f"{n} / {rows[0]} {p}: {g:.3f} ({lo:.3f}-{hi:.3f})")
         diffs = []
         for q in THREAD:
-            if f"thread-{q}" in samples[n]:
-                d, lo, hi = difference(samples[rows[0]][f"thread-{q}"], samples[n][f"thread-{q}"])
-                diffs.append(f"{q} {d:+.3f} ({lo:+.3f}..{hi:+.3f})")
-        if diffs:
-            lines.append(f"{n} - {rows[0]} training thread CPU ms: " + ", ".join(diffs))
+            d, lo, hi = difference(samples[rows[0]][f"thread-{q}"], samples[n][f"thread-{q}"])
+            diffs.append(f"{q} {d:+.3f} ({lo:+.3f}..{hi:+.3f})")
+        lines.append(f"{n} - {rows[0]} training thread CPU ms: " + ", ".join(diffs))
     for n in rows:
         for d in samples[n].get("decisions", []):
             lines.append(f"{n} decided at {d}")
     return "\n".join(lines)
-
-
-def difference(a: list[float], b: list[float]) -> tuple[float, float, float]:
-    """Mean of ``b[i] - a[i]`` with a 90% t interval."""
-    d = [y - x for x, y in zip(a, b)]
-    m = statistics.fmean(d)
-    h = 1.7 * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.inf
-    return m, m - h, m + h
 
 
 def _worker(args) -> None:
