@@ -36,6 +36,7 @@ def build_reducer(ddp, parameters, names, sparse_params, mp, static_graph: bool)
         reduce_dtype=mp.reduce_dtype if mp is not None else None,
         check_finite=cfg.check_finite,
         auto_bucket_cap=cfg.auto_bucket_cap,
+        default_caps=cfg.bucket_cap_mb is None and cfg.bucket_cap_mb_list is None and not cfg.auto_bucket_cap,
     )
     sparse = sparse_params if len(sparse_params) == len(parameters) else None
     if sparse and any(sparse) and mp is not None:

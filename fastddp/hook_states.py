@@ -163,6 +163,10 @@ class AutoPrecisionState(CompressionState):
     ``watch``: once settled, re-measure (a bounded number of times) when the
     step time moves beyond the noise for a sustained window of
     ``watch_steps`` steps.
+    ``tune_buckets`` (default True): where the DDP module was built with
+    torch's default caps (no ``bucket_cap_mb`` / ``bucket_cap_mb_list``,
+    nothing configured), tune them too, as ``bucket_cap_mb="auto"``, for the
+    chosen format, once it is chosen; caps the user set are kept.
     ``clock``: None (the host clock on the CPU, CUDA events on CUDA) or a
     callable ``clock(format_name) -> seconds`` that replaces it (tests give
     each rank a synthetic one).
@@ -172,7 +176,7 @@ class AutoPrecisionState(CompressionState):
     def __init__(self, process_group=None, lowest: str = "bf16", error_feedback: bool = True,
                  min_rounds: int = 4, max_rounds: int = 8, watch: bool = True, watch_steps: int = 5,
                  clock=None, ranks_per_host: int | None = None, block_size: int = 256,
-                 chunk_bytes: int | None = None):
+                 chunk_bytes: int | None = None, tune_buckets: bool = True):
         owner = type(self).__name__
         if lowest not in AUTO_LOWEST:
             raise ValueError(f"{owner}: lowest={lowest!r}; choose one of {', '.join(AUTO_LOWEST)} "
@@ -185,6 +189,8 @@ class AutoPrecisionState(CompressionState):
             raise ValueError(f"{owner}: max_rounds={max_rounds} is below min_rounds={min_rounds}")
         if not isinstance(watch, bool):
             raise TypeError(f"{owner}: watch must be True or False, got {watch!r}")
+        if not isinstance(tune_buckets, bool):
+            raise TypeError(f"{owner}: tune_buckets must be True or False, got {tune_buckets!r}")
         self.watch_steps = _whole(watch_steps, owner, "watch_steps", 1)
         if clock is not None and not callable(clock):
             raise TypeError(f"{owner}: clock must be None or a callable format_name -> seconds, "
@@ -192,7 +198,7 @@ class AutoPrecisionState(CompressionState):
         if ranks_per_host is not None:
             _whole(ranks_per_host, owner, "ranks_per_host", 1)
         super().__init__(process_group, error_feedback, chunk_bytes)
-        self.lowest, self.watch, self.clock = lowest, watch, clock
+        self.lowest, self.watch, self.clock, self.tune_buckets = lowest, watch, clock, tune_buckets
         self.ranks_per_host = ranks_per_host
         self.block_size = _check_block(block_size, owner)
 

@@ -396,26 +396,52 @@ def test_a_link_that_slows_is_re_measured_and_the_watch_never_waits(world2):
     assert not any(a for phase, a in calls0 if phase == "trial")  # the trial's rounds: one wait each
 
 
-def _with_autocap(rank, world):
+def _with_autocap(rank, world, caps):
+    """Trains with the auto setting over ``caps`` ("auto": bucket_cap_mb="auto";
+    "default": nothing given, which the setting tunes; "fixed": a cap the user
+    set; "off": the default caps and ``tune_buckets=False``); per step the
+    format, the bucket tuner's state and the watch's last window."""
     import fastddp.hooks as fh
     from fastddp import DistributedDataParallel as F
 
-    m = F(_net(), bucket_cap_mb="auto")
-    m.register_comm_hook(fh.AutoPrecisionState(lowest="fp8", clock=SyntheticClock(
+    m = F(_net(), **({"bucket_cap_mb": "auto"} if caps == "auto" else
+                     {"bucket_cap_mb": 0.05} if caps == "fixed" else {}))
+    m.register_comm_hook(fh.AutoPrecisionState(lowest="fp8", tune_buckets=caps != "off", clock=SyntheticClock(
         {"fp32": 1.0, "bf16": 0.7, "fp8": 0.4})), fh.auto_precision_hook)
-    seen = _train(m, 70, rank)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    seen = []
+    for k in range(80):
+        seen += _train(m, 1, rank + 2 * k, opt=opt)
+        st = m.stats()
+        seen[-1] = (seen[-1], st.get("autotune", {}).get("state"),
+                    (st["auto_precision"]["watch"] or {}).get("last_window_ms"))
     st = m.stats()
-    return seen, st["auto_precision"], st["autotune"]["settled_at_step"]
+    return seen, st["auto_precision"], st.get("autotune")
 
 
 @ranks
-def test_bucket_tuning_first_then_precision(world2):
-    (s0, ap0, tuned0), (s1, ap1, _) = world2.run(_with_autocap)
-    assert s0 == s1
-    assert tuned0 is not None and ap0["chosen"] == "fp8"
-    first_trial = ap0["decisions"][0]["step"] - ap0["trial_steps"]
-    assert first_trial > tuned0, "precision trials began while the bucket tuner still tried layouts"
-    assert set(s0[:tuned0 - 1]) == {"fp32"}
+@pytest.mark.parametrize("caps", ["auto", "default"])
+def test_precision_first_then_the_buckets_for_the_chosen_format(world2, caps):
+    """The format is chosen on torch's default layout, then the bucket tuner
+    (asked for, or turned on where the caps are torch's default) tunes the
+    layout for it; the watch takes no window while layouts are tried."""
+    (s0, ap0, tune0), (s1, ap1, tune1) = world2.run(_with_autocap, caps)
+    assert s0 == s1 and ap0["decisions"] == ap1["decisions"]
+    assert ap0["chosen"] == "fp8" and tune0["state"] == "settled"
+    tuner = [t for _, t, _ in s0]
+    started = next(k for k, t in enumerate(tuner) if t != "wait")  # step k is iteration k + 1
+    assert started + 1 >= ap0["settled_at_step"], "the bucket tuner tried layouts during the precision trial"
+    assert {f for f, _, _ in s0[started:]} == {"fp8"}, "the layout was tuned for another format"
+    assert all(w is None for _, t, w in s0 if t != "settled"), "the watch read a window while layouts changed"
+    assert s0[-1][2] is not None, "the watch did not start again once the layout settled"
+
+
+@ranks
+@pytest.mark.parametrize("caps", ["fixed", "off"])
+def test_caps_the_user_set_or_tune_buckets_false_are_kept(world2, caps):
+    (s0, ap0, tune0), _ = world2.run(_with_autocap, caps)
+    assert tune0 is None and ap0["chosen"] == "fp8"
+    assert s0[-1][2] is not None  # the watch runs from the choice on
 
 
 def _no_sync(rank, world, accumulate):
@@ -543,14 +569,16 @@ def _configured(rank, world, explicit_hook):
             m.register_comm_hook(None, fh.bf16_fp32acc_hook)
         _train(m, 3, rank)
         st = m.stats()
-        return st["fused_path"][0], st.get("auto_precision", {}).get("candidates")
+        return st["fused_path"][0], st.get("auto_precision", {}).get("candidates"), "autotune" in st
     finally:
         fastddp.configure(auto_precision=None)
 
 
 @ranks
 def test_configure_form_and_a_user_hook_replacing_it(world2):
-    kind, cands = world2.run(_configured, False)[0]
+    kind, cands, tunes = world2.run(_configured, False)[0]
     assert kind == "auto-precision" and cands == ["fp32", "bf16", "fp8"]
-    kind, cands = world2.run(_configured, True)[0]
+    assert tunes  # torch's default caps: tuned after the format, as with the hook
+    kind, cands, tunes = world2.run(_configured, True)[0]
     assert kind == "fp32acc" and cands is None
+    assert not tunes  # the user's hook replaced the setting, and its bucket tuning with it

@@ -313,7 +313,7 @@ class _FakeReducer:
     test drives."""
 
     __slots__ = ("params", "pg", "world", "rank", "device", "base_config", "steps_reduced",
-                 "has_rebuilt_buckets", "wire_itemsize", "rebuild_order", "config", "installs")
+                 "has_rebuilt_buckets", "wire_itemsize", "mode_measuring", "rebuild_order", "config", "installs")
 
     def __init__(self, n=16, numel=256 * 1024):
         self.params = [torch.empty(numel) for _ in range(n)]
@@ -321,6 +321,7 @@ class _FakeReducer:
         self.pg, self.world, self.rank, self.device = None, 1, 0, torch.device("cpu")
         self.rebuild_order = list(range(n))[::-1]
         self.has_rebuilt_buckets, self.steps_reduced, self.wire_itemsize = True, 1, None
+        self.mode_measuring = False
         self.config = self.base_config
         self.installs = 0
 
@@ -599,3 +600,20 @@ def test_ready_marks_are_wanted_only_while_probing(monkeypatch):
     assert t.report()["state"] == "trial" and not t.wants_ready_marks
     t.on_ready(0)                            # late: ignored, the trial goes on
     assert t.report()["state"] == "trial" and t.report()["model"]["backward_ms"] >= 0
+
+
+def test_the_tuner_waits_while_the_bucket_mode_measures(monkeypatch):
+    """auto_precision_hook's trial times steps of its own: the tuner neither
+    probes nor tries a layout until it is over (one measured change at a
+    time), then starts at the next step boundary."""
+    monkeypatch.setattr(autotune.Tuner, "_microbench", lambda self: (1e-4, 1e-9))
+    r = _FakeReducer()
+    r.mode_measuring = True
+    t = autotune.Tuner(r)
+    for _ in range(5):
+        t.boundary()
+        r.steps_reduced += 1
+        assert t.report()["state"] == "wait" and not t.wants_ready_marks and r.installs == 0
+    r.mode_measuring = False
+    t.boundary()
+    assert t.report()["state"] == "probe" and t.wants_ready_marks

@@ -10,7 +10,9 @@ How, step by step (a step = a forward that synchronises and its backward;
 ``no_sync`` forwards are not steps here)::
 
     wait    until torch's one bucket rebuild has happened (static_graph: after
-            the second backward), torch's default layout (1 / 25 MiB) meanwhile
+            the second backward) and the bucket mode measures nothing of its
+            own (auto_precision_hook's trial: the layout is tuned for the
+            chosen format), torch's default layout (1 / 25 MiB) meanwhile
     probe   one step with torch's default layout: each parameter's ready
             time (host clock; CUDA events on CUDA)
     model   timeline MAX-reduced over ranks; a few all-reduces of 4 KiB ..

@@ -53,6 +53,9 @@ class TunerHost(Protocol):
     """torch's one rebuild in the ready order has happened."""
     wire_itemsize: int | None
     """Element size of the dense buckets' wire (a fused 16-bit hook: 2); None: the params' own."""
+    mode_measuring: bool
+    """The dense buckets' mode is timing steps of its own (auto_precision_hook's
+    trial): the tuner waits, so that each measures one change at a time."""
 
     def plan_for(self, config: planner.BucketConfig) -> planner.BucketPlan:
         """The buckets torch's rebuild makes with ``config``."""
@@ -140,7 +143,8 @@ class Tuner:
         changed = False
         host = self.host
         if self.state == _WAIT:
-            if (host.has_rebuilt_buckets or not self.base.should_rebuild) and host.steps_reduced >= 1:
+            if ((host.has_rebuilt_buckets or not self.base.should_rebuild) and host.steps_reduced >= 1
+                    and not host.mode_measuring):
                 self._arm_probe()
         elif self.state == _PROBE:
             if step is not None and self._probe_complete():

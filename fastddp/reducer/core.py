@@ -89,6 +89,7 @@ class Reducer(BucketPlans):
     has_comm_hook = property(lambda self: self.comm_hook is not None)
     native = property(lambda self: self.arming.native, doc="The native countdown (None: Python hooks).")
     mode = property(lambda self: self._dense, doc="The dense buckets' mode (fastddp.reduction).")
+    mode_measuring = property(lambda self: self._dense.measuring, doc="The tuner's host: the mode times steps.")
 
     @property
     def fused_path(self) -> tuple | None:
@@ -114,6 +115,7 @@ class Reducer(BucketPlans):
         self.comm_hook, self.comm_hook_state = hook, state
         for b in self._buckets:
             b.reduction = self._sparse_mode if b.sparse else self._dense
+        self._tune_for_mode()
 
     def error_feedback_residual(self, index: int) -> torch.Tensor | None:
         """Parameter ``index``'s error-feedback residual (compressed modes), shaped like its bucket slot."""

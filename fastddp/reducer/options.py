@@ -36,6 +36,10 @@ class ReducerOptions:
     """``"raise"`` / ``"warn"``: gradient health flags set by the packs (:mod:`fastddp.health`)."""
     auto_bucket_cap: bool = False
     """``bucket_cap_mb="auto"``: :mod:`fastddp.autotune` changes ``bucket`` in the first steps."""
+    default_caps: bool = False
+    """No ``bucket_cap_mb`` / ``bucket_cap_mb_list`` was given or configured:
+    torch's default caps, which a bucket mode that tunes them may tune
+    (``auto_precision_hook``, :attr:`fastddp.reduction.Reduction.tunes_buckets`)."""
 
 
 @dataclass(frozen=True)

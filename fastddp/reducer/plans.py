@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from .. import groups, planner
+from .. import autotune, groups, planner
 from ..buckets import Bucket
 
 __all__ = ["BucketPlans"]
@@ -69,7 +69,8 @@ class BucketPlans:
         syncs, self._forward_syncs = self._forward_syncs, False
         if self.tuning_active and syncs:
             rebuilt = self.tuner.boundary() or rebuilt
-        self.ctx.layout_settled = not self.tuning_active and not self._should_rebuild()
+        self.ctx.rebuilt = not self._should_rebuild()
+        self.ctx.layout_settled = self.ctx.rebuilt and not self.tuning_active
         return rebuilt
 
     def plan_for(self, config: planner.BucketConfig) -> planner.BucketPlan:
@@ -90,6 +91,19 @@ class BucketPlans:
             return False
         self._install_plan(plan)
         return True
+
+    def _tune_for_mode(self) -> None:
+        """A mode that tunes buckets (auto precision) turns bucket_cap_mb="auto"
+        on where the caps are torch's default; a hook that replaces it (a user's
+        hook over the configured auto precision) turns that off again."""
+        opts = self.opts
+        wants = self._dense.tunes_buckets and opts.default_caps
+        if wants and self.tuner is None:
+            self.opts = dataclasses.replace(opts, auto_bucket_cap=True)
+            self.tuner = autotune.Tuner(self)
+        elif not wants and opts.default_caps and self.tuner is not None:
+            self.opts = dataclasses.replace(opts, auto_bucket_cap=False)
+            self.tuner = None
 
     def freeze_tuning(self, why: str) -> None:
         """End ``bucket_cap_mb="auto"``'s tuning and the mode's own measuring now (join): no collectives."""

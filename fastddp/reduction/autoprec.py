@@ -8,8 +8,10 @@ rank reaches at the same point; the format of iteration ``i + 1`` is fixed
 at iteration ``i``'s first pack, so the native hooks' early copy, armed
 before ``i + 1``'s backward, follows the format that will pack it::
 
-    waiting   until the buckets are final (torch's rebuild; bucket_cap_mb="auto"
-              settled: ``ctx.layout_settled``), in the most precise format
+    waiting   until torch's one bucket rebuild is done (``ctx.rebuilt``), in the
+              most precise format; bucket_cap_mb="auto" (asked for, or turned
+              on by ``tune_buckets`` where the caps are torch's default) waits
+              for the choice and then tunes the layout for the chosen format
     trial     one warm-up round, then paired rounds (every format one step,
               order rotated); each round's times MAX-reduced over the ranks
               (one all-reduce, at the same iteration on every rank) into
@@ -17,7 +19,8 @@ before ``i + 1``'s backward, follows the format that will pack it::
     settled   the pick; every ``watch_steps`` steps one all-reduce of the
               window's median step, issued without waiting and read at the
               next iteration, into :class:`~fastddp.autotune.precision.Watch`;
-              a sustained change starts the trial again (bounded)
+              a sustained change starts the trial again (bounded); no window
+              while bucket_cap_mb="auto" tries layouts (a new baseline after)
     frozen    join(): no collectives of its own any more
 
 A step's time is its reduction window: the first bucket's pack to the last
@@ -120,6 +123,7 @@ class AutoPrecision(Reduction):
         self._reduced = 0            # trial rounds all-reduced so far
         self._win0 = self._wins = 0  # first watched iteration, windows all-reduced
         self._window = None          # the last window's MAX in flight: read at the next iteration
+        self._watching = False       # settled and the layout still: windows are timed and read
         self._trigger = ""
         self._restart = False
         self._pending: dict = {}     # bucket index -> residual carried from the last format
@@ -132,6 +136,9 @@ class AutoPrecision(Reduction):
         self.side, self.decided_on = decision_group(None, None)  # the host default; build() sets CUDA's
 
     cur = property(lambda self: self.modes[self.cur_name], doc="The mode that packs this iteration.")
+    measuring = property(lambda self: self.phase in (_WAIT, _TRIAL),
+                         doc="Waiting for its trial or in it: bucket_cap_mb='auto' waits until it is done.")
+    tunes_buckets = property(lambda self: self.state.tune_buckets)
     scaling = property(lambda self: self.cur.scaling)
     wire_dtype = property(lambda self: self.cur.wire_dtype)
 
@@ -207,19 +214,33 @@ class AutoPrecision(Reduction):
                 self._begin_trial(it + 1, self._trigger + "; restarted: the buckets were rebuilt")
             elif self.phase == _SETTLED and self.watch is not None:
                 self._drop_window()
-                self.watch.restart()
-                self._win0, self._wins = it + 1, 0
-        if self.phase == _WAIT and ctx.layout_settled:
+                self._watching = False  # a new baseline from here (or once the layout settles)
+        if self.phase == _WAIT and ctx.rebuilt:
             self._begin_trial(it + 1, "first measurement")
         elif self.phase == _TRIAL:
             self._trial(ctx, it)
         elif self.phase == _SETTLED and self.watch is not None:
-            self._watch(ctx, it)
+            self._watch_if_still(ctx, it)
         if self.phase == _TRIAL:
             self.next_name = self._scheduled(it + 1)
-        if self.phase == _TRIAL or (self.phase == _SETTLED and self.watch is not None
-                                    and not self.watch.exhausted):
+        if self.phase == _TRIAL or (self.phase == _SETTLED and self._watching and not self.watch.exhausted):
             self.clock.start(it, self.cur_name)  # timed only where a window is read
+
+    def _watch_if_still(self, ctx, it: int) -> None:
+        """The watch runs while the layout holds still: bucket_cap_mb="auto"
+        tries layouts after the format is chosen, and its steps are not the
+        link's.  It starts afresh (a new baseline) once the layout settles."""
+        if not ctx.layout_settled:
+            if self._watching:
+                self._drop_window()
+                self._watching = False
+            return
+        if not self._watching:
+            self._watching = True
+            self.samples.clear()
+            self.watch.restart()
+            self._win0, self._wins = it + 1, 0
+        self._watch(ctx, it)
 
     def _scheduled(self, it: int) -> str:
         """The trial's format for iteration ``it``: a warm-up round, then rotated rounds."""
@@ -268,7 +289,7 @@ class AutoPrecision(Reduction):
         self.samples.clear()
         if self.watch is not None:
             self.watch.restart()
-            self._win0, self._wins = it + 1, 0
+            self._win0, self._wins, self._watching = it + 1, 0, True
         self._log(f"chose {s.explain()}; trial of {it + 1 - self._t0} steps ({self._trigger}); from step {it + 1}")
 
     def _watch(self, ctx, it: int) -> None:

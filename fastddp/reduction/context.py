@@ -24,7 +24,7 @@ class StepContext:
 
     __slots__ = ("comm", "world", "rank", "view_mode", "names", "index_of", "divisor",
                  "globally_unused", "early_filled", "pre_unpack", "iteration", "num_buckets",
-                 "layout_settled", "keeps_unused")
+                 "layout_settled", "rebuilt", "keeps_unused")
 
     comm: Any
     """:class:`~fastddp.comm.Comm`: collectives, streams, ``release``/``hand_over``."""
@@ -55,7 +55,10 @@ class StepContext:
     layout_settled: bool
     """No bucket change is pending: torch's one rebuild is done (or never
     comes) and ``bucket_cap_mb="auto"`` has settled (set before each
-    synchronising forward); a mode that measures steps waits for it."""
+    synchronising forward); a mode that watches its steps waits for it."""
+    rebuilt: bool
+    """torch's one rebuild is done (or never comes): a mode may measure
+    (``bucket_cap_mb="auto"`` waits for a measuring mode, not the reverse)."""
     keeps_unused: bool
     """find_unused_parameters or static_graph: a globally unused parameter's
     ``.grad`` is left as it was (torch's rule), so a mode must not change a
@@ -67,7 +70,7 @@ class StepContext:
            early_filled: Callable[[Any], bytes] = lambda b: b"", pre_unpack: Callable | None = None,
            keeps_unused: bool = False):
         return cls(comm, world, rank, view_mode, names, index_of, divisor, globally_unused,
-                   early_filled, pre_unpack, 0, 0, False, keeps_unused)
+                   early_filled, pre_unpack, 0, 0, False, False, keeps_unused)
 
     def name(self, p) -> str:
         """The parameter's name (``module.path.weight``)."""

@@ -55,6 +55,12 @@ class Reduction:
     """A fastddp hook run as this fused path (not as a Python callback)."""
     wire_dtype: torch.dtype | None = None
     """The dtype on the wire where the mode fixes it (None: the bucket's)."""
+    measuring: bool = False
+    """The mode is timing steps to decide something (the bucket tuner waits
+    until it is done: one measured change at a time)."""
+    tunes_buckets: bool = False
+    """The mode asks for ``bucket_cap_mb="auto"`` where the user left torch's
+    default caps (after its own measuring)."""
 
     def pack(self, ctx, bucket, grads) -> None:
         fill_flat(ctx, bucket, grads, self.scaling, bucket.health)
