@@ -172,6 +172,8 @@ def test_bad_states_give_clear_errors():
         AutoPrecisionState(error_feedback="yes")
     with pytest.raises(ValueError, match="block_size"):
         AutoPrecisionState(block_size=100)
+    with pytest.raises(TypeError, match="tune_buckets must be True or False"):
+        AutoPrecisionState(tune_buckets="auto")
 
 
 def test_configure_and_environment_reject_unknown_precisions(monkeypatch):
@@ -434,6 +436,40 @@ def test_precision_first_then_the_buckets_for_the_chosen_format(world2, caps):
     assert {f for f, _, _ in s0[started:]} == {"fp8"}, "the layout was tuned for another format"
     assert all(w is None for _, t, w in s0 if t != "settled"), "the watch read a window while layouts changed"
     assert s0[-1][2] is not None, "the watch did not start again once the layout settled"
+
+
+def _retune(rank, world):
+    """Default caps: the format, then its layout; then the link slows, the
+    watch re-measures, another format wins, and its layout is tuned again."""
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as F
+
+    clock = SyntheticClock({"fp32": 1.0, "bf16": 2.0, "fp8": 3.0})  # a fast link: fp32
+    m = F(_net())
+    m.register_comm_hook(fh.AutoPrecisionState(lowest="fp8", clock=clock), fh.auto_precision_hook)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    states, k = [], 0
+    while m.stats()["autotune"]["state"] != "settled" and k < 120:
+        _train(m, 1, rank + 2 * k, opt=opt)
+        k += 1
+    clock.cost.update({"fp32": 8.0, "bf16": 5.0, "fp8": 2.0})  # the link slows 8x and stays slow
+    for j in range(100):
+        _train(m, 1, rank + 2 * (k + j), opt=opt)
+        st = m.stats()
+        states.append((st["auto_precision"]["current"], st["autotune"]["state"], st["autotune"]["retunes"]))
+    st = m.stats()
+    return states, st["auto_precision"]["decisions"], st["autotune"]
+
+
+@ranks
+def test_a_new_format_after_a_re_measure_gets_its_layout_tuned_again(world2):
+    (s0, d0, t0), (s1, d1, _) = world2.run(_retune)
+    assert s0 == s1 and d0 == d1
+    assert [x["chosen"] for x in d0] == ["fp32", "fp8"]
+    assert t0["retunes"] == 1 and t0["state"] == "settled", t0["reason"]
+    first = next(k for k, (_, _, n) in enumerate(s0) if n == 1)
+    assert s0[first][0] == "fp8"  # tuned again from the step fp8 took over
+    assert all(f == "fp8" for f, t, _ in s0[first:]), "the layout was tuned again for another format"
 
 
 @ranks

@@ -313,7 +313,8 @@ class _FakeReducer:
     test drives."""
 
     __slots__ = ("params", "pg", "world", "rank", "device", "base_config", "steps_reduced",
-                 "has_rebuilt_buckets", "wire_itemsize", "mode_measuring", "rebuild_order", "config", "installs")
+                 "has_rebuilt_buckets", "wire_itemsize", "mode_measuring", "mode_epoch",
+                 "rebuild_order", "config", "installs")
 
     def __init__(self, n=16, numel=256 * 1024):
         self.params = [torch.empty(numel) for _ in range(n)]
@@ -321,7 +322,7 @@ class _FakeReducer:
         self.pg, self.world, self.rank, self.device = None, 1, 0, torch.device("cpu")
         self.rebuild_order = list(range(n))[::-1]
         self.has_rebuilt_buckets, self.steps_reduced, self.wire_itemsize = True, 1, None
-        self.mode_measuring = False
+        self.mode_measuring, self.mode_epoch = False, 0
         self.config = self.base_config
         self.installs = 0
 
@@ -617,3 +618,20 @@ def test_the_tuner_waits_while_the_bucket_mode_measures(monkeypatch):
     r.mode_measuring = False
     t.boundary()
     assert t.report()["state"] == "probe" and t.wants_ready_marks
+
+
+def test_a_settled_tuner_tunes_again_when_the_modes_wire_changes(monkeypatch):
+    """auto_precision_hook re-measured and chose another format (its
+    layout_epoch moved): the layout tuned for the old wire is tuned again,
+    from the probe, once; a join freezes that too."""
+    tuner, r, _ = _drive(monkeypatch, lambda plan: 0.05 + 0.001 * len(plan.buckets))
+    assert tuner.report()["state"] == "settled" and not tuner.active
+    installs = r.installs
+    r.mode_epoch = 1
+    assert tuner.active and tuner.report()["state"] == "wait"  # seen before the next boundary
+    tuner.boundary()
+    rep = tuner.report()
+    assert rep["state"] == "probe" and rep["retunes"] == 1 and rep["settled_at_step"] is None
+    r.mode_epoch = 2
+    tuner.freeze("join")
+    assert not tuner.active and tuner.report()["state"] == "settled" and r.installs >= installs

@@ -132,6 +132,11 @@ class _Trainer:
     def auto(self) -> dict:
         return self.model.stats()["auto_precision"]
 
+    def layout_settled(self) -> bool:
+        """The bucket tuner the setting turns on (torch's default caps) is not trying layouts."""
+        tune = self.model.stats().get("autotune")
+        return tune is None or tune["state"] == "settled"
+
 
 def _rank_drop(out: Path, a: dict) -> None:
     import torch.distributed as dist
@@ -169,15 +174,16 @@ def _rank_drop(out: Path, a: dict) -> None:
     while k < k0 + a["max_rounds"]:  # until the setting has re-measured and settled again
         round_()
         st = tr["auto"].auto()
-        if st["state"] == "settled" and st["watch"]["remeasures"] > remeasures:
-            break
+        if st["state"] == "settled" and st["watch"]["remeasures"] > remeasures and tr["auto"].layout_settled():
+            break  # the new format, and its layout tuned again where it changed
     settled = k
     for _ in range(a["rounds"]):
         round_()
     if rank == 0:
         (out / "result.json").write_text(json.dumps({
             "before": before, "drop_round": k0, "settled_round": settled, "formats": fmts,
-            "times": times, "stats": tr["auto"].auto()}))
+            "times": times, "stats": tr["auto"].auto(),
+            "autotune": tr["auto"].model.stats().get("autotune")}))
 
 
 def _rank_train(out: Path, a: dict) -> None:
@@ -202,7 +208,8 @@ def _rank_train(out: Path, a: dict) -> None:
     if rank == 0:
         (out / "result.json").write_text(json.dumps({
             "loss": {"torch": mean[0].tolist(), "auto": mean[1].tolist()}, "formats": fmts,
-            "times": times, "stats": tr["auto"].auto()}))
+            "times": times, "stats": tr["auto"].auto(),
+            "autotune": tr["auto"].model.stats().get("autotune")}))
 
 
 def rank_main(what: str, out: str, args_json: str) -> None:
@@ -246,7 +253,16 @@ def summarise_drop(r: dict) -> dict:
             "rounds_to_settle": s - r["drop_round"], "timed_rounds": len(t["auto"]) - s,
             "auto_median_ms": round(statistics.median(t["auto"][s:]) * 1e3, 2), "vs": fixed,
             "fixed_best": best, "tuning": tuning(r["stats"]["decisions"], t["auto"]),
-            "decisions": r["stats"]["decisions"]}
+            "decisions": r["stats"]["decisions"], "layout": _layout(r.get("autotune"))}
+
+
+def _layout(tune: dict | None) -> dict | None:
+    """The bucket tuner's outcome (the setting turns it on over torch's default caps)."""
+    if tune is None:
+        return None
+    c = tune.get("chosen") or {}
+    return {"state": tune["state"], "retunes": tune.get("retunes"), "settled_at_step": tune["settled_at_step"],
+            "caps_mb": [c.get("first_mb"), c.get("rest_mb")], "buckets": c.get("buckets")}
 
 
 def tuning(decisions: list, auto_times: list) -> list:
@@ -274,7 +290,8 @@ def summarise_train(r: dict) -> dict:
             "settled_at_step": st["settled_at_step"], "trial_steps": st["trial_steps"],
             "tuning": tuning(st.get("decisions", []), r["times"]["auto"]),
             "max_rel_dev": max(abs(b - a) / a for a, b in zip(lt, la)),
-            "median_step_ms": {n: round(statistics.median(v) * 1e3, 2) for n, v in r["times"].items()}}
+            "median_step_ms": {n: round(statistics.median(v) * 1e3, 2) for n, v in r["times"].items()},
+            "layout": _layout(r.get("autotune"))}
 
 
 def chart(r: dict, path: str, title: str) -> None:

@@ -56,6 +56,9 @@ class TunerHost(Protocol):
     mode_measuring: bool
     """The dense buckets' mode is timing steps of its own (auto_precision_hook's
     trial): the tuner waits, so that each measures one change at a time."""
+    mode_epoch: int
+    """The mode's :attr:`~fastddp.reduction.Reduction.layout_epoch`: when it
+    moves (another wire format), a settled tuner tunes again."""
 
     def plan_for(self, config: planner.BucketConfig) -> planner.BucketPlan:
         """The buckets torch's rebuild makes with ``config``."""
@@ -85,10 +88,12 @@ class Tuner:
         self._local_exposed: list = []
         self._open = None              # (t0 or event, steps_reduced at start)
         self._issued = self._end = None
+        self.tuned_for = host.mode_epoch  # the mode's wire the layout is tuned for
+        self.retunes = 0
 
     @property
     def active(self) -> bool:
-        return self.state != _SETTLED
+        return self.state != _SETTLED or self.host.mode_epoch != self.tuned_for
 
     @property
     def wants_ready_marks(self) -> bool:
@@ -137,7 +142,9 @@ class Tuner:
         """Before a synchronising forward, on every rank at the same step.
         Returns True when the buckets were changed."""
         if self.state == _SETTLED:
-            return False
+            if self.host.mode_epoch == self.tuned_for:
+                return False
+            self._again()
         self.steps += 1
         step = self._close_step()
         changed = False
@@ -169,16 +176,27 @@ class Tuner:
     def freeze(self, why: str) -> None:
         """Stop tuning now, without collectives (every rank calls it at the
         same step): the best layout measured so far, else the current one."""
+        self.tuned_for = self.host.mode_epoch  # no tuning again either
         if self.state == _SETTLED:
             return
         self._open = None
-        pick = (self.search.best if self.search is not None else None) or self.current
-        if pick is None:
+        pick = None if self.search is None else self.search.best or self.current
+        if pick is None:  # (a tuning again keeps the layout it had)
             self.state, self.settled_at = _SETTLED, self.steps
             self.reason = f"tuning stopped by {why} before any layout was measured: layout unchanged"
             self._log()
             return
         self._settle(pick, f"tuning stopped early by {why}; ")
+
+    def _again(self) -> None:
+        """The mode's wire changed (a re-measure chose another format): tune
+        again from the start, for it (bounded by the mode's re-measures)."""
+        self.tuned_for = self.host.mode_epoch
+        self.retunes += 1
+        self.state, self.settled_at, self.search, self.model = _WAIT, None, None, {}
+        self._local, self._local_exposed, self._open = [], [], None
+        if self.rank == 0:
+            log.info("fastddp bucket_cap_mb='auto': the wire format changed; tuning the layout again")
 
     # -- probe and model -----------------------------------------------------
     def _arm_probe(self):
@@ -296,7 +314,9 @@ class Tuner:
     def report(self) -> dict:
         chosen = self.current if self.state == _SETTLED else None
         s = self.search
-        return {"state": self.state, "steps": self.steps, "settled_at_step": self.settled_at,
+        pending = self.state == _SETTLED and self.active  # tuning again from the next step
+        return {"state": _WAIT if pending else self.state, "steps": self.steps, "settled_at_step": self.settled_at,
+                "retunes": self.retunes,
                 "chosen": chosen.report() if chosen is not None else None,
                 "current": self.current.report() if self.current is not None else None,
                 "tried": [l.report() for l in s.order] if s is not None else [],

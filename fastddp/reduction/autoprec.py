@@ -130,6 +130,7 @@ class AutoPrecision(Reduction):
         self._spare: dict = {}       # bucket index -> a dropped residual's memory, for the next format's
         self._rank = 0
         self.decisions: list = []
+        self.layout_epoch = 0
         self.residual_events: list = []
         self.settled_at = None if not single else 0
         self.trial_steps = 0
@@ -280,6 +281,8 @@ class AutoPrecision(Reduction):
     def _settle(self, it: int) -> None:
         s = self.search
         pick, _, steps = s.walk()
+        if self.decisions and pick != self.decisions[-1]["chosen"]:
+            self.layout_epoch += 1  # another wire: a layout tuned for the old one is tuned again
         self.next_name, self.phase, self.settled_at = pick, _SETTLED, it + 1
         self.trial_steps += it + 1 - self._t0
         self.decisions.append({"step": it + 1, "chosen": pick, "trigger": self._trigger, "rounds": s.rounds,
@@ -409,7 +412,8 @@ class AutoPrecision(Reduction):
             "state": self.phase, "current": self.cur_name,
             "chosen": self.next_name if self.phase in (_SETTLED, _FROZEN) else None,
             "candidates": list(self.formats), "lowest": self.state.lowest,
-            "error_feedback": self.state.error_feedback, "topology": self.where,
+            "error_feedback": self.state.error_feedback, "tune_buckets": self.state.tune_buckets,
+            "topology": self.where,
             "settled_at_step": self.settled_at, "trial_steps": self.trial_steps,
             "decisions": list(self.decisions), "residual": list(self.residual_events),
             "watch": self.watch.report() if self.watch is not None else None,

@@ -61,6 +61,10 @@ class Reduction:
     tunes_buckets: bool = False
     """The mode asks for ``bucket_cap_mb="auto"`` where the user left torch's
     default caps (after its own measuring)."""
+    layout_epoch: int = 0
+    """Bumped when the mode's wire changes after it was first chosen (a
+    re-measure picked another format): a layout tuned for the old one is
+    tuned again."""
 
     def pack(self, ctx, bucket, grads) -> None:
         fill_flat(ctx, bucket, grads, self.scaling, bucket.health)
