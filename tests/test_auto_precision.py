@@ -449,8 +449,9 @@ def _retune(rank, world):
     m.register_comm_hook(fh.AutoPrecisionState(lowest="fp8", clock=clock), fh.auto_precision_hook)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     states, k = [], 0
-    while m.stats()["autotune"]["state"] != "settled" and k < 120:
-        _train(m, 1, rank + 2 * k, opt=opt)
+    while k < 120 and (m.stats()["autotune"]["state"] != "settled"
+                       or m.stats()["auto_precision"]["watch"]["baseline_ms"] is None):
+        _train(m, 1, rank + 2 * k, opt=opt)  # the format, its layout, then the watch's baseline
         k += 1
     clock.cost.update({"fp32": 8.0, "bf16": 5.0, "fp8": 2.0})  # the link slows 8x and stays slow
     for j in range(100):
