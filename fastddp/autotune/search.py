@@ -126,15 +126,25 @@ class Search:
         buckets (measured: one bucket 3-5% faster than torch's default on
         ``small`` and the transformer locally); on a slower wire, overlap pays
         and the model's pick (``small`` at 1 Gbit/s: 0.5-1 MiB buckets 7%
-        faster than the default)."""
+        faster than the default), unless the gain the model predicts over the
+        incumbent is within the trials' noise: the model knows one collective
+        per bucket, and a gain that small is within its own error (the
+        transformer with fp8 at 0.2 Gbit/s: ~10 ms predicted against ±20-40 ms
+        of noise, measured 1-4% slower than torch's default)."""
         gbps = self.link_gbps
         rate = "unmeasured" if gbps is None else f"{gbps:g} GB/s"
         if self.copy_speed():
             pick = min(ties, key=lambda l: (l.buckets, l.cost))
             rule = f"the link runs at copy speed ({rate}): the fewest buckets"
         else:
-            pick = min(ties, key=lambda l: (l.predicted_s, l.cost))
+            pick, inc = min(ties, key=lambda l: (l.predicted_s, l.cost)), self.best
+            gain = inc.predicted_s - pick.predicted_s
             rule = f"the link is a wire ({rate}): the model's pick"
+            if pick is not inc and not gain > self.noise(inc, pick):
+                # a gain the trials' noise would hide is within the model's own error
+                pick = inc
+                rule = (f"the link is a wire ({rate}), but the model's gain ({gain * 1e3:.1f} ms) is within "
+                        "the noise: kept the incumbent")
         if len(ties) > 1:
             self.tie_rule = f"{len(ties)} layouts within noise of each other; {rule}"
         return pick
