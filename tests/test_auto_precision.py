@@ -359,25 +359,25 @@ def _slowing_link(rank, world):
     import torch.distributed as dist
 
     import fastddp.hooks as fh
-    from fastddp.reduction import autoprec
+    from fastddp import groups
 
     clock = SyntheticClock({"fp32": 1.0, "bf16": 2.0, "fp8": 3.0})  # a fast link: fp32
     m = _ddp(fh.AutoPrecisionState(lowest="fp8", clock=clock))
-    calls, real = [], autoprec.groups.all_reduce
+    calls, real = [], groups.all_reduce
 
     def all_reduce(t, pg, op=dist.ReduceOp.SUM, async_op=False):
         if op == dist.ReduceOp.MAX:  # the mode's decisions (the buckets' are SUMs)
             calls.append((m.reducer.mode.phase, async_op))
         return real(t, pg, op, async_op=async_op)
 
-    autoprec.groups.all_reduce = all_reduce
+    groups.all_reduce = all_reduce
     try:
         seen = _train(m, 40, rank)
         settled = m.stats()["auto_precision"]["settled_at_step"]
         clock.cost.update({"fp32": 8.0, "bf16": 5.0, "fp8": 2.0})  # the link slows 8x and stays slow
         seen += _train(m, 60, rank)
     finally:
-        autoprec.groups.all_reduce = real
+        groups.all_reduce = real
     return seen, settled, m.stats()["auto_precision"], calls
 
 

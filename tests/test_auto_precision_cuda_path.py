@@ -113,13 +113,13 @@ def _max_on_the_twin(rank, world):
 
     import fastddp.hooks as fh
     from fastddp.reduction.autoprec import AutoPrecision
-    from fastddp.reduction.stepclock import decision_group
+    from fastddp.reduction.stepclock import decision_group, max_over_ranks
 
     mode = AutoPrecision(fh.AutoPrecisionState(lowest="bf16"), {"fp32": None, "bf16": None}, CUDA)
     mode.side, mode.decided_on = decision_group(dist.group.WORLD, CUDA)
     # a ctx whose comm names the CUDA device: a device tensor would raise here (no CUDA)
     ctx = types.SimpleNamespace(world=world, comm=types.SimpleNamespace(device=CUDA, pg=dist.group.WORLD))
-    return mode._max(ctx, [0.5 + rank, 2.0 - rank]), mode.stats()["auto_precision"]["decided_on"]
+    return max_over_ranks(ctx, mode.side, [0.5 + rank, 2.0 - rank]), mode.stats()["auto_precision"]["decided_on"]
 
 
 @ranks

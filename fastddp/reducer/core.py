@@ -89,8 +89,6 @@ class Reducer(BucketPlans):
     has_comm_hook = property(lambda self: self.comm_hook is not None)
     native = property(lambda self: self.arming.native, doc="The native countdown (None: Python hooks).")
     mode = property(lambda self: self._dense, doc="The dense buckets' mode (fastddp.reduction).")
-    mode_measuring = property(lambda self: self._dense.measuring, doc="The tuner's host: the mode times steps.")
-    mode_epoch = property(lambda self: self._dense.layout_epoch, doc="The tuner's host: the mode's wire changed.")
 
     @property
     def fused_path(self) -> tuple | None:

@@ -30,6 +30,8 @@ class BucketPlans:
     tuning_active = property(lambda self: self.tuner is not None and self.tuner.active,
                              doc='bucket_cap_mb="auto" is still trying layouts.')
     base_config = property(lambda self: self.opts.bucket, doc="The bucket caps now (the tuner's host).")
+    mode_measuring = property(lambda self: self._dense.measuring, doc="The tuner's host: the mode times steps.")
+    mode_epoch = property(lambda self: self._dense.layout_epoch, doc="The tuner's host: the mode's wire changed.")
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in bucket order."""

@@ -45,15 +45,11 @@ import logging
 import math
 import statistics
 
-import torch
-import torch.distributed as dist
-
-from .. import groups
 from ..autotune.precision import PrecisionSearch, Watch, rotation
 from .compression import ResidualBook
 from .kinds import Kind
 from .plain import Reduction, SparseAllReduce, fused_state
-from .stepclock import StepClock, decision_group
+from .stepclock import StepClock, decision_group, max_over_ranks, max_over_ranks_later
 
 __all__ = ["ORDER", "AutoPrecision", "build"]
 
@@ -270,7 +266,7 @@ class AutoPrecision(Reduction):
             for f in self.formats:
                 got = self.samples.pop(first + order.index(f), None)
                 vals.append(got[1] if got is not None and got[0] == f else math.inf)
-            vals = self._max(ctx, vals)
+            vals = max_over_ranks(ctx, self.side, vals)
             self.search.record(dict(zip(self.formats, vals)))
             self._reduced += 1
             # rounds dropped for missing steps do not count: bound the trial all the same
@@ -314,29 +310,8 @@ class AutoPrecision(Reduction):
         vals = [self.samples.pop(i)[1] for i in range(w0, w0 + k) if i in self.samples]
         for i in [i for i in self.samples if i < w0 + k]:
             del self.samples[i]
-        self._window = self._max_later(ctx, [statistics.median(vals) if vals else math.inf])
+        self._window = max_over_ranks_later(ctx, self.side, [statistics.median(vals) if vals else math.inf])
         self._wins += 1
-
-    def _max_later(self, ctx, vals: list):
-        """:meth:`_max`, issued now and read at the next iteration (a callable
-        that returns the list): the watch never waits for a round trip in the
-        middle of a backward.  Every rank issues it and reads it at the same
-        iterations.  By the next one it is complete: on the CPU the buckets'
-        collectives, queued after it on the same group, have been waited for;
-        the gloo twin of a CUDA group has had a whole step (the read waits if
-        not).  A CUDA group without a gloo twin reduces a device tensor: as
-        :meth:`_max`."""
-        if ctx.world == 1 or (self.side is None and ctx.comm.device.type != "cpu"):
-            got = self._max(ctx, vals)
-            return lambda: got
-        t = torch.tensor(vals, dtype=torch.float64)
-        work = groups.all_reduce(t, self.side if self.side is not None else ctx.comm.pg,
-                                 op=dist.ReduceOp.MAX, async_op=True)
-
-        def read() -> list:
-            groups.wait(work)
-            return t.tolist()
-        return read
 
     def _drop_window(self) -> None:
         """A window in flight whose value no longer counts (the watch starts
@@ -344,18 +319,6 @@ class AutoPrecision(Reduction):
         if self._window is not None:
             self._window()
             self._window = None
-
-    def _max(self, ctx, vals: list) -> list:
-        """``vals`` MAX-reduced over the ranks (every rank decides from the same numbers)."""
-        if ctx.world == 1:
-            return vals
-        if self.side is not None:  # CUDA: the gloo twin, host memory only
-            t = torch.tensor(vals, dtype=torch.float64)
-            groups.all_reduce(t, self.side, op=dist.ReduceOp.MAX)
-            return t.tolist()
-        t = torch.tensor(vals, dtype=torch.float64, device=ctx.comm.device)
-        groups.all_reduce(t, ctx.comm.pg, op=dist.ReduceOp.MAX)
-        return t.cpu().tolist()  # gloo: a host tensor; a CUDA group without a gloo twin: one wait
 
     def _switch(self, it: int) -> None:
         """Make :attr:`next_name` current.  Error-feedback residuals: the old

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .. import groups
 
-__all__ = ["StepClock", "decision_group"]
+__all__ = ["StepClock", "decision_group", "max_over_ranks", "max_over_ranks_later"]
 
 
 _SIDE: dict = {}
@@ -32,6 +32,41 @@ def decision_group(pg, device) -> tuple:
     if got is None or got[0] is not pg:
         got = _SIDE[id(pg)] = (pg, dist.new_group(groups.global_ranks(pg), backend="gloo"))
     return got[1], "a gloo group of the same ranks (host memory; the device is never waited for)"
+
+
+def max_over_ranks(ctx, side, vals: list) -> list:
+    """``vals`` MAX-reduced over the ranks (every rank decides from the same
+    numbers), on ``side`` (:func:`decision_group`'s) or the step's group."""
+    if ctx.world == 1:
+        return vals
+    if side is not None:  # CUDA: the gloo twin, host memory only
+        t = torch.tensor(vals, dtype=torch.float64)
+        groups.all_reduce(t, side, op=dist.ReduceOp.MAX)
+        return t.tolist()
+    t = torch.tensor(vals, dtype=torch.float64, device=ctx.comm.device)
+    groups.all_reduce(t, ctx.comm.pg, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()  # gloo: a host tensor; a CUDA group without a gloo twin: one wait
+
+
+def max_over_ranks_later(ctx, side, vals: list):
+    """:func:`max_over_ranks`, issued now and read at the next iteration (a
+    callable that returns the list): the watch never waits for a round trip
+    in the middle of a backward.  Every rank issues it and reads it at the
+    same iterations.  By the next one it is complete: on the CPU the
+    buckets' collectives, queued after it on the same group, have been
+    waited for; the gloo twin of a CUDA group has had a whole step (the read
+    waits if not).  A CUDA group without a gloo twin reduces a device
+    tensor: as :func:`max_over_ranks`."""
+    if ctx.world == 1 or (side is None and ctx.comm.device.type != "cpu"):
+        got = max_over_ranks(ctx, side, vals)
+        return lambda: got
+    t = torch.tensor(vals, dtype=torch.float64)
+    work = groups.all_reduce(t, side if side is not None else ctx.comm.pg, op=dist.ReduceOp.MAX, async_op=True)
+
+    def read() -> list:
+        groups.wait(work)
+        return t.tolist()
+    return read
 
 
 class StepClock:
