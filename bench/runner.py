@@ -645,7 +645,8 @@ def _reducer(e: _Entry):
 
 
 def _tuning(e: _Entry) -> bool:
-    """The wrapper is fastddp with ``bucket_cap_mb="auto"`` still tuning, or
+    """The wrapper is fastddp with ``bucket_cap_mb="auto"`` still tuning
+    (asked for, or turned on by ``auto_precision_hook`` after its choice), or
     with ``auto_precision_hook`` still measuring its formats."""
     r = _reducer(e)
     if r is None:

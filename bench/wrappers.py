@@ -40,8 +40,9 @@ fastddp-hier-W     ... + fastddp.hooks.hierarchical_hook, HierarchicalState(wire
                    for ``--link netns:RATE --ranks-per-host L``; unavailable on a
                    fastddp without them)
 fastddp-autoprec   ... + fastddp.hooks.auto_precision_hook, AutoPrecisionState(lowest="fp8"):
-                   the wire format chosen from measured steps (opt-in; stepped alone
-                   until it has chosen, as fastddp-auto until its buckets settle)
+                   the wire format chosen from measured steps, then the bucket
+                   layout tuned for it (opt-in; stepped alone until both settle,
+                   as fastddp-auto until its buckets settle)
 replicate          torch's FSDP2-based ``replicate``
                    (torch.distributed._composable.replicate_with_fsdp), applied
                    per block then on the root as torchtitan's apply_replicate
