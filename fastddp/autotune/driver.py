@@ -297,7 +297,8 @@ class Tuner:
                 if d.samples and pick is not d else "")
         noise = s.noise(pick) if pick.samples else float("nan")
         tail = (f"gain within noise, chosen by the link: {s.tie_rule}" if s.tie_rule and pick is not d else
-                "gain within noise: kept torch's default layout" if pick is d and len(s.order) > 1 else
+                "gain within noise: kept torch's default layout" + (f" ({s.tie_rule})" if s.tie_rule else "")
+                if pick is d and len(s.order) > 1 else
                 "best measured")
         return (f"chose {pick.label()}: {pick.cost * 1e3:.2f} ms per step "
                 f"(forward to gradients reduced, median of the faster half of "

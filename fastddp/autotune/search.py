@@ -137,17 +137,45 @@ class Search:
             pick = min(ties, key=lambda l: (l.buckets, l.cost))
             rule = f"the link runs at copy speed ({rate}): the fewest buckets"
         else:
-            pick, inc = min(ties, key=lambda l: (l.predicted_s, l.cost)), self.best
-            gain = inc.predicted_s - pick.predicted_s
-            rule = f"the link is a wire ({rate}): the model's pick"
+            per = self.per_bucket_s()
+            price = {id(l): l.predicted_s + per * l.buckets for l in ties}
+            pick, inc = min(ties, key=lambda l: (price[id(l)], l.cost)), self.best
+            gain = price[id(inc)] - price[id(pick)]
+            fit = f", with {per * 1e3:.2f} ms a bucket fitted to the trials" if per > 0 else ""
+            rule = f"the link is a wire ({rate}): the model's pick{fit}"
             if pick is not inc and not gain > self.noise(inc, pick):
                 # a gain the trials' noise would hide is within the model's own error
                 pick = inc
-                rule = (f"the link is a wire ({rate}), but the model's gain ({gain * 1e3:.1f} ms) is within "
+                rule = (f"the link is a wire ({rate}), but the model's gain ({gain * 1e3:.1f} ms{fit}) is within "
                         "the noise: kept the incumbent")
         if len(ties) > 1:
             self.tie_rule = f"{len(ties)} layouts within noise of each other; {rule}"
         return pick
+
+    def per_bucket_s(self) -> float:
+        """What one more bucket costs beyond the model, as the trials show it:
+        the slope of (measured cost - prediction) over the bucket count, a
+        least-squares line weighted by each layout's steps; 0 where it is not
+        above twice its standard error (the steps' pooled robust spread), is
+        negative, or fewer than two bucket counts were measured.  The model
+        prices a bucket as one collective plus HOST_PER_BUCKET_S; a two-phase
+        mode (fp8, bf16 with fp32 sum) runs two collectives and a
+        quantization per bucket, and gloo over TCP a few round trips per
+        collective.  Measured: the transformer with fp8 at 0.2 Gbit/s, 2.1-2.6
+        ms a bucket (3-4 standard errors) the model did not see, so its
+        19-bucket pick ran 5-7% slower than torch's default."""
+        pts = [(l.buckets, l.cost - l.predicted_s, len(l.samples)) for l in self.order
+               if l.samples and math.isfinite(l.predicted_s)]
+        w = sum(n for _, _, n in pts)
+        if len({b for b, _, _ in pts}) < 2:
+            return 0.0
+        mb = sum(b * n for b, _, n in pts) / w
+        mr = sum(r * n for _, r, n in pts) / w
+        var = sum(n * (b - mb) ** 2 for b, _, n in pts)
+        slope = sum(n * (b - mb) * (r - mr) for b, r, n in pts) / var
+        dev = [abs(s - l.cost) for l in self.order for s in l.samples]
+        se = 1.4826 * statistics.median(dev) / math.sqrt(var)
+        return slope if slope > 2 * se else 0.0
 
     def noise(self, ref: Layout, other: Layout | None = None) -> float:
         """What a difference of the costs of ``ref`` and ``other`` must exceed:
