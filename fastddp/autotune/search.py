@@ -173,9 +173,13 @@ class Search:
         mr = sum(r * n for _, r, n in pts) / w
         var = sum(n * (b - mb) ** 2 for b, _, n in pts)
         slope = sum(n * (b - mb) * (r - mr) for b, r, n in pts) / var
+        return slope if slope > 2 * self.pooled_spread() / math.sqrt(var) else 0.0
+
+    def pooled_spread(self) -> float:
+        """The steps' robust spread (s) pooled over every trial: 1.4826 x
+        the median absolute deviation from each layout's own cost."""
         dev = [abs(s - l.cost) for l in self.order for s in l.samples]
-        se = 1.4826 * statistics.median(dev) / math.sqrt(var)
-        return slope if slope > 2 * se else 0.0
+        return 1.4826 * statistics.median(dev) if dev else 0.0
 
     def noise(self, ref: Layout, other: Layout | None = None) -> float:
         """What a difference of the costs of ``ref`` and ``other`` must exceed:
@@ -185,8 +189,7 @@ class Search:
         because its steps spread (up to MAX_TRIAL_STEPS) is known better: with
         the count fixed at TRIAL_STEPS a 10% gain measured on 9 steps each was
         kept out as noise (``small`` at 1 Gbit/s, 1.067x the best cap)."""
-        dev = [abs(s - l.cost) for l in self.order for s in l.samples]
-        spread = 1.4826 * statistics.median(dev) if dev else 0.0
+        spread = self.pooled_spread()
         n_ref = max(len(ref.samples), 1)
         n_other = max(len(other.samples), 1) if other is not None else TRIAL_STEPS
         return max(REL_NOISE * ref.cost, 2 * spread * math.sqrt(1 / n_ref + 1 / n_other))
