@@ -33,8 +33,9 @@ How, step by step (a step = a forward that synchronises and its backward;
             if it is faster by more than the noise
     settled the best; where no layout beat the incumbent by the noise, on
             the CPU the link picks among those within it (copy speed: the
-            fewest buckets; a wire: the model's pick where its predicted
-            gain exceeds the noise, else the incumbent); installed at a step
+            fewest buckets; a wire: the model's pick, priced with the
+            per-bucket cost its trials show, where its predicted gain
+            exceeds the noise, else the incumbent); installed at a step
             boundary; a log line on rank 0
 
 Every decision is taken from values all-reduced (MAX) over the group, by the

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import groups, planner
-from .model import HOST_PER_BUCKET_S, Layout, candidates, predict
+from .model import HOST_PER_BUCKET_S, Layout, candidates, line_fit, predict
 from .search import TRIAL_STEPS, Search
 
 __all__ = ["MICROBENCH_BYTES", "MICROBENCH_REPS", "Tuner", "TunerHost"]
@@ -254,10 +254,9 @@ class Tuner:
         n = len(sizes)
         if n == 1:
             return times[0], 0.0
-        mx, my = sum(sizes) / n, sum(times) / n
-        var = sum((x - mx) ** 2 for x in sizes)
-        beta = max(sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / var, 1e-13)
-        alpha = max(my - beta * mx, 0.0)
+        _, beta, _ = line_fit(sizes, times)
+        beta = max(beta, 1e-13)
+        alpha = max(sum(times) / n - beta * sum(sizes) / n, 0.0)
         return alpha, beta
 
     def _max(self, t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .. import planner
 
-__all__ = ["FIRST_CAPS_MB", "HOST_PER_BUCKET_S", "Layout", "REST_CAPS_MB", "candidates", "predict",
+__all__ = ["FIRST_CAPS_MB", "HOST_PER_BUCKET_S", "Layout", "REST_CAPS_MB", "candidates", "line_fit", "predict",
            "wire_bytes"]
 
 REST_CAPS_MB = (0.5, 1, 2, 5, 10, 25, 50, 100)
@@ -45,6 +45,21 @@ def predict(plan: planner.BucketPlan, ready_s, alpha: float, beta: float, host_s
         delay += host_s
         done = max(ready, done) + alpha + beta * wire_bytes(b, itemsize)
     return max(done, t_end + delay) - t_end
+
+
+def line_fit(xs, ys, weights=None) -> tuple[float, float, float]:
+    """The least-squares line ``y = a + b x`` through the points, each with
+    its weight (1 where None): ``(a, b, sxx)``, ``sxx`` the weighted sum of
+    squared deviations of ``xs`` (what a slope's standard error divides by).
+    Needs two distinct ``xs``.  The tuner fits the link's latency and time
+    per byte with it, and the per-bucket cost the model misses."""
+    w = [1] * len(xs) if weights is None else list(weights)
+    n = sum(w)
+    mx = sum(x * k for x, k in zip(xs, w)) / n
+    my = sum(y * k for y, k in zip(ys, w)) / n
+    sxx = sum(k * (x - mx) ** 2 for x, k in zip(xs, w))
+    b = sum(k * (x - mx) * (y - my) for x, y, k in zip(xs, ys, w)) / sxx
+    return my - b * mx, b, sxx
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from .model import Layout
+from .model import Layout, line_fit
 
 __all__ = ["COPY_SPEED_GBPS", "MAX_LAYOUTS", "MAX_TRIAL_STEPS", "MAX_TUNING_STEPS", "PRUNE", "REL_NOISE",
            "SPREAD_OK", "Search", "TRIAL_STEPS"]
@@ -126,11 +126,12 @@ class Search:
         buckets (measured: one bucket 3-5% faster than torch's default on
         ``small`` and the transformer locally); on a slower wire, overlap pays
         and the model's pick (``small`` at 1 Gbit/s: 0.5-1 MiB buckets 7%
-        faster than the default), unless the gain the model predicts over the
-        incumbent is within the trials' noise: the model knows one collective
-        per bucket, and a gain that small is within its own error (the
-        transformer with fp8 at 0.2 Gbit/s: ~10 ms predicted against ±20-40 ms
-        of noise, measured 1-4% slower than torch's default)."""
+        faster than the default), its price corrected by the per-bucket cost
+        the trials show (:meth:`per_bucket_s`), unless the gain so predicted
+        over the incumbent is within the trials' noise, where it is within the
+        model's own error (the transformer with fp8 at 0.2 Gbit/s: ~10 ms
+        predicted against ±20-40 ms of noise, measured 1-4% slower than
+        torch's default)."""
         gbps = self.link_gbps
         rate = "unmeasured" if gbps is None else f"{gbps:g} GB/s"
         if self.copy_speed():
@@ -138,9 +139,11 @@ class Search:
             rule = f"the link runs at copy speed ({rate}): the fewest buckets"
         else:
             per = self.per_bucket_s()
-            price = {id(l): l.predicted_s + per * l.buckets for l in ties}
-            pick, inc = min(ties, key=lambda l: (price[id(l)], l.cost)), self.best
-            gain = price[id(inc)] - price[id(pick)]
+
+            def price(lay: Layout) -> float:  # the model, corrected per bucket by the trials
+                return lay.predicted_s + per * lay.buckets
+            pick, inc = min(ties, key=lambda l: (price(l), l.cost)), self.best
+            gain = price(inc) - price(pick)
             fit = f", with {per * 1e3:.2f} ms a bucket fitted to the trials" if per > 0 else ""
             rule = f"the link is a wire ({rate}): the model's pick{fit}"
             if pick is not inc and not gain > self.noise(inc, pick):
@@ -164,16 +167,12 @@ class Search:
         collective.  Measured: the transformer with fp8 at 0.2 Gbit/s, 2.1-2.6
         ms a bucket (3-4 standard errors) the model did not see, so its
         19-bucket pick ran 5-7% slower than torch's default."""
-        pts = [(l.buckets, l.cost - l.predicted_s, len(l.samples)) for l in self.order
-               if l.samples and math.isfinite(l.predicted_s)]
-        w = sum(n for _, _, n in pts)
-        if len({b for b, _, _ in pts}) < 2:
+        fit = [l for l in self.order if l.samples and math.isfinite(l.predicted_s)]
+        if len({l.buckets for l in fit}) < 2:
             return 0.0
-        mb = sum(b * n for b, _, n in pts) / w
-        mr = sum(r * n for _, r, n in pts) / w
-        var = sum(n * (b - mb) ** 2 for b, _, n in pts)
-        slope = sum(n * (b - mb) * (r - mr) for b, r, n in pts) / var
-        return slope if slope > 2 * self.pooled_spread() / math.sqrt(var) else 0.0
+        _, slope, sxx = line_fit([l.buckets for l in fit], [l.cost - l.predicted_s for l in fit],
+                                 [len(l.samples) for l in fit])
+        return slope if slope > 2 * self.pooled_spread() / math.sqrt(sxx) else 0.0
 
     def pooled_spread(self) -> float:
         """The steps' robust spread (s) pooled over every trial: 1.4826 x
