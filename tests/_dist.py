@@ -1,4 +1,4 @@
-"""Multi-rank test harness: W gloo ranks spawned once per test module.
+"""Multi-rank test harness: W gloo ranks, started once per pytest session.
 
 Usage in a test module::
 
@@ -20,9 +20,19 @@ failing rank makes ``run`` raise an ``AssertionError`` carrying every failing
 rank's traceback.  After a failure or a timeout the workers are killed and the
 next ``run`` respawns them, so one broken test never poisons the next.
 
-Workers: ``torch.set_num_threads(1)``, one gloo process group (``file://``
-init in a temporary folder, ``timeout`` = :data:`PG_TIMEOUT_S`) kept alive
-across calls; after every call a worker drops leftover state (``gc``) and runs
+Workers are shared by every test module of the session, one set per (world
+size, environment) (:func:`shared_world`; the fixtures ``world2``,
+``world3`` and ``_world_fixture(n)`` hand them out, :func:`close_shared_worlds`
+stops them at the session's end), and started by a ``forkserver`` that has
+imported torch and fastddp once: a worker costs a fork, not an interpreter
+and torch's import (measured: ``tests/README.md``).  Workers:
+``torch.set_num_threads(1)``, the environment of the process that asked for
+them, one gloo process group (``file://`` init in a temporary folder,
+``timeout`` = :data:`PG_TIMEOUT_S`) kept alive across calls.  Before every
+call a worker puts back what a call may leave behind (its environment,
+fastddp's settings and ``configure()``, the seed, torch's default dtype and
+grad mode, torch.compile's caches when the test module changes); after
+every call it drops leftover state (``gc``) and runs
 ``dist.monitored_barrier`` so a rank that is still busy is reported, not
 waited on forever.
 
@@ -38,8 +48,8 @@ The class under test is chosen by the environment variable
 ``FASTDDP_TEST_IMPL``: ``torch`` makes :func:`ddp_class` return
 ``torch.nn.parallel.DistributedDataParallel`` (the *stand-in* mode that
 proves the tests themselves); anything else (default) returns
-``fastddp.DistributedDataParallel``.  Workers inherit the environment, so the
-choice is the same in the pytest process and in every rank.
+``fastddp.DistributedDataParallel``.  Workers get the environment of the
+pytest process, so the choice is the same there and in every rank.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import multiprocessing as _mp
 import os
 import pickle
 import queue
+import shutil
 import sys
 import tempfile
 import time
@@ -161,10 +172,42 @@ def torch_reference(module, *, hook=False, emulate=(), **kwargs):
 # worker side
 # --------------------------------------------------------------------------
 
-def _worker_main(rank, world_size, init_file, cmd_q, res_q):
+#: variables read when a module is imported (triton's ``@jit`` reads
+#: TRITON_INTERPRET then): a forkserver that imported fastddp under other
+#: values cannot serve a world that needs these, which is then spawned.
+IMPORT_TIME_VARIABLES = ("TRITON_INTERPRET",)
+#: what the forkserver imports once, before it forks any worker
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "fastddp")
+
+
+def _apply_environment(env: dict) -> None:
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _reset_between_calls(env: dict, last_module: str | None, module: str) -> None:
+    """Put back what a call may leave behind, so that a call sees the same
+    worker state whichever test modules ran before it in this session."""
+    import torch
+
+    _apply_environment(env)
+    fastddp_settings = sys.modules.get("fastddp.settings")
+    if fastddp_settings is not None:
+        fastddp_settings.configure(check_finite=None, bucket_cap_mb=None, auto_precision=None)
+        fastddp_settings.reload()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    if last_module is not None and last_module != module and "torch._dynamo" in sys.modules:
+        # compiled frames and their recompile counts belong to one test module
+        torch._dynamo.reset()
+
+
+def _worker_main(rank, world_size, init_file, cmd_q, res_q, env):
+    _apply_environment(env)
     if REPO_ROOT not in sys.path:
         sys.path.insert(0, REPO_ROOT)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
@@ -180,6 +223,7 @@ def _worker_main(rank, world_size, init_file, cmd_q, res_q):
     res_q.put((rank, "ready", None))
 
     parent = os.getppid()
+    last_module = None
     while True:
         try:
             msg = cmd_q.get(timeout=1.0)
@@ -192,6 +236,8 @@ def _worker_main(rank, world_size, init_file, cmd_q, res_q):
         mod_name, qualname, args = msg
         status, payload = "ok", None
         try:
+            _reset_between_calls(env, last_module, mod_name)
+            last_module = mod_name
             obj = importlib.import_module(mod_name)
             for part in qualname.split("."):
                 obj = getattr(obj, part)
@@ -224,6 +270,29 @@ def _worker_main(rank, world_size, init_file, cmd_q, res_q):
 # driver side
 # --------------------------------------------------------------------------
 
+_forkserver_env: dict | None = None
+
+
+def _context(env: dict):
+    """``forkserver`` with torch and fastddp imported once (a worker is a
+    fork: ~0.1 s where a spawned one imports torch for ~2 s), started with
+    this session's import-time variables; ``spawn`` where it cannot serve
+    (no forkserver on this platform, or those variables changed since)."""
+    global _forkserver_env
+    if "forkserver" not in _mp.get_all_start_methods():
+        return _mp.get_context("spawn")
+    wanted = {k: env.get(k) for k in IMPORT_TIME_VARIABLES}
+    ctx = _mp.get_context("forkserver")
+    if _forkserver_env is None:
+        if REPO_ROOT not in sys.path:
+            sys.path.insert(0, REPO_ROOT)
+        # the server forks from its own state: it takes this process's
+        # sys.path, and its environment now
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        _forkserver_env = wanted
+    return ctx if wanted == _forkserver_env else _mp.get_context("spawn")
+
+
 class WorldError(AssertionError):
     pass
 
@@ -236,7 +305,7 @@ class World:
         self.world_size = world_size
         self._tmpdir = str(tmpdir) if tmpdir is not None else tempfile.mkdtemp(prefix="fastddp-world-")
         self._start_timeout = start_timeout
-        self._ctx = _mp.get_context("spawn")
+        self._ctx = None
         self._procs: list = []
         self._cmd_qs: list = []
         self._res_q = None
@@ -256,24 +325,20 @@ class World:
         init_file = os.path.join(self._tmpdir, f"pg-init-{os.getpid()}-{self._generation}")
         if os.path.exists(init_file):
             os.unlink(init_file)
+        env = _worker_environment()
+        env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["OMP_NUM_THREADS"] = "1"
+        self._ctx = _context(env)
         self._res_q = self._ctx.Queue()
         self._cmd_qs = [self._ctx.Queue() for _ in range(self.world_size)]
-        old_pp = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + old_pp if old_pp else "")
-        old_omp = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
-            self._procs = []
-            for r in range(self.world_size):
-                p = self._ctx.Process(
-                    target=_worker_main, name=f"fastddp-test-rank{r}",
-                    args=(r, self.world_size, init_file, self._cmd_qs[r], self._res_q),
-                    daemon=True)
-                p.start()
-                self._procs.append(p)
-        finally:
-            _restore_env("PYTHONPATH", old_pp)
-            _restore_env("OMP_NUM_THREADS", old_omp)
+        self._procs = []
+        for r in range(self.world_size):
+            p = self._ctx.Process(
+                target=_worker_main, name=f"fastddp-test-rank{r}",
+                args=(r, self.world_size, init_file, self._cmd_qs[r], self._res_q, env),
+                daemon=True)
+            p.start()
+            self._procs.append(p)
         self.spawns += 1
         got = self._collect(self._start_timeout, "start")
         bad = {r: v for r, (s, v) in got.items() if s != "ready"}
@@ -423,14 +488,46 @@ def setting(name: str, value):
 # fixtures (import them into a test module: ``from tests._dist import world2``)
 # --------------------------------------------------------------------------
 
+#: the session's workers, one World per (world size, environment)
+_shared: dict = {}
+
+
+#: variables that say where pytest is, not what a worker should see
+_NOT_THE_WORKERS = ("PYTEST_CURRENT_TEST",)
+
+
+def _worker_environment() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in _NOT_THE_WORKERS}
+
+
+def _environment_key() -> tuple:
+    return tuple(sorted(_worker_environment().items()))
+
+
+def shared_world(world_size: int) -> World:
+    """This session's workers for ``world_size`` ranks under the current
+    environment (started on their first ``run``, stopped by
+    :func:`close_shared_worlds`)."""
+    key = (world_size, _environment_key())
+    w = _shared.get(key)
+    if w is None:
+        w = _shared[key] = World(world_size)
+    return w
+
+
+def close_shared_worlds() -> None:
+    """Stop every shared world (tests/conftest.py: at the session's end)."""
+    worlds = list(_shared.values())
+    _shared.clear()
+    for w in worlds:
+        w.close()
+        shutil.rmtree(w._tmpdir, ignore_errors=True)
+
+
 def _world_fixture(world_size):
     @pytest.fixture(scope="module")
-    def _fixture(tmp_path_factory):
-        w = World(world_size, tmp_path_factory.mktemp(f"world{world_size}"))
-        try:
-            yield w
-        finally:
-            w.close()
+    def _fixture():
+        yield shared_world(world_size)
     _fixture.__name__ = f"world{world_size}"
     return _fixture
 

@@ -1,13 +1,64 @@
-"""Shared test fixtures: isolation (seed, kernel counters, backend probe)."""
+"""Shared test fixtures: isolation (seed, kernel counters, backend probe);
+the fast tier (``--fast``) and the durations it is chosen from."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+#: each test's seconds (setup + call + teardown) on a quiet 2-core machine,
+#: written by ``--record-durations tests/durations.json`` (tests/README.md)
+DURATIONS = Path(__file__).with_name("durations.json")
+#: the fast tier keeps a test whose recorded time is at most this (a test
+#: not recorded yet counts as quick), and each file's quickest test
+FAST_TEST_S = 0.5
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("fastddp")
+    group.addoption("--fast", action="store_true",
+                    help="the fast tier: every file's quick cases (recorded time <= %g s in "
+                         "tests/durations.json, and each file's quickest), not the tests marked "
+                         "slow or rig" % FAST_TEST_S)
+    group.addoption("--record-durations", metavar="PATH",
+                    help="write each test's time to PATH (JSON, merged into what it holds)")
+
+
+def _durations() -> dict:
+    try:
+        return json.loads(DURATIONS.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _fast_tier(config, items) -> None:
+    """Keep every file's quick cases (see --fast), in collection order."""
+    table = _durations()
+    by_file = defaultdict(list)
+    for item in items:
+        if "slow" not in item.keywords and "rig" not in item.keywords:
+            by_file[item.nodeid.split("::")[0]].append(item)
+    keep = set()
+    for file_items in by_file.values():
+        quick = [i for i in file_items if table.get(i.nodeid, 0.0) <= FAST_TEST_S]
+        keep.update(quick or [min(file_items, key=lambda i: table[i.nodeid])])
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = [i for i in items if i in keep]
+
+
+_recorded: dict = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _recorded[report.nodeid] += report.duration
 
 
 def pytest_sessionstart(session):
@@ -20,6 +71,19 @@ def pytest_sessionstart(session):
     _fp8_native.module()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the multi-rank workers the session shared (tests/_dist.py)."""
+    from tests._dist import close_shared_worlds
+    close_shared_worlds()
+    path = session.config.getoption("record_durations")
+    if path:
+        path = Path(path)
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table.update({k: round(v, 3) for k, v in _recorded.items()})
+        path.write_text(json.dumps(dict(sorted(table.items())), indent=0) + "\n")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     # .ci/run's leg 2 (the GPU machine's torch) leaves the netns rig's torchrun
@@ -33,6 +97,8 @@ def pytest_collection_modifyitems(config, items):
         if "interpret" in item.keywords and not INTERPRET and not has_cuda:
             item.add_marker(pytest.mark.skip(
                 reason="kernel test: run with TRITON_INTERPRET=1 (tests/run.sh does)"))
+    if config.getoption("fast"):
+        _fast_tier(config, items)
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,11 @@
 #   2. the tests marked `interpret` under TRITON_INTERPRET=1: the very Triton
 #      kernel source, bit-exact against the reference, and the reducer with
 #      the kernels in the loop.
+# `--fast` (first argument) is the fast tier: every test file's quick cases,
+# leaving out the tests marked `slow` (framework clients, torchrun, the netns
+# rig, inductor compiles, the native build, exit drains, the longest
+# multi-rank cases); about 2 minutes on 2 cores. The full command is what CI
+# runs. tests/README.md maps each library module to the files that test it.
 # Extra arguments go to both sessions (e.g. -x, -k pattern). The last line says
 # passed or FAILED with both sessions' counts and the time taken; above a
 # FAILED line, every failed test's id (pytest's short summary, both sessions),
@@ -15,6 +20,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
+tier=""
+if [ "${1:-}" = "--fast" ]; then
+    tier="fast tier: "
+fi
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
@@ -39,7 +48,7 @@ rc1=${PIPESTATUS[0]}
 TRITON_INTERPRET=1 "$py" -m pytest tests -m "interpret" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/interpret"
 rc2=${PIPESTATUS[0]}
 took="$(( (SECONDS - t0) / 60 ))m$(( (SECONDS - t0) % 60 ))s"
-what="default session: $(counts "$logs/default") (rc=$rc1); interpreter session: $(counts "$logs/interpret") (rc=$rc2); $took"
+what="${tier}default session: $(counts "$logs/default") (rc=$rc1); interpreter session: $(counts "$logs/interpret") (rc=$rc2); $took"
 # pytest exits 5 when a session selects no test: that is a failure here too.
 if [ "$rc1" -ne 0 ] || [ "$rc2" -ne 0 ]; then
     for session in default interpret; do
