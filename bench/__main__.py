@@ -10,6 +10,8 @@ With no models, wrappers or wire of its own, on the CPU, the main job adds
 a wire section: mlp25m over a 1 Gbit/s link (a real one as root with
 iproute2, else the simulated wire), and it ends with a one-screen summary
 (which fastddp setting to use here and what it gains, with intervals).
+``--quick`` checks that every row runs, in about a minute: its few rounds
+print no ratio ("too few rounds to compare") and it points to the full run.
 Exits 1 when any fastddp row is unavailable or failed (the report is still
 written), 2 on bad arguments.
 See docs/benchmarking.md for how it measures and what every column means.
@@ -46,8 +48,10 @@ def _bandwidths(values: list[str] | None) -> tuple[float | None, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     from .models import DEFAULT_MODELS, model_zoo
-    from .report import DEFAULT_BUDGET_S as R_DEFAULT_BUDGET_S, DEFAULT_HALF_WIDTH as R_DEFAULT_HALF_WIDTH
-    from .runner import REBUILD_EVERY, WIRE_BUDGET_S
+    from .config import REBUILD_EVERY
+    from .stats import DEFAULT_HALF_WIDTH as R_DEFAULT_HALF_WIDTH
+    from .stoprule import DEFAULT_BUDGET_S as R_DEFAULT_BUDGET_S
+    from .wire_section import WIRE_BUDGET_S
     from .wrappers import DEFAULT_WRAPPERS, registry
 
     p = argparse.ArgumentParser(
@@ -86,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, help="bucket_cap_mb for both DDPs (default: theirs, 25)")
     p.add_argument("--out", default="reports", help="report folder (default: reports/)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: a few rounds, every wrapper runs and the table prints; no verdicts "
-                        "(about 2 minutes on 2 idle CPU cores, the wire section's few rounds included)")
+                   help="smoke run: a few rounds of every row, to check that each runs; too few to compare "
+                        "(no ratio, no verdict: the full run gives them), the main job's self-tuning row "
+                        "left out; about a minute on 2 idle CPU cores, the wire section's few rounds included")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler Chrome trace per wrapper (rank 0)")
     p.add_argument("--simulate-bandwidth", nargs="+", metavar="GBPS",
                    help="simulated serial interconnect in GB/s; a list (1,10) gives one section each; "
@@ -133,18 +138,20 @@ def wire_rate(args: argparse.Namespace, cuda: bool, torchrun: bool) -> float | N
             raise ValueError(f"--wire-rate must be a positive number of Gbit/s, got {args.wire_rate:g}")
     if args.no_wire or chosen or torchrun or (cuda and not args.cpu) or args.world not in (None, 2):
         return None
-    from .runner import DEFAULT_WIRE_GBIT
+    from .wire_section import DEFAULT_WIRE_GBIT
 
     return args.wire_rate if args.wire_rate is not None else DEFAULT_WIRE_GBIT
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None):
-    """The :class:`~.runner.BenchConfig` of a parsed command line (raises
+    """The :class:`~.config.BenchConfig` of a parsed command line (raises
     :class:`argparse.ArgumentTypeError` / :class:`ValueError` on a bad one)."""
     import torch
 
     from .models import DEFAULT_MODELS
-    from .runner import WIRE_MODEL, BenchConfig, under_torchrun
+    from .config import BenchConfig
+    from .launcher import under_torchrun
+    from .wire_section import WIRE_MODEL
 
     wire = wire_rate(args, torch.cuda.is_available(), under_torchrun())
     models = _names(args.models) or DEFAULT_MODELS
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     from .wrappers import registry
     from . import report as R
     from .advice import advice_text
-    from .runner import WIRE_BUDGET_S, run
+    from .runner import run
+    from .wire_section import WIRE_BUDGET_S
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -6,15 +6,18 @@ fastddp's default unless another fastddp row is decidedly faster (auto
 precision preferred among those, where it is not decidedly slower than the
 fastest), and pairs the pick with torch's fastest row and torch's DDP;
 :func:`advice_text` lays that out in at most :data:`~bench.report.SUMMARY_LINES`
-lines.  The runner prints it last; :mod:`bench.export` puts it at the top of
-the markdown report.
+lines.  No ratio from fewer rounds than an interval needs is printed ("too
+few rounds to compare" instead), and a smoke run's summary ends with where
+the figures come from.  The runner prints it last; :mod:`bench.export` puts
+it at the top of the markdown report.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .report import SUMMARY_LINES, Report, Row, Section, clip, derive, model_names, resampler
+from .report import (FULL_RUN, SUMMARY_LINES, TOO_FEW, Report, Row, Section, clip, derive, left_out_text,
+                     model_names, resampler, too_few, too_few_text)
 from .stats import DEFAULT_HALF_WIDTH, MIN_CI_ROUNDS, Comparison, Resampler, compare, trimmed_mean, verdict_text
 
 __all__ = ["Advice", "advice", "advice_text", "wire_line"]
@@ -45,7 +48,10 @@ class Advice:
     """fastddp's default against torch's DDP, when the pick is another setting."""
     decided: bool = True
     """False where the model ran too few rounds for an interval: ``pick`` is
-    then only the fastest fastddp row by its trimmed mean, not advice."""
+    then only the fastest fastddp row by its trimmed mean, not advice, and
+    the summary prints no ratio for it."""
+    rounds: int = 0
+    """Timed rounds every measured row of the model has."""
 
 
 def _short_name(section: Section) -> str:
@@ -104,9 +110,10 @@ def advice(section: Section) -> list[Advice]:
     does not pay).  Its gains: paired ratios against torch's fastest row in
     the section (lowest trimmed mean step) and against torch's DDP default.
     No verdicts (``--quick``): no pick beyond the default.  Fewer rounds
-    than an interval needs: no pick either (``decided`` False), the fastest
-    fastddp row by its trimmed mean shown as such.  Every interval is the
-    report's own (:func:`bench.report.resampler`: rounds and placements)."""
+    than an interval needs: no pick either (``decided`` False; ``pick`` is
+    the fastest fastddp row by its trimmed mean, which the summary does not
+    print).  Every interval is the report's own
+    (:func:`bench.report.resampler`: rounds and placements)."""
     out = []
     rs: dict[tuple[str, int], Resampler] = {}  # bench.report.resampler's cache: (model, rounds)
     for model in model_names(section.rows):
@@ -119,11 +126,11 @@ def advice(section: Section) -> list[Advice]:
             continue
         default = next((r for r in ours if r.wrapper == "fastddp"), ours[0])
         rounds = min(len(r.step_ms) for r in rows)
-        if section.verdicts and rounds < MIN_CI_ROUNDS:  # no interval, so nothing can be decided: say so
+        if rounds < MIN_CI_ROUNDS:  # no interval, so nothing can be compared: say so
             pick = min(ours, key=lambda r: trimmed_mean(r.step_ms))
-            adv = Advice(name, model, pick.wrapper, _setting(pick),
-                         f"{rounds} round{'s are' if rounds != 1 else ' is'} too few to decide ({MIN_CI_ROUNDS} "
-                         f"needed: raise --budget or --steps)", decided=False)
+            how = ": raise --budget or --steps" if section.verdicts else ""  # a smoke run ends with where to look
+            adv = Advice(name, model, pick.wrapper, _setting(pick), too_few_text(rounds, how), decided=False,
+                         rounds=rounds)
             _gains(adv, pick, default, torch_rows, section, rs)
             out.append(adv)
             continue
@@ -143,7 +150,7 @@ def advice(section: Section) -> list[Advice]:
             else:
                 why = "decidedly faster than the default" + (" and the fastest" if len(faster) > 1 else "")
             pick = best
-        adv = Advice(name, model, pick.wrapper, _setting(pick), why)
+        adv = Advice(name, model, pick.wrapper, _setting(pick), why, rounds=rounds)
         _gains(adv, pick, default, torch_rows, section, rs)
         out.append(adv)
     return out
@@ -164,9 +171,12 @@ def _gains(adv: Advice, pick: Row, default: Row, torch_rows: list, section: Sect
 
 
 def _gain(c: Comparison, margin: float, what: str = "") -> str:
-    """``"0.757 (0.731-0.781) x torch's fp16 hook, torch's fastest: faster"``."""
-    ci = "(no interval)" if c.ratio_ci is None else f"({c.ratio_ci[0]:.3f}-{c.ratio_ci[1]:.3f})"
-    text = f"{c.ratio:.3f} {ci} x {_TORCH_NAMES.get(c.peer, c.peer)}{what}"
+    """``"0.757 (0.731-0.781) x torch's fp16 hook, torch's fastest: faster"``;
+    ``"x torch DDP: too few rounds to compare"`` where there is no interval."""
+    peer = f"x {_TORCH_NAMES.get(c.peer, c.peer)}{what}"
+    if too_few(c):
+        return f"{peer}: {TOO_FEW}"
+    text = f"{c.ratio:.3f} ({c.ratio_ci[0]:.3f}-{c.ratio_ci[1]:.3f}) {peer}"
     return text if c.verdict is None else f"{text}: {verdict_text(c.verdict, margin)}"
 
 
@@ -181,12 +191,16 @@ def advice_text(report: Report) -> str:
     setting to use and its step time against torch's fastest row and
     torch's DDP default, with the 90% interval and the verdict."""
     margin = report.sections[0].half_width if report.sections else DEFAULT_HALF_WIDTH
-    if report.sections and not all(s.verdicts for s in report.sections):
-        lines = ["Smoke run (--quick): no verdicts and no picks; these ratios are not for decisions",
-                 "(step time x torch's, paired by round, < 1: fastddp faster; tables above)"]
+    smoke = bool(report.sections) and not all(s.verdicts for s in report.sections)
+    if smoke:
+        lines = ["Smoke run (--quick): it checks that every row runs; no verdicts and no picks",
+                 f"({TOO_FEW} where they carry no 90% interval; tables above, report below)"]
+        # last, whatever the cut below: where the figures are
+        tail = [clip(f"For figures: {FULL_RUN} (rounds until every pair is within ±{margin * 100:g}%).")]
     else:
         lines = [f"What to use, and what it gains: step time ratio, 90% interval, verdict at ±{margin * 100:g}%",
                  "(< 1: fastddp faster; paired by round; tables above, report below)"]
+        tail = []
     for s in report.sections:
         if not s.comparisons:
             derive(s)
@@ -195,12 +209,11 @@ def advice_text(report: Report) -> str:
             if a.pick is None:
                 lines.append(clip(f"  {a.model}: {a.why}"))
                 continue
-            if not a.decided:
-                lines.append(clip(f"  {a.model}: no pick, {a.why}"))
-                lines.append(clip(f"    fastest here: {a.pick} ({a.setting})"))
-            else:
-                use = "use " if s.verdicts else ""  # a smoke run picks nothing
-                lines.append(clip(f"  {a.model}: {use}{a.pick} ({a.setting})"))
+            if not a.decided:  # no interval: no ratio, no pick
+                lines.append(clip(f"  {a.model}: {a.why}"))
+                continue
+            use = "use " if s.verdicts else ""  # a smoke run picks nothing
+            lines.append(clip(f"  {a.model}: {use}{a.pick} ({a.setting})"))
             for i, c in enumerate(a.gains):
                 what = ", torch's fastest" if i == 0 and len(a.gains) > 1 else ""
                 lines.append(clip(f"    {_gain(c, s.half_width, what)}"))
@@ -208,6 +221,10 @@ def advice_text(report: Report) -> str:
                 lines.append("    no torch row to compare with")
             if a.default_vs_torch is not None:
                 lines.append(clip(f"    fastddp default: {_gain(a.default_vs_torch, s.half_width)}"))
-    if len(lines) > SUMMARY_LINES:  # keep one screen: the rest is in the tables above
-        lines = lines[:SUMMARY_LINES - 1] + [f"... {len(lines) - SUMMARY_LINES + 1} more lines in the report"]
-    return "\n".join(lines)
+        left = left_out_text(s)
+        if left:
+            lines.append(clip(f"  {left}"))
+    room = SUMMARY_LINES - len(tail)
+    if len(lines) > room:  # keep one screen: the rest is in the tables above
+        lines = lines[:room - 1] + [f"... {len(lines) - room + 1} more lines in the report"]
+    return "\n".join(lines + tail)

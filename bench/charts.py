@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .report import Report, Row, Section, fmt_ms, fmt_x, model_names
+from .report import Report, Row, Section, fmt_ms, fmt_x, model_names, too_few
 from .stats import Comparison, verdict_text
 
 __all__ = ["clip_span", "plot_step", "plot_ratio", "plot_bandwidth"]
@@ -136,12 +136,15 @@ def _ratio_axis(comps: Sequence[Comparison], margin: float) -> tuple[float, floa
 def plot_ratio(section: Section, path: Path) -> bool:
     """Step-time ratio fastddp / peer with its 90% interval, one panel per
     model; the band is the ``equal`` margin; whiskers cut at the axis with
-    the true bound printed."""
+    the true bound printed.  Pairs with too few rounds for an interval are
+    left out; False (no chart) where no pair has one."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    per_model = {m: [c for c in section.comparisons if c.model == m] for m in model_names(section.rows)}
+    # a pair with too few rounds for an interval has no ratio to show (report.too_few)
+    per_model = {m: [c for c in section.comparisons if c.model == m and not too_few(c)]
+                 for m in model_names(section.rows)}
     per_model = {m: cs for m, cs in per_model.items() if cs}
     if not per_model:
         return False
@@ -176,7 +179,7 @@ def plot_ratio(section: Section, path: Path) -> bool:
                       fontsize=8)
         ax.set_title(_panel_title(section, model), fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
-    bottom = _legend(fig, colors, list(dict.fromkeys(c.wrapper for c in section.comparisons)))
+    bottom = _legend(fig, colors, list(dict.fromkeys(c.wrapper for cs in per_model.values() for c in cs)))
     fig.suptitle(f"fastddp against its peers, paired by round - {section.title}", fontsize=11)
     fig.tight_layout(rect=(0, bottom, 1, 0.96))
     fig.savefig(path, dpi=110)

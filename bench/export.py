@@ -16,8 +16,8 @@ from typing import Mapping, Sequence
 
 from .advice import advice_text
 from .charts import plot_bandwidth, plot_ratio, plot_step
-from .report import (COMPARE_COLUMNS, ROW_COLUMNS, Report, Row, Section, comparison_table, derive, fmt_f,
-                     fmt_size, model_names, row_cells, run_text, tally, to_json)
+from .report import (COMPARE_COLUMNS, FULL_RUN, ROW_COLUMNS, Report, Row, Section, comparison_table, derive, fmt_f,
+                     fmt_size, left_out_text, model_names, row_cells, run_text, tally, to_json, too_few, too_few_text)
 
 __all__ = ["to_markdown", "slugify", "write_report"]
 
@@ -63,6 +63,10 @@ def _md_comparisons(section: Section) -> str:
     rows = comparison_table(section)
     if not rows:
         return "No fastddp row has a peer in this section (not run, unavailable or failed)."
+    if all(too_few(c) for c in section.comparisons):  # no pair has an interval: no table of dashes
+        text = too_few_text(min(c.rounds for c in section.comparisons))
+        return (f"{text[0].upper()}{text[1:]}: no ratio is given. For figures: {FULL_RUN} (rounds until "
+                f"every pair is within ±{section.goal * 100:g}%).")
     heads = [h.strip() for h, _ in COMPARE_COLUMNS]
     out = [_md(heads), "|" + "|".join(["---"] * 3 + ["---:"] * 6 + ["---"]) + "|"]
     out += [_md(r) for r in rows]
@@ -142,10 +146,16 @@ def to_markdown(report: Report, charts: Mapping[str, Sequence[str]] | None = Non
         if section.wire or section.bandwidth_gbps is not None:
             out += [section.description[0].upper() + section.description[1:] + ".", ""]
         if not section.verdicts:
-            out += ["**Smoke run (`--quick`): no verdicts; the figures below are not for decisions.**", ""]
+            out += ["**Smoke run (`--quick`): it checks that every row runs; no verdicts. For figures: "
+                    "the full run, `fastddp-bench`.**", ""]
+        left = left_out_text(section)
+        if left:
+            out += [left[0].upper() + left[1:] + ".", ""]
         out += [_md_runs(section), "", _md_rows(section), "", _LEGEND, ""]
         out += [f"### fastddp against its peers (±{section.half_width * 100:g}% margin)", "",
-                _md_comparisons(section), "", _CMP_LEGEND + (" " + _VERDICT_LEGEND if section.verdicts else ""), ""]
+                _md_comparisons(section), ""]
+        if not all(too_few(c) for c in section.comparisons):  # a table was printed: how to read it
+            out += [_CMP_LEGEND + (" " + _VERDICT_LEGEND if section.verdicts else ""), ""]
         counted = tally(section)
         if counted:
             out += [counted, ""]

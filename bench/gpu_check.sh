@@ -439,7 +439,7 @@ else
     if [ "$DRY" = 1 ]; then export TRITON_INTERPRET=1; else kfiles+=(tests/test_kernels_layout.py tests/test_kernels_health.py tests/test_lowprec_kernels.py); fi
     # no native code here (its tests need none): no shard waits for the build
     FASTDDP_NATIVE=0 run_stage kernels $D_KERN "$TESTS_LOG" \
-        "$py" bench/pytest_shards.py --shards "$KSHARDS" --logdir "$work/kernels-shards" -- \
+        "$py" tools/pytest_shards.py --shards "$KSHARDS" --logdir "$work/kernels-shards" -- \
         "${kfiles[@]}" -m "interpret or gpu" "${PT_KERN[@]}"
     for f in "$work"/kernels-shards/shard-*.log; do
         [ -f "$f" ] || continue
@@ -474,7 +474,7 @@ else
             tests/test_gpu_cuda_path.py -m gpu ${only_one[@]+"${only_one[@]}"} "${PT_RED[@]}"
     fi
     record reducer "$(status_of $STAGE_RC)" $STAGE_SECS $STAGE_BUDGET \
-        "$(timeout -k 2 10 "$py" bench/check_summary.py pytest "$work/reducer.out" | head -1 | sed 's/^ *//')$([ "$EXCLUSIVE" = 1 ] && echo '; two-ranks-on-one-GPU tests skipped (Exclusive_Process)')"
+        "$(timeout -k 2 10 "$py" tools/check_summary.py pytest "$work/reducer.out" | head -1 | sed 's/^ *//')$([ "$EXCLUSIVE" = 1 ] && echo '; two-ranks-on-one-GPU tests skipped (Exclusive_Process)')"
 fi
 say "3/5 reducer    ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
 
@@ -537,9 +537,9 @@ fi
 say "5/5 bench      ${STATUS[-1]}  ${SECS[-1]} s / ${BUDGETS[-1]} s  | ${DETAIL[-1]}"
 
 # ---------------------------------------------------------------- summary
-summ() {  # bench/check_summary.py, within what is left of the whole budget
+summ() {  # tools/check_summary.py, within what is left of the whole budget
     local t; t=$(left $TOTAL); [ "$t" -lt 1 ] && t=1
-    timeout -k 1 "$t" "$py" bench/check_summary.py "$@"
+    timeout -k 1 "$t" "$py" tools/check_summary.py "$@"
 }
 rc=0
 for i in "${!STATUS[@]}"; do

@@ -4,10 +4,10 @@ Nothing here starts processes or touches torch.distributed: the runner
 hands over per-round samples and per-wrapper measurements, and this module
 turns them, with :mod:`bench.stats` (the paired comparison, its bootstrap
 intervals and verdicts), into the rows' derived figures (:func:`derive`),
-the rule that ends a model's rounds (:class:`StopRule`, :class:`Stopper`),
 the terminal text (:func:`summary_text`) and the JSON form of a run
 (:func:`to_json`, :func:`from_json`).  The one-screen "what to use" summary
-is :mod:`bench.advice`; the markdown, the charts and the files under
+is :mod:`bench.advice`; the rule that ends a model's rounds is
+:mod:`bench.stoprule`; the markdown, the charts and the files under
 ``reports/<device>/`` are :mod:`bench.export`.
 
 A fastddp row is compared with each of its peers paired by round
@@ -29,34 +29,27 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .stats import (DEFAULT_HALF_WIDTH, MIN_BLOCKS, MIN_CI_ROUNDS, Comparison, Quantiles, Resampler, block_ids,
-                    compare, paired, summarize, trimmed_mean, verdict_text)
+from .stats import (DEFAULT_HALF_WIDTH, MIN_CI_ROUNDS, Comparison, Quantiles, Resampler, block_ids, compare,
+                    paired, summarize, trimmed_mean, verdict_text)
 
 __all__ = [
-    "Row", "Section", "Report", "StopRule", "Stopper", "pairs", "derive", "model_names",
-    "comparison_table", "format_table", "summary_text", "run_text", "tally", "clip", "row_cells",
+    "Row", "Section", "Report", "pairs", "derive", "model_names", "resampler",
+    "comparison_table", "format_table", "summary_text", "run_text", "tally", "clip", "row_cells", "reason",
     "fmt_f", "fmt_ms", "fmt_x", "fmt_size", "ROW_COLUMNS", "COMPARE_COLUMNS",
-    "to_json", "from_json",
-    "MIN_ROUNDS", "DEFAULT_BUDGET_S", "TERMINAL_WIDTH", "SUMMARY_LINES",
+    "to_json", "from_json", "too_few", "too_few_text", "left_out_text",
+    "TERMINAL_WIDTH", "SUMMARY_LINES", "TOO_FEW", "LEFT_OUT_WHY", "FULL_RUN",
 ]
 
-#: Rounds before the precision goal may stop a model: a bootstrap interval
-#: of a dozen rounds is too narrow too often to stop on.
-MIN_ROUNDS = 20
-#: Default time per model (build, warm-up, rounds, profiled step): the 4
-#: default models then take at most 7 minutes on 2 cores, and the main job
-#: with its wire section (``runner.WIRE_BUDGET_S``) about 10.
-DEFAULT_BUDGET_S = 105.0
-#: Time kept back at the end of a model's budget, in rounds' time, for the
-#: profiled step of every wrapper that follows the rounds (a step under the
-#: memory profiler takes 2-4x a plain one on the 600-tensor model).
-POST_ROUNDS = 3.0
-#: Rounds a model runs at least, even when its budget is already spent.
-MIN_TIMED_ROUNDS = 3
 #: Every line the terminal summary prints fits this.
 TERMINAL_WIDTH = 100
 #: The one-screen summary (:func:`bench.advice.advice_text`) is at most this many lines.
 SUMMARY_LINES = 25
+#: Said in place of a ratio from fewer rounds than an interval needs (:func:`too_few`).
+TOO_FEW = "too few rounds to compare"
+#: Why a section's ``left_out`` rows are not in it.
+LEFT_OUT_WHY = "self-tuning: the full run steps it alone until it settles"
+#: Where the figures a smoke run leaves out come from.
+FULL_RUN = "the full run, fastddp-bench"
 
 MiB = 1 << 20
 
@@ -161,6 +154,9 @@ class Section:
     in Gbit/s; ``netns``: ``what``, ``measured_gbit``, ``probe``; a
     simulated wire standing in for a real link: ``why``).  None: a section
     of a run with a single wire (the report's ``meta`` says which)."""
+    left_out: list[str] = field(default_factory=list)
+    """Rows this section's run left out although its job has them: the
+    self-tuning rows of ``--quick`` (:data:`LEFT_OUT_WHY`)."""
 
     @property
     def goal(self) -> float:
@@ -311,90 +307,10 @@ def derive(section: Section) -> Section:
     return section
 
 
-# -- when to stop ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StopRule:
-    """When a model's rounds end: every compared pair's step-time ratio
-    interval within ±``half_width`` (after ``min_rounds``), or the time
-    budget of the model spent, whichever comes first."""
-
-    half_width: float = DEFAULT_HALF_WIDTH
-    """Half-width goal of every pair's 90% ratio interval (0.03: ±3%)."""
-    budget_s: float = DEFAULT_BUDGET_S
-    """Seconds per model, from its build to its last profiled step; what a
-    model leaves unused goes to the models after it (:meth:`model_budget`)."""
-    min_rounds: int = MIN_ROUNDS
-    """Rounds before the precision goal may stop the model."""
-
-    def __post_init__(self):
-        if not 0.0 < self.half_width < 1.0:
-            raise ValueError(f"half-width must be a fraction in (0, 1) (0.03 = ±3%), got {self.half_width}")
-        if not self.budget_s > 0:
-            raise ValueError(f"the time budget per model must be > 0 s, got {self.budget_s}")
-        if self.min_rounds < MIN_CI_ROUNDS:
-            raise ValueError(f"min_rounds must be >= {MIN_CI_ROUNDS}, got {self.min_rounds}")
-
-    def model_budget(self, index: int, used_s: float) -> float:
-        """The budget of the run's model ``index`` (0-based, across sections)
-        when the models before it took ``used_s`` in all: each model must
-        end by ``(index + 1) x budget_s`` into the run, so time a model saves
-        by reaching the precision early goes to the next ones (the slow
-        models, last in the default order, need it most) and the run never
-        takes more than ``models x budget_s``.  May be <= 0 after an overrun."""
-        return (index + 1) * self.budget_s - used_s
-
-    def widest(self, rows: Sequence[Row], placements: Sequence[int] | None = None) -> float | None:
-        """The widest half-width of the compared pairs' ratio intervals in
-        ``rows`` (one model); None when nothing is compared, inf with too
-        few rounds for an interval, or, where the rows are rebuilt
-        (``placements``: the rounds at which each build began), too few
-        placements for the interval to cover the spread between them."""
-        found = pairs(rows)
-        if not found:
-            return None
-        n = min(min(len(a.step_ms), len(b.step_ms)) for a, b in found)
-        if n < MIN_CI_ROUNDS:
-            return math.inf
-        rs = Resampler(n, blocks=block_ids(n, placements))
-        if placements is not None and rs.blocks < MIN_BLOCKS:
-            return math.inf
-        worst = 0.0
-        for a, b in found:
-            logs = [math.log(x / y) for x, y in zip(a.step_ms[:n], b.step_ms[:n])]
-            lo, hi = rs.interval(logs, trimmed_mean(logs))
-            worst = max(worst, (math.exp(hi) - math.exp(lo)) / 2)
-        return worst
-
-
-class Stopper:
-    """Applies a :class:`StopRule` round after round (rank 0 of the runner).
-
-    The precision check bootstraps every pair, so it runs at ``min_rounds``
-    and then each time the rounds have grown by a tenth; the budget is
-    checked every round: the next round plus the work after the rounds
-    (:data:`POST_ROUNDS` rounds' time) must fit."""
-
-    def __init__(self, rule: StopRule, budget_s: float | None = None):
-        self.rule = rule
-        self.budget_s = rule.budget_s if budget_s is None else budget_s
-        """This model's budget (:meth:`StopRule.model_budget`); default: the rule's."""
-        self.next_check = rule.min_rounds
-        self.widest: float | None = None
-
-    def update(self, rows: Sequence[Row], rounds: int, elapsed_s: float, round_s: float,
-               placements: Sequence[int] | None = None) -> str | None:
-        """``"precision"``, ``"budget"`` or None (go on), after ``rounds``
-        timed rounds, ``elapsed_s`` into the model's budget, the last round
-        having taken ``round_s`` (``placements``: :meth:`StopRule.widest`)."""
-        if rounds >= self.next_check:
-            self.widest = self.rule.widest(rows, placements)
-            self.next_check = rounds + max(1, rounds // 10)
-            if self.widest is not None and self.widest <= self.rule.half_width:
-                return "precision"
-        if rounds >= MIN_TIMED_ROUNDS and elapsed_s + round_s * (1.0 + POST_ROUNDS) > self.budget_s:
-            return "budget"
-        return None
+def reason(exc: BaseException) -> str:
+    """The first line of ``exc`` as a row's status gives it (``failed: <reason>``), at most 160 characters."""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def run_text(model: str, info: Mapping | None, margin: float) -> str:
@@ -478,17 +394,43 @@ COMPARE_COLUMNS = (("model", False), ("wrapper", True), ("peer", True), ("x peer
                    ("diff ms", True), ("90% ", True), ("ovh x", True), ("90%  ", False), ("verdict", True))
 
 
+def too_few(c: Comparison) -> bool:
+    """True where ``c`` rests on fewer rounds than an interval needs
+    (:data:`~bench.stats.MIN_CI_ROUNDS`): its ratio is no comparison, and
+    no text or chart prints it."""
+    return c.ratio_ci is None
+
+
+def too_few_text(rounds: int, what: str = "") -> str:
+    """``"too few rounds to compare (3 rounds; an interval needs 5)"``; ``what``
+    is added after the count (how to get more rounds)."""
+    return (f"{TOO_FEW} ({rounds} round{'' if rounds == 1 else 's'}; an interval needs "
+            f"{MIN_CI_ROUNDS}{what})")
+
+
+def left_out_text(section: Section) -> str | None:
+    """``"left out: fastddp-autoprec (self-tuning: ...)"``, or None."""
+    if not section.left_out:
+        return None
+    return f"left out: {', '.join(section.left_out)} ({LEFT_OUT_WHY})"
+
+
 def comparison_table(section: Section) -> list[list[str]]:
     """The comparison list, one row of cells per (fastddp row, peer) in
     :data:`COMPARE_COLUMNS` order: the terminal and the markdown both print
     these rows (the terminal without the columns it has no room for).
-    ``*`` marks the best peer where a row has several."""
+    ``*`` marks the best peer where a row has several.  A pair with too
+    few rounds for an interval (:func:`too_few`) has no figures, only
+    :data:`TOO_FEW` in the verdict column."""
     count: dict[tuple[str, str], int] = {}
     for c in section.comparisons:
         count[c.model, c.wrapper] = count.get((c.model, c.wrapper), 0) + 1
     out = []
     for c in section.comparisons:
         star = "*" if c.best and count[c.model, c.wrapper] > 1 else ""
+        if too_few(c):
+            out.append([c.model, c.wrapper, star + c.peer] + ["-"] * 6 + [TOO_FEW])
+            continue
         out.append([c.model, c.wrapper, star + c.peer, fmt_x(c.ratio), _iv(c.ratio_ci, fmt_x),
                     fmt_ms(c.diff_ms), _iv(c.diff_ci), fmt_x(c.overhead_ratio, 2),
                     _iv(c.overhead_ratio_ci, lambda v: fmt_x(v, 2)), verdict_text(c.verdict, section.half_width)])
@@ -539,12 +481,18 @@ def format_table(section: Section, meta: Mapping | None = None) -> str:
             if not r.ok:
                 lines.append(clip(f"  {r.wrapper}  {r.status}"))
         mine = [[row[i] for i in cmp_cols] for row in table if row[0] == model]
-        if mine:
+        few = [c for c in section.comparisons if c.model == model and too_few(c)]
+        if mine and len(few) == len(mine):  # no pair has an interval: no table of dashes
+            lines.append(clip(f"  paired by round, fastddp / peer: {too_few_text(min(c.rounds for c in few))}"))
+        elif mine:
             header = [COMPARE_COLUMNS[i][0].strip() for i in cmp_cols]
             lines.append("  paired by round, fastddp / peer:")
             lines += [clip(x) for x in _fixed([header] + mine, right={2, 3, 4, 5, 6})]
         lines += [clip(f"  note: {n}") for n in notes]
         lines.append("")
+    left = left_out_text(section)
+    if left:
+        lines.append(clip(left))
     return "\n".join(lines).rstrip()
 
 
@@ -552,12 +500,13 @@ def tally(section: Section) -> str | None:
     if not section.comparisons:
         return None
     if not section.verdicts:
-        return "no verdicts: --quick is a smoke run (every wrapper ran; see the table)"
+        return f"no verdicts: --quick checks that every row runs; figures come from {FULL_RUN}"
     counts: dict[str, int] = {}
     for c in section.comparisons:
-        counts[c.verdict] = counts.get(c.verdict, 0) + 1
-    parts = [f"{counts[v]} {verdict_text(v, section.half_width)}"
-             for v in ("faster", "equal", "slower", "undecided") if v in counts]
+        v = TOO_FEW if too_few(c) else c.verdict
+        counts[v] = counts.get(v, 0) + 1
+    parts = [f"{counts[v]} {v if v == TOO_FEW else verdict_text(v, section.half_width)}"
+             for v in ("faster", "equal", "slower", "undecided", TOO_FEW) if v in counts]
     return f"verdicts ({len(section.comparisons)} pairs, 90% intervals): " + ", ".join(parts)
 
 
@@ -585,7 +534,7 @@ def _row_json(r: Row) -> dict:
 def to_json(report: Report) -> str:
     doc = {"meta": report.meta,
            "sections": [{"bandwidth_gbps": s.bandwidth_gbps, "half_width": s.half_width, "precision": s.precision,
-                         "verdicts": s.verdicts, "runs": s.runs, "wire": s.wire,
+                         "verdicts": s.verdicts, "runs": s.runs, "wire": s.wire, "left_out": s.left_out,
                          "rows": [_row_json(r) for r in s.rows],
                          "comparisons": [dataclasses.asdict(c) for c in s.comparisons]}
                         for s in report.sections]}
@@ -606,6 +555,6 @@ def from_json(text: str) -> Report:
         rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in s["rows"]]
         sec = Section(s["bandwidth_gbps"], rows, half_width=s.get("half_width", DEFAULT_HALF_WIDTH),
                       verdicts=s.get("verdicts", True), runs=s.get("runs", {}), precision=s.get("precision"),
-                      wire=s.get("wire"))
+                      wire=s.get("wire"), left_out=s.get("left_out", []))
         sections.append(derive(sec))
     return Report(doc["meta"], sections)

@@ -126,6 +126,10 @@ class WrapperSpec:
     """Torch wrappers this one's overhead is divided by, first present wins."""
     wire_itemsize: int | None = None
     """Bytes per gradient element on the wire (None: the parameter's own)."""
+    tunes: bool = False
+    """It tunes itself over its first steps (``auto_precision_hook``,
+    ``bucket_cap_mb="auto"``): the runner steps it alone until it settles,
+    and the quick main job leaves it out."""
 
 
 # -- factories -----------------------------------------------------------------
@@ -362,12 +366,12 @@ def registry() -> dict[str, WrapperSpec]:
                       baselines=("torch", "torch-fp16"), wire_itemsize=size)
           for w, size in (("fp32", None), ("bf16", 2), ("fp8", 1))),
         WrapperSpec("fastddp-autoprec", "fastddp", "autoprec", P(_fastddp_autoprec, lowest="fp8"),
-                    baselines=("torch", "torch-fp16")),
+                    baselines=("torch", "torch-fp16"), tunes=True),
         WrapperSpec("replicate", "replicate", "default", _replicate),
         WrapperSpec("replicate-bf16", "replicate", "bf16", P(_replicate, reduce_dtype=torch.bfloat16),
                     wire_itemsize=2),
         WrapperSpec("fastddp-auto", "fastddp", "auto", P(_fastddp_cap, cap_mb="auto"),
-                    baselines=("torch", "replicate")),
+                    baselines=("torch", "replicate"), tunes=True),
     ]
     # opt-in: fastddp at each fixed cap of the bucket sweep (compared with fastddp-auto there)
     specs += [WrapperSpec(f"fastddp-cap{c:g}", "fastddp", f"cap{c:g}", P(_fastddp_cap, cap_mb=c),

@@ -158,10 +158,13 @@ def test_backend_leaves_other_wheels_alone(tmp_path):
 
 def _modules() -> dict[str, Path]:
     """Dotted name -> source file, subpackages included (``fastddp/autotune/search.py``
-    is ``fastddp.autotune.search``; a subpackage's ``__init__.py`` is the subpackage)."""
+    is ``fastddp.autotune.search``; a subpackage's ``__init__.py`` is the subpackage).
+    A ``tests`` folder (bench/tests) is no part of the package: it is not installed."""
     out = {}
     for pkg, folder in PACKAGES.items():
         for f in sorted(folder.rglob("*.py")):
+            if "tests" in f.relative_to(folder).parts:
+                continue
             parts = [pkg, *f.relative_to(folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
@@ -314,29 +317,3 @@ def test_run_sh_names_the_failed_tests(tmp_path):
                         r" - .*on purpose.*", lines[-2]), lines[-3:]
     # the file lies outside the rootdir: pytest names it "::test_fails_on_purpose"
     assert not any("interpret session" in line for line in lines), lines[-5:]
-
-
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch._dynamo's import
-def test_compile_rows_still_come_from_the_registry(tmp_path):
-    """bench.wrappers.registry hands compile_wrappers its spec class and the two
-    DDP factories (no import back): the rows exist, refuse what torch's
-    compiled DDP cannot do, and fastddp's row builds a compiled fastddp."""
-    import torch
-    from torch import nn
-
-    from fastddp.bench.wrappers import WrapperOptions, WrapperSpec, registry
-    from tests._dist import single_rank_group
-
-    reg = registry()
-    torch_row, fast_row = reg["torch-compile"], reg["fastddp-compile"]
-    assert isinstance(torch_row, WrapperSpec) and isinstance(fast_row, WrapperSpec)
-    assert (torch_row.family, fast_row.family, fast_row.baselines) == ("torch", "fastddp", ("torch-compile", "torch"))
-    with pytest.raises(RuntimeError, match="bucket_cap_mb < 1"):
-        torch_row.factory(nn.Linear(2, 2), None, WrapperOptions(bucket_cap_mb=0.5))
-    with pytest.raises(RuntimeError, match="simulated wire"):
-        torch_row.factory(nn.Linear(2, 2), None, WrapperOptions(wire=object()))
-    with single_rank_group(tmp_path) as pg:
-        compiled, note = fast_row.factory(nn.Linear(2, 2), pg, WrapperOptions(bucket_cap_mb=0.5))
-        assert type(compiled._orig_mod).__module__.startswith("fastddp"), type(compiled._orig_mod)
-        assert note.startswith("torch.compile(fastddp DDP")
-        assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)

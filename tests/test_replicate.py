@@ -19,8 +19,6 @@ the subnormal range), and gloo's sum of two values does not depend on order.
 from __future__ import annotations
 
 import copy
-import re
-import sys
 
 import pytest
 import torch
@@ -122,35 +120,3 @@ def _broken_replicate_body(rank, world):
 
 def test_comparison_sees_a_one_element_difference(world2):
     assert all(n > 0 for n in world2.run(_broken_replicate_body))
-
-
-# -- no process group needed ------------------------------------------------------
-
-def test_replicate_blocks_rule():
-    from fastddp.bench.models import model_zoo
-    from fastddp.bench.wrappers import replicate_blocks
-
-    zoo = model_zoo()
-    tr = zoo["transformer"].build()
-    assert replicate_blocks(tr) == list(tr.encoder.layers)  # torchtitan: each transformer block
-    small = zoo["small"].build()
-    assert len(replicate_blocks(small)) == 300  # every Linear and LayerNorm of the Sequential
-    conv = zoo["convnet"].build()
-    blocks = replicate_blocks(conv)
-    assert all(any(True for _ in b.parameters()) for b in blocks) and len(blocks) == 9  # ReLU/pool skipped
-    assert replicate_blocks(make_model("mlp")) == []  # no repeated unit: the root alone
-
-
-def test_refused_on_the_simulated_wire_with_the_reason():
-    from fastddp.bench.wrappers import WrapperOptions, build_wrapper
-
-    with pytest.raises(RuntimeError, match="simulated wire.*--link netns"):
-        build_wrapper("replicate", make_model("mlp"), object(), WrapperOptions())
-
-
-def test_unavailable_on_a_torch_without_it(monkeypatch):
-    from fastddp.bench.wrappers import WrapperOptions, build_wrapper
-
-    monkeypatch.setitem(sys.modules, "torch.distributed._composable.replicate_with_fsdp", None)
-    with pytest.raises(ImportError, match=re.escape(f"torch {torch.__version__} has no replicate_with_fsdp")):
-        build_wrapper("replicate-bf16", make_model("mlp"), None, WrapperOptions())

@@ -10,7 +10,7 @@ RATE Gbit/s; ``sim:GBPS``: the simulated wire) with the rows ``fastddp-capN``,
 ``fastddp`` (torch's default, ``bucket_cap_mb=None``: 25 MiB with a 1 MiB first
 bucket, a layout of its own where an explicit 25 puts 25 MiB in the first
 bucket) and ``fastddp-auto``.  auto tunes first, its steps back to back and alone
-(as a training loop runs it; ``fastddp.bench.runner._tune_alone``), then every row
+(as a training loop runs it; ``fastddp.bench.rounds._tune_alone``), then every row
 has the same ``--warmup`` rounds (default 3) and timed rounds, so auto's
 tuning steps are not timed.  Per model and speed the verdicts are the issue's:
 

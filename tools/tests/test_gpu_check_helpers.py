@@ -1,7 +1,6 @@
-"""bench/gpu_check.sh and the CI helpers it runs (bench/pytest_shards.py,
-bench/check_summary.py): the script parses, the helpers read pytest's and
-the bench's result files.  They live in bench/ because gpu_check.sh calls
-them by path; they are tooling, not the product, so their tests are here."""
+"""bench/gpu_check.sh and the CI helpers it runs by path (tools/pytest_shards.py,
+tools/check_summary.py): the script parses, the helpers read pytest's and
+the bench's result files."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ def test_gpu_check_script_parses_and_documents_its_stages():
 
 
 def test_pytest_shards_reads_pytest_result_lines(tmp_path):
-    from fastddp.bench import pytest_shards as S
+    from tools import pytest_shards as S
 
     log = tmp_path / "shard-0.log"
     log.write_text("....F\nFAILED tests/x.py::t[a] - AssertionError: boom\n"
@@ -53,7 +52,7 @@ def test_pytest_shards_reads_pytest_result_lines(tmp_path):
 
 
 def test_check_summary_lines(tmp_path):
-    from fastddp.bench import check_summary as C
+    from tools import check_summary as C
 
     log = tmp_path / "tests.log"
     log.write_text("x\nFAILED tests/a.py::t1 - AssertionError\nERROR tests/b.py::t2 - RuntimeError\n"
@@ -81,3 +80,11 @@ def test_check_summary_lines(tmp_path):
     assert "UNAVAILABLE" in text   # m / fastddp-view
     assert "not ok: m fastddp-view: unavailable: not built" in text
     assert C.main(["kernels", str(tmp_path / "nope.json")]) == 0
+    # three rounds carry no interval: no ratio, "too few"
+    few = _section()
+    for r in few.rows:
+        r.step_ms, r.exposed_ms = r.step_ms[:3], r.exposed_ms[:3]
+    rep.sections = [R.derive(few)]
+    path.write_text(R.to_json(rep))
+    text = "\n".join(C.bench_lines(path))
+    assert "too few" in text and "0.750" not in text

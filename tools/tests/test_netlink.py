@@ -69,7 +69,7 @@ def test_cli_refuses_before_starting_anything(monkeypatch, capsys, tmp_path):
 
 
 def test_config_rejects_link_with_other_wires():
-    from fastddp.bench.runner import BenchConfig
+    from fastddp.bench.config import BenchConfig
 
     with pytest.raises(ValueError, match="--world must be 2"):
         BenchConfig(models=("tiny",), link="netns:1", world=3).validate()

@@ -9,7 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
+SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.sh"
 WINDOW_S = 8 * 60
 
 

@@ -11,9 +11,9 @@ import pytest
 from fastddp.bench import linkbytes as LB
 from fastddp.bench import report as R
 from fastddp.bench import export as E
-from fastddp.bench import runner
+from fastddp.bench import rounds
 from fastddp.bench import wrappers as W
-from fastddp.bench.runner import BenchConfig
+from fastddp.bench.config import BenchConfig
 
 
 # -- configuration ----------------------------------------------------------------------
@@ -110,14 +110,14 @@ def _run_rounds(monkeypatch, counting, timed_rounds=3, warmup_rounds=2):
         wire.rx += 2 * e.sends
         return 1.0, 0.5, 1.0
 
-    monkeypatch.setattr(runner, "_step", step)
-    monkeypatch.setattr(runner, "_batch", lambda ctx, spec, index: None)
-    monkeypatch.setattr(runner, "_all_gather", lambda ctx, t: [t])
+    monkeypatch.setattr(rounds, "timed_step", step)
+    monkeypatch.setattr(rounds, "_batch", lambda ctx, spec, index: None)
+    monkeypatch.setattr(rounds, "all_gather", lambda ctx, t: [t])
     wire.tx += 12345  # what happened before the rounds is never counted
     for i in range(warmup_rounds):
-        runner._round(ctx, None, entries, i, timed=False)
+        rounds._round(ctx, None, entries, i, timed=False)
     for i in range(timed_rounds):
-        runner._round(ctx, None, entries, warmup_rounds + i, timed=True)
+        rounds._round(ctx, None, entries, warmup_rounds + i, timed=True)
         wire.tx += 999  # between rounds (the all_gather of the times): not any wrapper's
     return entries
 
@@ -140,10 +140,10 @@ def test_without_link_nothing_is_counted(monkeypatch):
     ctx = _FakeCtx(wire, True)
     ctx.meter = None
     e = _E("a", 10)
-    monkeypatch.setattr(runner, "_step", lambda ctx, spec, e, batch: (1.0, 0.5, 1.0))
-    monkeypatch.setattr(runner, "_batch", lambda ctx, spec, index: None)
-    monkeypatch.setattr(runner, "_all_gather", lambda ctx, t: [t])
-    runner._round(ctx, None, [e], 0, timed=True)
+    monkeypatch.setattr(rounds, "timed_step", lambda ctx, spec, e, batch: (1.0, 0.5, 1.0))
+    monkeypatch.setattr(rounds, "_batch", lambda ctx, spec, index: None)
+    monkeypatch.setattr(rounds, "all_gather", lambda ctx, t: [t])
+    rounds._round(ctx, None, [e], 0, timed=True)
     assert e.row.link_out_bytes == [] and e.row.step_ms == [1.0]
     assert wire.tx == _FakeCtx.BARRIER  # no closing barrier either
 

@@ -15,6 +15,7 @@ import torch
 from fastddp.bench import report as R
 from fastddp.bench import export as E
 from fastddp.bench import stats as S
+from fastddp.bench import stoprule as SR
 from fastddp.bench.wrappers import DEFAULT_WRAPPERS, computed_wire_bytes, registry
 from tests._dist import torch_ddp_accepts, world2  # noqa: F401  (module-scoped 2-rank gloo fixture)
 
@@ -325,7 +326,7 @@ def test_tiny_run_writes_report(tiny_run):
     js = list(folder.glob("*-ci.json"))
     assert len(md) == 1 and len(js) == 1
     pngs = {p.name.split("-ci", 1)[1] for p in folder.glob("*.png")}
-    assert {"-step.png", "-ratio.png", f"-bw{SIM_GBPS:g}-step.png", f"-bw{SIM_GBPS:g}-ratio.png"} <= pngs
+    assert pngs == {"-step.png", f"-bw{SIM_GBPS:g}-step.png"}  # 2 rounds: no interval, so no ratio chart
     text = md[0].read_text()
     assert "## Results" in text and f"## Simulated interconnect: {SIM_GBPS:g} GB/s" in text
     for w in DEFAULT_WRAPPERS:
@@ -414,7 +415,7 @@ def test_adaptive_run_stops_at_the_precision_goal(adaptive_run):
     assert rc == 0
     (s,) = rep.sections
     info = s.runs["tiny"]
-    assert info["stopped"] == "precision" and info["rounds"] >= R.MIN_ROUNDS and info["budget_s"] == 120
+    assert info["stopped"] == "precision" and info["rounds"] >= SR.MIN_ROUNDS and info["budget_s"] == 120
     assert info["round_s"] > 0 and info["profile_s"] >= 0 and info["elapsed_s"] < 120
     assert rep.meta["mode"] == "adaptive" and rep.meta["half_width"] == "50%"
     rows = {r.wrapper: r for r in s.rows}
@@ -427,18 +428,18 @@ def test_adaptive_run_stops_at_the_precision_goal(adaptive_run):
 
 def test_half_width_and_budget_options(capsys):
     from fastddp.bench.__main__ import build_parser, main
-    from fastddp.bench.runner import BenchConfig
+    from fastddp.bench.config import BenchConfig
 
     args = build_parser().parse_args(["--half-width", "2", "--budget", "30"])
     assert (args.half_width, args.budget) == (2.0, 30.0)
     cfg = BenchConfig(half_width=0.02, budget_s=30.0)
-    assert cfg.mode == "adaptive" and cfg.stop_rule() == R.StopRule(0.02, 30.0)
+    assert cfg.mode == "adaptive" and cfg.stop_rule() == SR.StopRule(0.02, 30.0)
     assert BenchConfig(steps=5).mode == "fixed" and BenchConfig(quick=True, steps=5).mode == "quick"
-    assert BenchConfig().stop_rule().budget_s == R.DEFAULT_BUDGET_S
+    assert BenchConfig().stop_rule().budget_s == SR.DEFAULT_BUDGET_S
     args = build_parser().parse_args(["--precision", "1.5"])
     assert args.precision == 1.5 and args.half_width == 3.0
     fine = BenchConfig(half_width=0.03, precision=0.015, budget_s=30.0)
-    assert fine.stop_rule() == R.StopRule(0.015, 30.0)  # the rounds' goal; the margin stays 3%
+    assert fine.stop_rule() == SR.StopRule(0.015, 30.0)  # the rounds' goal; the margin stays 3%
     for argv, word in ((["--half-width", "0"], "--half-width"), (["--half-width", "120"], "--half-width"),
                        (["--precision", "0"], "--precision"), (["--budget", "-1"], "--budget")):
         with pytest.raises(SystemExit) as e:
@@ -464,15 +465,17 @@ def test_gpu_kernels_lowprec_rows_bit_exact_on_cpu():
     assert "| fp8 quantize+ef |" in G.to_markdown({"meta": meta, "rows": rows, "block_sweep": []})
 
 
-def test_auto_tunes_alone_before_the_rounds(tmp_path):
+@pytest.mark.parametrize("rounds", [["--steps", "2", "--warmup", "1"], ["--quick"]], ids=["steps", "quick"])
+def test_auto_tunes_alone_before_the_rounds(tmp_path, rounds):
     """``fastddp-auto`` runs its tuning steps back to back, alone, before the
     rotated rounds (as a training loop runs it; inside the rounds each trial
     step would follow the other wrappers' steps): it has settled before the
-    first round, and the fixed-cap row ran no such steps."""
+    first round, and the fixed-cap row ran no such steps.  ``--quick`` too:
+    its few rounds time the settled row, not its trials."""
     from fastddp.bench.__main__ import main
 
-    rc = main(["--models", "tiny", "--wrappers", "fastddp-cap25", "fastddp-auto", "--steps", "2",
-               "--warmup", "1", "--out", str(tmp_path), "--label", "alone", "--no-progress", "--no-charts"])
+    rc = main(["--models", "tiny", "--wrappers", "fastddp-cap25", "fastddp-auto", *rounds,
+               "--out", str(tmp_path), "--label", "alone", "--no-progress", "--no-charts"])
     assert rc == 0
     rep = R.from_json(next(tmp_path.glob("*/*-alone.json")).read_text())
     rows = {r.wrapper: r for s in rep.sections for r in s.rows}
@@ -495,7 +498,7 @@ def test_runner_reads_the_buckets_and_the_tuning_through_public_methods(tmp_path
     from types import SimpleNamespace
 
     import fastddp
-    from fastddp.bench import runner
+    from fastddp.bench import rounds
     from tests._dist import single_rank_group
 
     with single_rank_group(tmp_path):
@@ -505,17 +508,17 @@ def test_runner_reads_the_buckets_and_the_tuning_through_public_methods(tmp_path
         assert len(fixed.reducer.bucket_indices()) == 1  # torch's rule: one bucket until the rebuild
         fixed(x).sum().backward()
         fixed(x)  # the rebuild, in the order the gradients came
-        buckets = runner._buckets(SimpleNamespace(module=fixed))
+        buckets = rounds._buckets(SimpleNamespace(module=fixed))
         assert buckets == fixed.reducer.bucket_indices() and len(buckets) > 1
         assert sorted(i for b in buckets for i in b) == list(range(12))  # every parameter once
-        assert not fixed.reducer.tuning_active and not runner._tuning(SimpleNamespace(module=fixed))
+        assert not fixed.reducer.tuning_active and not rounds._tuning(SimpleNamespace(module=fixed))
         auto = fastddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb="auto")
-        assert auto.reducer.tuning_active and runner._tuning(SimpleNamespace(module=auto))
+        assert auto.reducer.tuning_active and rounds._tuning(SimpleNamespace(module=auto))
         auto.reducer.freeze_tuning("test")
         assert not auto.reducer.tuning_active
         theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-        assert runner._buckets(SimpleNamespace(module=theirs)) is None
-        assert not runner._tuning(SimpleNamespace(module=theirs))
+        assert rounds._buckets(SimpleNamespace(module=theirs)) is None
+        assert not rounds._tuning(SimpleNamespace(module=theirs))
 
 
 def test_link_from_an_install_without_the_clone_says_what_to_do(tmp_path, monkeypatch, capsys):

@@ -1,13 +1,14 @@
 """The main job's wire section and its one-screen summary (``fastddp-bench``
 with no arguments): when the wire section runs and on which wire, how its
 report merges with the loopback sections, and the summary's pick, ratios,
-intervals and wording.  Pure units: no rank is spawned (``runner._launch`` is
+intervals and wording.  Pure units: no rank is spawned (``wire_section.launch`` is
 replaced where a run is needed)."""
 
 from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 
@@ -15,8 +16,11 @@ from fastddp.bench import clone
 from fastddp.bench import report as R
 from fastddp.bench import advice as A
 from fastddp.bench import export as E
-from fastddp.bench import runner
+from fastddp.bench import rounds, wire_section
+from fastddp.bench import stoprule as SR
 from fastddp.bench.__main__ import build_parser, config_from_args, main
+from fastddp.bench.config import REBUILD_EVERY, BenchConfig
+from fastddp.bench.rank import RankContext
 from fastddp.bench.stats import compare, trimmed_mean
 
 
@@ -39,7 +43,7 @@ def _cfg(argv):
 
 def test_the_default_run_has_the_wire_section(cpu_machine):
     cfg = _cfg([])
-    assert cfg.wire_gbit == runner.DEFAULT_WIRE_GBIT == 1.0
+    assert cfg.wire_gbit == wire_section.DEFAULT_WIRE_GBIT == 1.0
     assert cfg.models == ("small", "transformer", "convnet", "mlp25m")  # the loopback sections stay
     cfg.validate()
     assert _cfg(["--wire-rate", "0.5"]).wire_gbit == 0.5
@@ -68,7 +72,7 @@ def test_no_wire_section_on_a_gpu_machine_or_under_torchrun(cpu_machine):
 
 def test_quick_runs_the_wire_model_once(cpu_machine):
     cfg = _cfg(["--quick"])
-    assert cfg.wire_gbit == 1.0 and runner.WIRE_MODEL not in cfg.models
+    assert cfg.wire_gbit == 1.0 and wire_section.WIRE_MODEL not in cfg.models
     assert cfg.models == ("small", "transformer", "convnet")
     assert _cfg(["--quick", "--no-wire"]).models == ("small", "transformer", "convnet", "mlp25m")
 
@@ -80,7 +84,7 @@ def test_wire_rate_where_there_is_no_wire_section_is_refused(cpu_machine, capsys
             main(argv + ["--out", str(tmp_path)])
         assert e.value.code == 2 and "--wire-rate" in capsys.readouterr().err
     with pytest.raises(ValueError, match="wire section"):
-        runner.BenchConfig(wire_gbit=1.0, bandwidths=(0.1,)).validate()
+        BenchConfig(wire_gbit=1.0, bandwidths=(0.1,)).validate()
 
 
 # -- which wire ------------------------------------------------------------------------
@@ -88,11 +92,11 @@ def test_wire_rate_where_there_is_no_wire_section_is_refused(cpu_machine, capsys
 def test_a_real_link_where_the_machine_allows_it(monkeypatch):
     N = clone.netlink()
     monkeypatch.setattr(N, "check_requirements", lambda: None)
-    plan = runner.plan_wire(1.0)
+    plan = wire_section.plan_wire(1.0)
     assert (plan.kind, plan.gbit, plan.why) == ("netns", 1.0, "")
-    cfg = runner._wire_cfg(runner.BenchConfig(wire_gbit=1.0), plan, 150.0)
+    cfg = wire_section._wire_cfg(BenchConfig(wire_gbit=1.0), plan, 150.0)
     assert cfg.link == "netns:1" and cfg.bandwidths == (None,) and cfg.wire_gbit is None
-    assert cfg.models == ("mlp25m",) and cfg.wrappers == runner.WIRE_WRAPPERS == (
+    assert cfg.models == ("mlp25m",) and cfg.wrappers == wire_section.WIRE_WRAPPERS == (
         "torch", "torch-fp16", "fastddp", "fastddp-fp8", "fastddp-autoprec")
     assert cfg.budget_s == 150.0
     cfg.validate()
@@ -106,17 +110,17 @@ def test_the_simulated_wire_when_root_or_iproute2_is_missing(monkeypatch):
                           "uid 1000). Without them use --simulate-bandwidth GBPS (a simulated wire, no root).")
 
     monkeypatch.setattr(N, "check_requirements", refuse)
-    plan = runner.plan_wire(1.0)
+    plan = wire_section.plan_wire(1.0)
     assert plan.kind == "simulated" and plan.why.startswith("a real link needs root") and "Without" not in plan.why
     assert "simulated wire at 1 Gbit/s (0.125 GB/s)" in plan.describe() and "uid 1000" in plan.describe()
-    cfg = runner._wire_cfg(runner.BenchConfig(wire_gbit=1.0), plan, None)
+    cfg = wire_section._wire_cfg(BenchConfig(wire_gbit=1.0), plan, None)
     assert cfg.link is None and cfg.bandwidths == (0.125,) and cfg.models == ("mlp25m",)
     cfg.validate()
 
 
 def test_the_simulated_wire_from_an_install_without_the_clone(monkeypatch):
     monkeypatch.setattr(clone, "repo_root", lambda: None)
-    plan = runner.plan_wire(2.0)
+    plan = wire_section.plan_wire(2.0)
     assert plan.kind == "simulated" and "clone" in plan.why
 
 
@@ -133,23 +137,31 @@ def _fake_report(tag_models, wire=None, bw=None, label="full"):
     return R.Report(meta, [sec])
 
 
-def test_the_wire_section_joins_the_report(monkeypatch):
-    """The wire section runs after the loopback ones, as its own launch, and
-    ends in the same report: its section, rounds and times, what the run was."""
-    monkeypatch.setattr(runner, "plan_wire", lambda gbit: runner.WirePlan("simulated", gbit, "not root"))
+@pytest.fixture
+def simulated_wire(monkeypatch):
+    """The wire section on the simulated wire (no root), its launch faked:
+    the configurations it launched, in order."""
+    monkeypatch.setattr(wire_section, "plan_wire", lambda gbit: wire_section.WirePlan("simulated", gbit, "not root"))
     launched = []
 
     def launch(cfg):
         launched.append(cfg)
         return _fake_report(["mlp25m"], bw=cfg.bandwidths[0])
 
-    monkeypatch.setattr(runner, "_launch", launch)
-    cfg = runner.BenchConfig(models=("small", "mlp25m"), wire_gbit=1.0)
-    rep = runner._with_wire(cfg, _fake_report(["small", "mlp25m"]), t_start=0.0)
+    monkeypatch.setattr(wire_section, "launch", launch)
+    return launched
+
+
+def test_the_wire_section_joins_the_report(simulated_wire):
+    """The wire section runs after the loopback ones, as its own launch, and
+    ends in the same report: its section, rounds and times, what the run was."""
+    launched = simulated_wire
+    cfg = BenchConfig(models=("small", "mlp25m"), wire_gbit=1.0)
+    rep = wire_section.with_wire(cfg, _fake_report(["small", "mlp25m"]), t_start=0.0)
     (wcfg,) = launched
     assert wcfg.bandwidths == (0.125,) and wcfg.models == ("mlp25m",)
     # budget: the wire section's own, plus what the 2 loopback models left of 2 x 105 s (they used 100)
-    assert wcfg.budget_s == pytest.approx(runner.WIRE_BUDGET_S + 2 * R.DEFAULT_BUDGET_S - 100.0)
+    assert wcfg.budget_s == pytest.approx(wire_section.WIRE_BUDGET_S + 2 * SR.DEFAULT_BUDGET_S - 100.0)
     loop, wire = rep.sections
     assert loop.wire == {"kind": "loopback"} and loop.title == "Loopback: no slow wire" and loop.tag == ""
     assert wire.wire == {"kind": "simulated", "gbit": 1.0, "why": "not root"} and wire.tag == "-bw0.125"
@@ -159,9 +171,33 @@ def test_the_wire_section_joins_the_report(monkeypatch):
     assert "simulated wire at 1 Gbit/s" in rep.meta["wire"] and "fastddp-autoprec" in rep.meta["wire"]
 
 
+def test_quick_leaves_the_self_tuning_row_out_of_the_wire_section_and_says_so(simulated_wire):
+    """The auto-precision row tunes itself over its first steps: stepped alone
+    until it settles it would double the smoke run, and inside its rounds it
+    would time its trial; --quick leaves it out and every text says so."""
+    from fastddp.bench.wrappers import registry
+
+    assert {n for n, s in registry().items() if s.tunes} == {"fastddp-autoprec", "fastddp-auto"}
+    launched = simulated_wire
+    rep = wire_section.with_wire(BenchConfig(models=("small",), wire_gbit=1.0, quick=True), _fake_report(["small"]),
+                                 0.0)
+    assert launched[-1].wrappers == ("torch", "torch-fp16", "fastddp", "fastddp-fp8")
+    loop, wire = rep.sections
+    assert (loop.left_out, wire.left_out) == ([], ["fastddp-autoprec"])
+    assert "(fastddp-autoprec left out of --quick)" in rep.meta["wire"]
+    assert R.from_json(R.to_json(rep)).sections[1].left_out == ["fastddp-autoprec"]
+    said = "left out: fastddp-autoprec (self-tuning: the full run steps it alone until it settles)"
+    assert f"  {said}" in A.advice_text(rep).splitlines() and said in R.summary_text(rep).splitlines()
+    assert said[0].upper() + said[1:] in E.to_markdown(rep)
+    # the full run keeps it (stepped alone until it settles)
+    rep = wire_section.with_wire(BenchConfig(models=("small",), wire_gbit=1.0), _fake_report(["small"]), 0.0)
+    assert launched[-1].wrappers == wire_section.WIRE_WRAPPERS and rep.sections[1].left_out == []
+    assert "left out" not in A.advice_text(rep)
+
+
 def test_a_link_that_does_not_come_up_falls_back_to_the_simulated_wire(monkeypatch):
     N = clone.netlink()
-    monkeypatch.setattr(runner, "plan_wire", lambda gbit: runner.WirePlan("netns", gbit))
+    monkeypatch.setattr(wire_section, "plan_wire", lambda gbit: wire_section.WirePlan("netns", gbit))
     launched = []
 
     def launch(cfg):
@@ -170,8 +206,8 @@ def test_a_link_that_does_not_come_up_falls_back_to_the_simulated_wire(monkeypat
             raise N.LinkError("`ip link add` failed (exit 2): Operation not permitted")
         return _fake_report(["mlp25m"], bw=cfg.bandwidths[0])
 
-    monkeypatch.setattr(runner, "_launch", launch)
-    rep = runner._with_wire(runner.BenchConfig(wire_gbit=1.0, steps=3), _fake_report(["small"]), 0.0)
+    monkeypatch.setattr(wire_section, "launch", launch)
+    rep = wire_section.with_wire(BenchConfig(wire_gbit=1.0, steps=3), _fake_report(["small"]), 0.0)
     assert [c.link for c in launched] == ["netns:1", None] and launched[0].budget_s is None  # --steps: no budget
     wire = rep.sections[1]
     assert wire.kind == "simulated" and "could not be set up" in wire.wire["why"]
@@ -280,17 +316,45 @@ def test_the_default_when_nothing_is_decidedly_faster_and_undecided_says_so():
     assert text.count(": undecided") == len(a.gains) and "faster" not in text.split("\n", 2)[2]
 
 
-def test_a_smoke_run_picks_nothing_and_gives_no_verdict():
+def test_a_smoke_run_prints_no_ratio_and_points_to_the_full_run():
+    """--quick's 3 rounds carry no interval: no ratio is printed, and the
+    closing line says where the figures are."""
     sec = _wire_section(rounds=3)
     sec.verdicts = False
     R.derive(sec)
     (a,) = A.advice(sec)
-    assert a.pick == "fastddp" and all(c.verdict is None and c.ratio_ci is None for c in a.gains)
+    assert not a.decided and a.rounds == 3 and all(c.verdict is None and c.ratio_ci is None for c in a.gains)
     text = A.advice_text(R.Report({}, [sec]))
-    assert text.startswith("Smoke run (--quick): no verdicts and no picks")
-    assert "use " not in text and "(no interval) x torch DDP" in text
-    body = text.split("\n", 2)[2]  # below the two heading lines
-    assert not any(w in body for w in ("faster", "slower", "equal ±", "undecided"))
+    lines = text.splitlines()
+    assert lines[0] == "Smoke run (--quick): it checks that every row runs; no verdicts and no picks"
+    assert "  mlp25m: too few rounds to compare (3 rounds; an interval needs 5)" in lines
+    assert not re.search(r"\d\.\d{3}", text), text  # no ratio at all
+    assert lines[-1] == "For figures: the full run, fastddp-bench (rounds until every pair is within ±3%)."
+    body = "\n".join(lines[2:])
+    assert "use " not in body and not any(w in body for w in ("faster", "slower", "equal ±", "undecided"))
+
+
+def test_a_smoke_run_with_rounds_enough_shows_intervals_but_no_verdict():
+    sec = _wire_section(rounds=20)
+    sec.verdicts = False
+    R.derive(sec)
+    (a,) = A.advice(sec)
+    assert a.decided and a.pick == "fastddp" and all(c.verdict is None and c.ratio_ci for c in a.gains)
+    text = A.advice_text(R.Report({}, [sec]))
+    c = a.gains[0]
+    assert f"    {c.ratio:.3f} ({c.ratio_ci[0]:.3f}-{c.ratio_ci[1]:.3f}) x torch's fp16 hook, torch's fastest" in text
+    assert "use " not in text and not any(w in text for w in ("faster", "slower", "equal ±", "undecided"))
+    assert text.splitlines()[-1].startswith("For figures: the full run, fastddp-bench")
+
+
+def test_a_smoke_runs_summary_keeps_its_pointer_when_cut():
+    loop = []
+    for i in range(30):
+        loop += _rows(f"m{i}", {"torch": 100.0, "fastddp": 96.0}, rounds=3, seed=i)
+    sec = R.derive(R.Section(None, loop, verdicts=False))
+    lines = A.advice_text(R.Report({}, [sec])).splitlines()
+    assert len(lines) == R.SUMMARY_LINES and lines[-2].endswith("more lines in the report")
+    assert lines[-1].startswith("For figures: the full run, fastddp-bench")
 
 
 def test_too_few_rounds_for_an_interval_pick_nothing_and_say_why():
@@ -300,8 +364,8 @@ def test_too_few_rounds_for_an_interval_pick_nothing_and_say_why():
     assert not a.decided and a.pick == fastest.wrapper != "fastddp"
     assert all(c.ratio_ci is None and c.verdict == "undecided" for c in a.gains)
     text = A.advice_text(R.Report({}, [sec]))
-    assert "  mlp25m: no pick, 3 rounds are too few to decide (5 needed: raise --budget or --steps)" in text
-    assert f"    fastest here: {fastest.wrapper} (" in text and "use " not in text
+    assert "  mlp25m: too few rounds to compare (3 rounds; an interval needs 5: raise --budget or --steps)" in text
+    assert "fastest here" not in text and "use " not in text and not re.search(r"\d\.\d{3}", text), text
 
 
 def test_the_summary_uses_the_reports_intervals_over_placements():
@@ -359,7 +423,7 @@ def test_the_summary_is_cut_to_one_screen_with_a_pointer():
 def test_a_section_without_fastddp_rows_says_so():
     sec = R.derive(R.Section(None, [R.Row("m", "torch", family="torch", step_ms=[1.0] * 6)]))
     assert "  m: no fastddp row was measured" in A.advice_text(R.Report({}, [sec]))
-    assert math.isclose(R.DEFAULT_BUDGET_S * 4 + runner.WIRE_BUDGET_S, 570.0)  # the main job's ~10 minutes
+    assert math.isclose(SR.DEFAULT_BUDGET_S * 4 + wire_section.WIRE_BUDGET_S, 570.0)  # the main job's ~10 minutes
 
 
 # -- the row effect: every row rebuilt in fresh allocations every K rounds -------------------
@@ -373,15 +437,15 @@ def test_rebuild_gives_every_row_a_fresh_model_and_keeps_its_samples(tmp_path):
 
     spec = model_zoo()["tiny"]
     with single_rank_group(tmp_path):
-        ctx = runner._Ctx(runner.BenchConfig(models=("tiny",)), 0, 1, 0, torch.device("cpu"))
+        ctx = RankContext(BenchConfig(models=("tiny",)), 0, 1, 0, torch.device("cpu"))
         base = spec.build()
         opts = WrapperOptions()
-        entries = [runner._build(ctx, spec, base, n, opts, runner._batch(ctx, spec, -1))[0]
+        entries = [rounds._build(ctx, spec, base, n, opts, rounds._batch(ctx, spec, -1))[0]
                    for n in ("local", "torch", "fastddp")]
-        runner._round(ctx, spec, entries, 0, timed=True)
+        rounds._round(ctx, spec, entries, 0, timed=True)
         before = [(e.row, e.module, e.opt, [p.data_ptr() for p in e.module.parameters()], e.clock) for e in entries]
-        runner._rebuild(ctx, spec, base, entries, opts, 1)
-        runner._round(ctx, spec, entries, 1, timed=True)
+        rounds._rebuild(ctx, spec, base, entries, opts, 1)
+        rounds._round(ctx, spec, entries, 1, timed=True)
         for e, (row, module, opt, ptrs, clock) in zip(entries, before):
             assert e.row is row and len(row.step_ms) == 2 and row.ok  # the row keeps its samples
             assert e.module is not module and e.opt is not opt and e.builds == 2
@@ -402,9 +466,9 @@ def test_rebuild_every_k_rounds_in_a_run(tmp_path):
     assert sec.runs["tiny"]["placements"] == [0, 2, 4]  # the timed round each build began at
     assert all(r.ok and len(r.step_ms) == 5 for r in sec.rows)
     assert "5 rounds (2 rebuilds)" in R.run_text("tiny", sec.runs["tiny"], 0.03)
-    assert build_parser().parse_args([]).rebuild_every == runner.REBUILD_EVERY == 10
+    assert build_parser().parse_args([]).rebuild_every == REBUILD_EVERY == 10
     with pytest.raises(ValueError, match="rebuild-every"):
-        runner.BenchConfig(rebuild_every=-1).validate()
+        BenchConfig(rebuild_every=-1).validate()
 
 
 def test_a_rebuilt_auto_precision_row_reports_each_builds_pick(tmp_path):

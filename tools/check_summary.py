@@ -1,8 +1,8 @@
 """Short text summaries of bench/gpu_check.sh's result files.
 
-    python bench/check_summary.py kernels kernels.json   # fastddp kernels: % of copy bandwidth
-    python bench/check_summary.py bench bench.json       # fastddp-bench: step time x best peer per option
-    python bench/check_summary.py pytest tests.log       # pytest's result line and its FAILED lines
+    python tools/check_summary.py kernels kernels.json   # fastddp kernels: % of copy bandwidth
+    python tools/check_summary.py bench bench.json       # fastddp-bench: step time x best peer per option
+    python tools/check_summary.py pytest tests.log       # pytest's result line and its FAILED lines
 
 Each prints a few lines (a one-screen summary is the goal) and exits 0; a
 missing or unreadable file prints one line saying so.
@@ -51,7 +51,7 @@ def bench_lines(path: Path) -> list[str]:
     meta = doc["meta"]
     out = [f"{meta.get('device', '?')}, world {meta.get('world_size')} ({meta.get('backend')}), "
            f"torch {meta.get('torch')}: step time x best peer, paired by round (< 1 is faster; "
-           f"verdict < faster, > slower, = equal, ? undecided)"]
+           f"verdict < faster, > slower, = equal, ? undecided; too few: no interval, no ratio)"]
     for sec in doc["sections"]:
         rows = sec["rows"]
         fast = list(dict.fromkeys(r["wrapper"] for r in rows if r.get("family") == "fastddp"))
@@ -70,9 +70,9 @@ def bench_lines(path: Path) -> list[str]:
                 elif r.get("status", "ok") != "ok":
                     cells.append(r["status"].split(":")[0].upper())
                 else:
-                    v, verdict = ratios.get((model, w), (None, None))
+                    v, ci, verdict = ratios.get((model, w), (None, None, None))
                     mark = {"faster": " <", "slower": " >", "equal": " =", "undecided": " ?"}.get(verdict, "")
-                    cells.append("n/a" if v is None else f"{v:.3f}{mark}")
+                    cells.append("n/a" if v is None else "too few" if ci is None else f"{v:.3f}{mark}")
             out.append("  " + f"{model:<13}" + "".join(f"{c:>10}" for c in cells))
         stand_ins = sorted({r["wrapper"] for r in rows if str(r.get("note", "")).startswith("stand-in")})
         if stand_ins:
@@ -83,11 +83,11 @@ def bench_lines(path: Path) -> list[str]:
 
 
 def _ratios(sec: dict) -> dict:
-    """(model, wrapper) -> (step-time ratio to the best peer, its verdict) as
-    the report stored them (bench/report.py derives them before writing; no
-    torch import here: this runs in a summary)."""
+    """(model, wrapper) -> (step-time ratio to the best peer, its interval,
+    its verdict) as the report stored them (bench/report.py derives them
+    before writing; no torch import here: this runs in a summary)."""
     verdicts = {(c["model"], c["wrapper"]): c.get("verdict") for c in sec.get("comparisons", ()) if c.get("best")}
-    return {(r["model"], r["wrapper"]): (r.get("ratio"), verdicts.get((r["model"], r["wrapper"])))
+    return {(r["model"], r["wrapper"]): (r.get("ratio"), r.get("ratio_ci"), verdicts.get((r["model"], r["wrapper"])))
             for r in sec["rows"]}
 
 

@@ -1,6 +1,6 @@
 """The main job's statistics on synthetic step times with known answers.
 
-Pure functions of bench/stats.py and bench/report.py, no processes: paired
+Pure functions of bench/stats.py, bench/stoprule.py and bench/report.py, no processes: paired
 comparison by round, its bootstrap intervals, the verdicts, Student t over
 repeated runs, the stop rule, the slowest-rank merge, and the text built
 from them.  Each scenario is built so that a wrong
@@ -18,6 +18,7 @@ import pytest
 from fastddp.bench import report as R
 from fastddp.bench import export as E
 from fastddp.bench import stats as S
+from fastddp.bench import stoprule as SR
 
 
 # -- synthetic rounds ------------------------------------------------------------
@@ -224,7 +225,7 @@ def _feed(data, rule, round_s=1.0):
     """Rounds one by one into rows, as the runner does; returns (reason,
     rounds, elapsed, rows)."""
     rows = [row("m", "local", []), row("m", "torch", []), row("m", "fastddp", [], baselines=("torch",))]
-    stopper = R.Stopper(rule)
+    stopper = SR.Stopper(rule)
     n = len(data["torch"])
     for i in range(n):
         for r in rows:
@@ -238,8 +239,8 @@ def _feed(data, rule, round_s=1.0):
 
 def test_stop_rule_precision_then_the_report_agrees():
     data = rounds(2000, {"local": 60.0, "torch": 100.0, "fastddp": 97.0}, seed=13, shared_sd=0.1, own_sd=0.03)
-    reason, n, _, rows = _feed(data, R.StopRule(half_width=0.01, budget_s=10_000))
-    assert reason == "precision" and R.MIN_ROUNDS <= n < 2000
+    reason, n, _, rows = _feed(data, SR.StopRule(half_width=0.01, budget_s=10_000))
+    assert reason == "precision" and SR.MIN_ROUNDS <= n < 2000
     s = R.derive(R.Section(None, rows, half_width=0.01))
     (c,) = s.comparisons
     assert c.half_width <= 0.01 and c.rounds == n  # the report's interval is the one the rule saw
@@ -252,8 +253,8 @@ def test_precision_finer_than_the_margin_decides_equal():
     measured to ±1.5% (``--precision 1.5``) with the same ±3% margin it is
     equal, and the report says which goal the rounds ran to."""
     data = rounds(4000, {"local": 60.0, "torch": 100.0, "fastddp": 101.0}, seed=21, own_sd=0.12)
-    coarse = _feed(data, R.StopRule(half_width=0.03, budget_s=10_000))
-    fine = _feed(data, R.StopRule(half_width=0.015, budget_s=10_000))
+    coarse = _feed(data, SR.StopRule(half_width=0.03, budget_s=10_000))
+    fine = _feed(data, SR.StopRule(half_width=0.015, budget_s=10_000))
     assert coarse[0] == fine[0] == "precision" and fine[1] > 2 * coarse[1]
     c = R.derive(R.Section(None, coarse[3], half_width=0.03)).comparisons[0]
     assert c.verdict != "equal", c
@@ -267,27 +268,28 @@ def test_precision_finer_than_the_margin_decides_equal():
 
 def test_stop_rule_waits_for_min_rounds():
     exact = {"local": [50.0] * 100, "torch": [100.0] * 100, "fastddp": [90.0] * 100}
-    reason, n, _, _ = _feed(exact, R.StopRule())
-    assert (reason, n) == ("precision", R.MIN_ROUNDS)
+    reason, n, _, _ = _feed(exact, SR.StopRule())
+    assert (reason, n) == ("precision", SR.MIN_ROUNDS)
 
 
 def test_stop_rule_budget_when_noise_wins():
     data = rounds(500, {"local": 60.0, "torch": 100.0, "fastddp": 100.0}, seed=14, own_sd=0.5)
-    reason, n, elapsed, rows = _feed(data, R.StopRule(half_width=0.01, budget_s=60.0), round_s=1.0)
+    reason, n, elapsed, rows = _feed(data, SR.StopRule(half_width=0.01, budget_s=60.0), round_s=1.0)
     # the next round plus the post-round work (POST_ROUNDS rounds) no longer fit 60 s
-    assert reason == "budget" and elapsed + 1.0 * (1 + R.POST_ROUNDS) > 60.0 >= elapsed - 1.0 + 1.0 * (1 + R.POST_ROUNDS)
+    post = 1.0 * (1 + SR.POST_ROUNDS)
+    assert reason == "budget" and elapsed + post > 60.0 >= elapsed - 1.0 + post
     s = R.derive(R.Section(None, rows, half_width=0.01))
     assert s.comparisons[0].half_width > 0.01
 
 
 def test_stop_rule_runs_a_few_rounds_even_over_budget():
     data = rounds(10, {"local": 1.0, "torch": 2.0, "fastddp": 2.0}, seed=15)
-    reason, n, _, _ = _feed(data, R.StopRule(budget_s=1.0), round_s=5.0)
-    assert (reason, n) == ("budget", R.MIN_TIMED_ROUNDS)
+    reason, n, _, _ = _feed(data, SR.StopRule(budget_s=1.0), round_s=5.0)
+    assert (reason, n) == ("budget", SR.MIN_TIMED_ROUNDS)
 
 
 def test_unused_budget_goes_to_the_next_models():
-    rule = R.StopRule(budget_s=100.0)
+    rule = SR.StopRule(budget_s=100.0)
     assert rule.model_budget(0, 0.0) == 100.0
     assert rule.model_budget(1, 40.0) == 160.0      # the first stopped at 40 s
     assert rule.model_budget(3, 40.0 + 160.0 + 90.0) == 110.0
@@ -295,23 +297,23 @@ def test_unused_budget_goes_to_the_next_models():
     # the Stopper applies the model's budget, not the rule's
     data = rounds(400, {"local": 60.0, "torch": 100.0, "fastddp": 100.0}, seed=17, own_sd=0.5)
     rows = [row("m", w, data[w][:50], baselines=("torch",) if w == "fastddp" else ()) for w in data]
-    stop = R.Stopper(rule, budget_s=160.0)
+    stop = SR.Stopper(rule, budget_s=160.0)
     assert stop.update(rows, 50, 150.0, 1.0) is None and stop.update(rows, 51, 157.5, 1.0) == "budget"
 
 
 def test_stop_rule_without_pairs_runs_to_the_budget():
-    rule = R.StopRule(budget_s=30.0)
+    rule = SR.StopRule(budget_s=30.0)
     rows = [row("m", "local", [1.0] * 40), row("m", "torch", [2.0] * 40)]
     assert rule.widest(rows) is None
-    assert R.Stopper(rule).update(rows, 40, 10.0, 1.0) is None
-    assert R.Stopper(rule).update(rows, 40, 28.0, 1.0) == "budget"
+    assert SR.Stopper(rule).update(rows, 40, 10.0, 1.0) is None
+    assert SR.Stopper(rule).update(rows, 40, 28.0, 1.0) == "budget"
 
 
 @pytest.mark.parametrize("kw, msg", [({"half_width": 0.0}, "half-width"), ({"half_width": 1.5}, "half-width"),
                                      ({"budget_s": 0}, "budget"), ({"min_rounds": 2}, "min_rounds")])
 def test_stop_rule_rejects_bad_settings(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        R.StopRule(**kw)
+        SR.StopRule(**kw)
 
 
 # -- what the user reads ----------------------------------------------------------------
@@ -361,6 +363,38 @@ def test_quick_gives_no_verdicts():
         assert word not in text
     md = E.to_markdown(R.Report({}, [s]))
     assert "Smoke run" in md and "undecided" not in md
+
+
+def test_too_few_rounds_print_no_ratio_in_the_table_the_markdown_or_the_chart(tmp_path):
+    """3 rounds carry no interval: the terminal, the markdown and the charts
+    say "too few rounds to compare" and print no ratio; a model with rounds
+    enough beside it keeps its table."""
+    few = rounds(3, {"local": 900.0, "torch": 1500.0, "fastddp": 1000.0}, seed=3)
+    enough = rounds(12, {"local": 90.0, "torch": 150.0, "fastddp": 100.0}, seed=4)
+    rows = [row("a", "local", few["local"]), row("a", "torch", few["torch"]),
+            row("a", "fastddp", few["fastddp"], baselines=("torch",)),
+            row("b", "local", enough["local"]), row("b", "torch", enough["torch"]),
+            row("b", "fastddp", enough["fastddp"], baselines=("torch",))]
+    for verdicts in (True, False):
+        s = R.derive(R.Section(None, [dataclasses.replace(r) for r in rows], verdicts=verdicts))
+        a, b = s.comparisons
+        assert R.too_few(a) and not R.too_few(b)
+        text = R.format_table(s)
+        assert "  paired by round, fastddp / peer: too few rounds to compare (3 rounds; an interval needs 5)" in text
+        assert f"{a.ratio:.3f}" not in text and f"{b.ratio:.3f}" in text
+        md = E.to_markdown(R.Report({}, [s]))
+        assert f"{a.ratio:.3f}" not in md and f"{b.ratio:.3f}" in md
+        assert "| a | fastddp | torch | - | - | - | - | - | - | too few rounds to compare |" in md
+        if verdicts:
+            assert R.tally(s) == "verdicts (2 pairs, 90% intervals): 1 faster, 1 too few rounds to compare"
+    only_few = R.derive(R.Section(None, [dataclasses.replace(r) for r in rows[:3]], verdicts=False))
+    md = E.to_markdown(R.Report({}, [only_few]))
+    assert "Too few rounds to compare (3 rounds; an interval needs 5): no ratio is given. For figures: the full " \
+           "run, fastddp-bench" in md
+    assert "| a | fastddp | torch |" not in md and "x peer" not in md  # no table of dashes, no legend for one
+    paths = E.write_report(R.Report({"label": "few", "device": "Unit CPU", "date": "2026-01-03"}, [only_few]),
+                           tmp_path)
+    assert [p.name for p in paths["charts"]] == ["2026-01-03-few-step.png"]  # no ratio chart
 
 
 def test_json_roundtrip_keeps_the_decision():
@@ -484,7 +518,7 @@ def test_two_placements_are_not_enough_to_stop_or_to_resample():
     assert S.Resampler(n, blocks=S.block_ids(n, starts)).blocks == 0  # rounds only
     rows = [row("m", "torch", [100.0] * n), row("m", "fastddp", [100.0 * math.exp(v) for v in logs],
                                                  baselines=("torch",))]
-    rule = R.StopRule()
+    rule = SR.StopRule()
     assert rule.widest(rows, starts) == math.inf  # rebuilt rows: wait for a third placement
     assert rule.widest(rows) < 0.03  # a run without rebuilds: rounds only, as before
     assert rule.widest(rows, starts + [40]) == math.inf  # a build after the last round is no placement

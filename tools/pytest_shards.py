@@ -1,6 +1,6 @@
 """Run one pytest selection as N parallel pytest processes (bench/gpu_check.sh).
 
-    python bench/pytest_shards.py --shards 4 --logdir DIR -- tests/test_kernels.py -m "interpret or gpu" ...
+    python tools/pytest_shards.py --shards 4 --logdir DIR -- tests/test_kernels.py -m "interpret or gpu" ...
 
 Why: on a fresh GPU machine most of the kernel suite's time is Triton
 compiling one kernel variant after another on one core; N processes compile
