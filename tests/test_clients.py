@@ -1,4 +1,4 @@
-"""Real clients of DDP, run with fastddp swapped in (issue 6, "Real clients").
+"""Real clients of DDP, run with fastddp swapped in.
 
 * torchrun: ``examples/train.py`` under ``python -m torch.distributed.run
   --nproc-per-node 2`` (gloo), ``--impl fastddp`` against ``--impl torch``:

@@ -124,7 +124,7 @@ def _one_step_grads(ddp, model):
 
 @pytest.mark.parametrize("option", ["delay_all_reduce_named_params", "mixed_precision", "device_mesh"])
 def test_later_options_refused_clearly_or_work(pg1, option):
-    """Options that a later issue completes: either a NotImplementedError that
+    """Options fastddp may not complete: either a NotImplementedError that
     names the option, or they work like torch's (one step, same grads)."""
     model = make_model("mlp")
     kwargs = _not_impl_kwargs(option, model)

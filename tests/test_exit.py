@@ -2,7 +2,7 @@
 end WITHOUT ``destroy_process_group``; every rank must exit with status 0.
 
 Guards against an intermittent ``terminate called without an active
-exception`` after a script's last line (issue: one rank aborting at exit).
+exception`` after a script's last line (one rank aborting at exit).
 Cause (from a core dump): a ``Future.then`` callback released on gloo's worker
 thread after the main thread began interpreter finalisation; fix: the exit
 drain in ``fastddp/_exit.py``.
