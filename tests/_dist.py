@@ -220,6 +220,10 @@ def _worker_main(rank, world_size, init_file, cmd_q, res_q, env):
     except BaseException:
         res_q.put((rank, "error", "init_process_group failed:\n" + traceback.format_exc()))
         return
+    # what exists now (torch, fastddp, the group) lives as long as the worker:
+    # out of the collector's sight, the gc.collect() after every call costs
+    # ~0.01 ms instead of ~70 ms
+    gc.freeze()
     res_q.put((rank, "ready", None))
 
     parent = os.getppid()
@@ -264,6 +268,7 @@ def _worker_main(rank, world_size, init_file, cmd_q, res_q, env):
             dist.destroy_process_group()
     except BaseException:
         pass
+    gc.unfreeze()
 
 
 # --------------------------------------------------------------------------
