@@ -4,15 +4,15 @@
 # Two pytest sessions, because TRITON_INTERPRET is read when @triton.jit runs,
 # i.e. at import time, so the interpreter cannot be switched on mid-session:
 #   1. everything not marked `interpret`: the plain-torch CPU path, the
-#      planner, the reducer against torch DDP on gloo ranks, hooks, bench;
+#      planner, the reducer against torch DDP on gloo ranks, hooks (the
+#      bench's tests: bench/tests, tools': tools/tests);
 #   2. the tests marked `interpret` under TRITON_INTERPRET=1: the very Triton
 #      kernel source, bit-exact against the reference, and the reducer with
 #      the kernels in the loop.
-# `--fast` (first argument) is the fast tier: every test file's quick cases,
-# leaving out the tests marked `slow` (framework clients, torchrun, the netns
-# rig, inductor compiles, the native build, exit drains, the longest
-# multi-rank cases); about 2 minutes on 2 cores. The full command is what CI
-# runs. tests/README.md maps each library module to the files that test it.
+# `--fast` is the fast tier (tests/conftest.py selects it): every test file's
+# quick cases by their recorded time (tests/durations.json), not the tests
+# marked `slow` or `rig`; under 2 minutes on 2 cores. The full command is what
+# CI runs. tests/README.md maps each library module to the files that test it.
 # Extra arguments go to both sessions (e.g. -x, -k pattern). The last line says
 # passed or FAILED with both sessions' counts and the time taken; above a
 # FAILED line, every failed test's id (pytest's short summary, both sessions),

@@ -292,11 +292,13 @@ def test_compile_aot_eager_bitwise(world2, model):
     world2.run(_compiled_run, model, "compile", dict(bucket_cap_mb=CAP))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "convbn"])
 def test_compiled_autograd_bitwise(world2, model):
     world2.run(_compiled_run, model, "ca", dict(bucket_cap_mb=CAP))
 
 
+@pytest.mark.slow
 def test_compile_and_compiled_autograd(world2):
     world2.run(_compiled_run, "mlp", "both", dict(bucket_cap_mb=CAP))
 
@@ -315,6 +317,7 @@ def test_compile_options(world2, case, kwargs, run_kwargs):
     world2.run(_compiled_case, model, "compile", kwargs, run_kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "block"])
 def test_compile_inductor(world2, model):
     world2.run(_compiled_case, model, "compile", dict(bucket_cap_mb=CAP),

@@ -412,6 +412,7 @@ def test_a_failed_build_falls_back_with_a_clear_warning(monkeypatch):
         del ddp
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
 def test_build_without_ninja(tmp_path):
     """A machine with a compiler but no ninja (torch's JIT builder needs it)

@@ -258,6 +258,7 @@ def test_no_import_circles():
                         + detail)
 
 
+@pytest.mark.slow
 def test_every_module_imports_first(tmp_path):
     """Each module, imported first in an interpreter that holds no fastddp
     module (torch stays loaded: one interpreter for all, fastddp's modules
@@ -284,6 +285,7 @@ def test_every_module_imports_first(tmp_path):
 
 # ----------------------------------------------------------- tests/run.sh
 
+@pytest.mark.slow
 def test_run_sh_ends_with_one_clear_line():
     """`bash tests/run.sh` ends with one line: passed (or FAILED) and both
     sessions' counts; run here on one test per session."""
@@ -298,6 +300,7 @@ def test_run_sh_ends_with_one_clear_line():
                         r"interpreter session: 1 passed, \d+ deselected \(rc=0\); \d+m\d+s\)", last), last
 
 
+@pytest.mark.slow
 def test_run_sh_names_the_failed_tests(tmp_path):
     """A failing run ends with the FAILED line and, just above it, the id of
     every failed test, so that `bash tests/run.sh | tail` names what failed
