@@ -15,6 +15,17 @@ wrapper can be bound by (DESIGN.md, "Benchmarks"):
 * ``tiny``: 4 x [Linear(16, 16), LayerNorm(16)]; for tests and smoke runs,
   not in the default set.
 
+Not in the default set either, three shapes the default path's rules were
+not fitted on (``--models weights1m,manysmall,embedding``):
+
+* ``weights1m``: 24 x Linear(1024, 1024), 25.2M params in 48 tensors, each
+  weight exactly 1,048,576 elements: the CPU's in-place threshold
+  (``FASTDDP_IN_PLACE_NUMEL``) and several such weights per 25 MiB bucket.
+* ``manysmall``: 100 x [Linear(k, k), LayerNorm(k)], k cycling 16, 64, 128,
+  256: 400 tensors of 16 to 65,536 elements, 2.2M params.
+* ``embedding``: Embedding(50000, 256) (12.8M dense-gradient params, one
+  tensor) under 2 x [Linear(256, 256), LayerNorm(256)] and a Linear head.
+
 Nothing here touches torch.distributed.  ``build()`` draws from the global
 RNG, which the runner seeds identically on every rank, and every wrapper gets
 a deep copy of one built model, so all start from the same weights.
@@ -95,6 +106,47 @@ def _mlp25m() -> nn.Module:
     )
 
 
+def _weights1m() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(24)])
+
+
+def _manysmall() -> nn.Module:
+    widths = [(16, 64, 128, 256)[i % 4] for i in range(100)]
+    return _Widths(widths)
+
+
+class _Widths(nn.Module):
+    """Blocks of Linear(k, k) + LayerNorm(k) of changing widths, joined by
+    slicing or zero-padding the features (no parameters of their own)."""
+
+    def __init__(self, widths: list[int]):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(k, k), nn.LayerNorm(k)) for k in widths)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            k = block[0].in_features
+            x = block(F.pad(x, (0, k - x.shape[-1])) if x.shape[-1] < k else x[..., :k])
+        return x
+
+
+class _Embedding(nn.Module):
+    def __init__(self, vocab: int = 50000, d: int = 256):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(*[m for _ in range(2) for m in (nn.Linear(d, d), nn.LayerNorm(d))])
+        self.head = nn.Linear(d, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+def _token_batch(gen: torch.Generator, device: torch.device) -> Batch:
+    x = torch.randint(0, 50000, (8, 32), generator=gen)
+    y = torch.randn(8, 32, 256, generator=gen)
+    return x.to(device), y.to(device)
+
+
 def _dense_batch(batch: int, width: int):
     def make(gen: torch.Generator, device: torch.device) -> Batch:
         x = torch.randn(batch, width, generator=gen)
@@ -128,5 +180,12 @@ def model_zoo() -> dict[str, ModelSpec]:
                   _mlp25m, _dense_batch(8, 1024), F.mse_loss, steps=20, quick_steps=3),
         ModelSpec("tiny", "4 x [Linear(16,16), LayerNorm(16)] (tests, smoke runs)",
                   _tiny, _dense_batch(4, 16), F.mse_loss, steps=5, quick_steps=2),
+        ModelSpec("weights1m", "24 x Linear(1024,1024): 48 tensors, 25.2M params, each weight 2^20 elements, batch 8",
+                  _weights1m, _dense_batch(8, 1024), F.mse_loss, steps=20, quick_steps=3),
+        ModelSpec("manysmall", "100 x [Linear(k,k), LayerNorm(k)], k = 16/64/128/256: 400 tensors, 2.2M params, "
+                  "batch 32", _manysmall, _dense_batch(32, 256), F.mse_loss, steps=50, quick_steps=3),
+        ModelSpec("embedding", "Embedding(50000,256) + 2 x [Linear(256,256), LayerNorm(256)] + Linear: "
+                  "13.0M params, batch 8 x 32 tokens", _Embedding, _token_batch, F.mse_loss, steps=25,
+                  quick_steps=3),
     ]
     return {s.name: s for s in specs}
