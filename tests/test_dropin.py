@@ -91,6 +91,7 @@ def _sparse_join_body(rank, world_size):
     return m.emb.weight.grad is not None and m.emb.weight.grad.is_sparse
 
 
+@fastddp_only  # torch's DDP raises in join's shadow all-reduce of a sparse bucket
 def test_sparse_gradients_with_join(world2):
     assert world2.run(_sparse_join_body) == [True, True]
 
@@ -311,6 +312,7 @@ def test_comm_hook_bucket_annotation(pg1):
         ddp.register_comm_hook(None, hook)
 
 
+@fastddp_only  # torch's DDP compares annotation objects: string ones (this module's) fail its check
 def test_comm_hook_return_annotation(pg1):
     def hook(state, bucket: dist.GradBucket) -> int:
         return None
@@ -320,6 +322,7 @@ def test_comm_hook_return_annotation(pg1):
         ddp.register_comm_hook(None, hook)
 
 
+@fastddp_only  # torch's DDP compares annotation objects: string ones (this module's) fail its check
 def test_comm_hook_good_annotations_accepted(pg1):
     def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         fut = torch.futures.Future()
