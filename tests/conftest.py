@@ -58,6 +58,14 @@ def _fast_tier(config, items) -> None:
 _recorded: dict = defaultdict(float)
 
 
+def write_durations(path: Path, recorded: dict) -> None:
+    """Merge ``recorded`` (test id -> seconds) into the JSON table at ``path``
+    (the other session's tests, or tests not run this time, stay)."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table.update({k: round(v, 3) for k, v in recorded.items()})
+    path.write_text(json.dumps(dict(sorted(table.items())), indent=0) + "\n")
+
+
 def pytest_runtest_logreport(report):
     _recorded[report.nodeid] += report.duration
 
@@ -86,10 +94,7 @@ def pytest_sessionfinish(session, exitstatus):
     gc.unfreeze()  # collectable again at exit (frozen triton objects make nanobind report leaks)
     path = session.config.getoption("record_durations")
     if path and "PYTEST_XDIST_WORKER" not in os.environ:  # xdist: the controller gets every report
-        path = Path(path)
-        table = json.loads(path.read_text()) if path.exists() else {}
-        table.update({k: round(v, 3) for k, v in _recorded.items()})
-        path.write_text(json.dumps(dict(sorted(table.items())), indent=0) + "\n")
+        write_durations(Path(path), _recorded)
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs

@@ -1,10 +1,13 @@
 """The multi-rank harness itself (tests/_dist.py): workers shared by the
 whole session, started from a forkserver, and put back between calls so
-that a test sees the same worker state whichever modules ran before it.
-(Its failure, timeout and respawn behaviour: tests/test_ddp_api.py.)"""
+that a test sees the same worker state whichever modules ran before it
+(its failure, timeout and respawn behaviour: tests/test_ddp_api.py); and
+the fast tier's choice and the recorded durations it reads
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -78,3 +81,48 @@ def test_workers_come_from_a_forkserver(world2):
         pytest.skip("no forkserver on this platform: the harness spawns")
     # a spawned worker's parent is this process; a forked one's, the server
     assert os.getpid() not in world2.run(_parent_pid)
+
+
+# ------------------------------------------------------------ the fast tier
+class _Item:
+    def __init__(self, nodeid, *marks):
+        self.nodeid = nodeid
+        self.keywords = dict.fromkeys(marks, True)
+
+
+class _Config:
+    def __init__(self):
+        self.deselected = []
+        self.hook = self
+
+    def pytest_deselected(self, items):
+        self.deselected += items
+
+
+def test_the_fast_tier_keeps_each_files_quick_cases(monkeypatch):
+    from tests import conftest
+
+    table = {"tests/test_a.py::quick": 0.1, "tests/test_a.py::slow_one": 5.0,
+             "tests/test_b.py::long": 9.0, "tests/test_b.py::longer": 12.0,
+             "tests/test_c.py::quick_but_marked": 0.01}
+    monkeypatch.setattr(conftest, "_durations", lambda: table)
+    items = [_Item("tests/test_a.py::quick"), _Item("tests/test_a.py::slow_one"),
+             _Item("tests/test_a.py::new_unrecorded"), _Item("tests/test_b.py::longer"),
+             _Item("tests/test_b.py::long"), _Item("tests/test_c.py::quick_but_marked", "slow"),
+             _Item("tests/test_c.py::on_the_rig", "rig")]
+    config = _Config()
+    kept = list(items)
+    conftest._fast_tier(config, kept)
+    assert [i.nodeid for i in kept] == [
+        "tests/test_a.py::quick", "tests/test_a.py::new_unrecorded",  # quick or not recorded yet
+        "tests/test_b.py::long"]  # a file with no quick case keeps its quickest
+    assert {i.nodeid for i in config.deselected} == {i.nodeid for i in items} - {i.nodeid for i in kept}
+
+
+def test_recorded_durations_merge_into_the_table(tmp_path):
+    from tests.conftest import write_durations
+
+    path = tmp_path / "durations.json"
+    write_durations(path, {"tests/test_a.py::x": 1.23456})
+    write_durations(path, {"tests/test_b.py::y": 0.5, "tests/test_a.py::x": 2.0})
+    assert json.loads(path.read_text()) == {"tests/test_a.py::x": 2.0, "tests/test_b.py::y": 0.5}
