@@ -92,7 +92,7 @@ def pytest_sessionfinish(session, exitstatus):
     from tests._dist import close_shared_worlds
     close_shared_worlds()
     gc.unfreeze()  # collectable again at exit (frozen triton objects make nanobind report leaks)
-    path = session.config.getoption("record_durations")
+    path = session.config.getoption("record_durations", None)  # None where --record-durations is not defined (bench/tests)
     if path and "PYTEST_XDIST_WORKER" not in os.environ:  # xdist: the controller gets every report
         write_durations(Path(path), _recorded)
 
