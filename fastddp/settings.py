@@ -9,7 +9,7 @@
 | `FASTDDP_BUCKET_CAP_MB` | MiB >= 0, auto | unset | bucket cap where the constructor gets no `bucket_cap_mb(_list)` |
 | `FASTDDP_AUTO_PRECISION` | fp32, bf16, fp8, off | off | where no comm hook is registered: the wire format chosen from measurement, none below this precision (`auto_precision_hook`) |
 | `FASTDDP_CHUNK_BYTES` | bytes >= 0 | unset | bytes each way per two-phase call (unset: the mode's; 0: unchunked) |
-| `FASTDDP_IN_PLACE_NUMEL` | elements >= 0 | 1048576 | on the CPU, the plain all-reduce reduces each gradient of at least this many elements where it is, in `.grad` (0: never) |
+| `FASTDDP_IN_PLACE_NUMEL` | auto, elements >= 0 | auto | on the CPU, the plain all-reduce reduces each gradient of at least this many elements where it is, in `.grad` (0: never; auto: gradients of 1048576 elements or more, where paired steps measure it faster) |
 | `FASTDDP_NATIVE` | switch, require | on | native readiness hooks (off: Python hooks; require: a failed build raises) |
 | `FASTDDP_RANKS_PER_HOST` | whole number | unset | the hierarchical reduction's topology: this many consecutive ranks per host (unset: detected) |
 | `LOCAL_WORLD_SIZE` | whole number | unset | torchrun's: ranks on this host (checked against the detected topology) |
@@ -132,6 +132,20 @@ def _count(name: str, text: str) -> int:
     return value
 
 
+def _in_place(name: str, text: str) -> int | None:
+    """``auto`` (None: the plain all-reduce measures whether it pays) or elements >= 0."""
+    if text.lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"fastddp: {name}={text!r} is not a whole number >= 0 or auto "
+                         "(auto: measured; 0: never)")
+    return value
+
+
 def _cap(name: str, text: str):
     return parse_bucket_cap(text, name)
 
@@ -160,7 +174,7 @@ VARIABLES = (
     _Variable("FASTDDP_BUCKET_CAP_MB", "bucket_cap_mb", _cap, None),
     _Variable("FASTDDP_AUTO_PRECISION", "auto_precision", _auto_precision, None),
     _Variable("FASTDDP_CHUNK_BYTES", "chunk_bytes", _bytes, None),
-    _Variable("FASTDDP_IN_PLACE_NUMEL", "in_place_numel", _count, 1 << 20),
+    _Variable("FASTDDP_IN_PLACE_NUMEL", "in_place_numel", _in_place, None),
     _Variable("FASTDDP_NATIVE", "native", _native, NativeMode.ON),
     _Variable("FASTDDP_RANKS_PER_HOST", "ranks_per_host", _count, None),
     _Variable("LOCAL_WORLD_SIZE", "local_world_size", _count, None),
@@ -202,9 +216,11 @@ class Settings:
     """``FASTDDP_AUTO_PRECISION``: the lowest precision of the measured choice, or None (off)."""
     chunk_bytes: int | None = None
     """``FASTDDP_CHUNK_BYTES``: bytes, or None (unset: the mode chooses)."""
-    in_place_numel: int = 1 << 20
+    in_place_numel: int | None = None
     """``FASTDDP_IN_PLACE_NUMEL``: on the CPU, gradients of at least this
-    many elements are all-reduced where they are (0: never)."""
+    many elements are all-reduced where they are (0: never); None (unset or
+    ``auto``): where paired trial steps measure it faster than one collective
+    per bucket (:func:`fastddp.reduction.autoprec.in_place_choice`)."""
     native: NativeMode = NativeMode.ON
     """``FASTDDP_NATIVE``."""
     ranks_per_host: int | None = None

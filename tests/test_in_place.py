@@ -85,15 +85,27 @@ def test_the_threshold_is_one_setting_with_a_clear_error(monkeypatch):
     from fastddp import reduction, settings
 
     try:
-        monkeypatch.delenv("FASTDDP_IN_PLACE_NUMEL", raising=False)
-        assert settings.reload().in_place_numel == reduction.IN_PLACE_MIN_NUMEL == 1 << 20
-        assert reduction.choose(None, None, False, True)[0].in_place_min == 1 << 20
-        assert reduction.choose(None, None, False, True, torch.device("cuda"))[0].in_place_min is None
+        for unset in (None, "auto", " AUTO "):  # unset or auto: the plain all-reduce measures whether it pays
+            if unset is None:
+                monkeypatch.delenv("FASTDDP_IN_PLACE_NUMEL", raising=False)
+            else:
+                monkeypatch.setenv("FASTDDP_IN_PLACE_NUMEL", unset)
+            assert settings.reload().in_place_numel is None
+            mode = reduction.choose(None, None, False, True)[0]
+            assert mode.label == "in_place" and mode.formats == ["flat", "in-place"]
+            assert mode.kind is reduction.Kind.ALLREDUCE and not mode.fused  # the default path, not a hook
+            assert [m.in_place_min for m in mode.modes.values()] == [None, reduction.IN_PLACE_MIN_NUMEL]
+            assert reduction.IN_PLACE_MIN_NUMEL == 1 << 20
+            assert reduction.choose(None, None, False, True, torch.device("cuda"))[0].in_place_min is None
+            assert reduction.choose(None, None, False, True, trial=False)[0].in_place_min is None
         monkeypatch.setenv("FASTDDP_IN_PLACE_NUMEL", "0")
         assert settings.reload().in_place_numel == 0
         assert reduction.choose(None, None, True, True)[0].in_place_min is None
+        monkeypatch.setenv("FASTDDP_IN_PLACE_NUMEL", "4096")  # a number: always, no trial
+        assert settings.reload().in_place_numel == 4096
+        assert reduction.choose(None, None, True, True)[0].in_place_min == 4096
         monkeypatch.setenv("FASTDDP_IN_PLACE_NUMEL", "lots")
-        with pytest.raises(ValueError, match="FASTDDP_IN_PLACE_NUMEL='lots' is not a whole number"):
+        with pytest.raises(ValueError, match="FASTDDP_IN_PLACE_NUMEL='lots' is not a whole number >= 0 or auto"):
             settings.reload()
     finally:
         monkeypatch.undo()
@@ -235,3 +247,82 @@ def _find_unused_parity(rank, world):
 
 def test_find_unused_with_kept_grads_equals_torch(world2):
     assert all(n > 0 for n in world2.run(_find_unused_parity))
+
+
+# ----------------------------------------------------- auto: the paired trial
+
+class _Clock:
+    """A rank's synthetic clock (``StepClock``'s ``synthetic``): each read
+    returns the time, then advances it by the candidate's cost."""
+
+    def __init__(self, cost: dict):
+        self.cost, self.t = dict(cost), 0.0
+
+    def __call__(self, name: str) -> float:
+        t = self.t
+        self.t += self.cost[name]
+        return t
+
+
+def _auto(rank, world, costs, least, steps=24):
+    """The default path with FASTDDP_IN_PLACE_NUMEL unset (auto) and the
+    candidates' threshold at ``least``, side by side with torch's DDP for
+    ``steps`` steps (the trial's included), each rank's trial timed by a
+    synthetic clock of ``costs[rank]``.  Returns the choice, the trial's
+    length and the collectives of each step."""
+    from fastddp import reduction
+
+    seen = []
+
+    def make_test(module, **opts):
+        from fastddp import DistributedDataParallel as F
+
+        ddp = F(module, **opts)
+        ddp.reducer.mode.clock.synthetic = _Clock(costs[rank])
+        return ddp
+
+    def step_fn(ddp, x, y, step, is_ref):
+        n = None if is_ref else ddp.reducer.comm.collectives
+        loss = ((ddp(x) - y) ** 2).mean()
+        loss.backward()
+        if n is not None:
+            seen.append(ddp.reducer.comm.collectives - n)
+        return loss
+
+    saved = reduction.IN_PLACE_MIN_NUMEL
+    reduction.IN_PLACE_MIN_NUMEL = least
+    try:
+        with _least("auto"):
+            out = side_by_side(rank, world, _Net, steps=steps, batch=_batch, step_fn=step_fn, make_test=make_test)
+    finally:
+        reduction.IN_PLACE_MIN_NUMEL = saved
+    r = out.test.reducer
+    got = r.stats()["in_place"]
+    whole = len(r.buckets)
+    split = sum(len(r.mode.candidate("in-place").segments(r.ctx, b)) or 1 for b in r.buckets)
+    return got["chosen"], got["trial_steps"], seen, whole, split, out.checks
+
+
+def test_auto_takes_in_place_where_the_trial_measures_it_faster_bit_for_bit(world2):
+    # rank 1 measures in place barely faster, rank 0 clearly: the MAX over the ranks decides, alike
+    costs = [{"flat": 1.0, "in-place": 0.5}, {"flat": 1.0, "in-place": 0.9}]
+    for chosen, trial, seen, whole, split, checks in world2.run(_auto, costs, LEAST):
+        assert chosen == "in-place" and trial > 0 and checks > 0  # torch's bits at every step, the trial's too
+        assert split > whole and seen[-1] == split  # settled: a collective per segment
+        assert set(seen) == {whole, split}  # the trial alternated the two
+
+
+def test_auto_keeps_one_collective_per_bucket_where_the_trial_cannot_tell(world2):
+    # equal on rank 0, in place slower on rank 1: the MAX is not faster by the margin, so flat stays
+    costs = [{"flat": 1.0, "in-place": 1.0}, {"flat": 1.0, "in-place": 1.2}]
+    for chosen, trial, seen, whole, split, checks in world2.run(_auto, costs, LEAST):
+        assert chosen == "flat" and trial > 0 and checks > 0
+        assert seen[-1] == whole < split
+
+
+def test_auto_measures_nothing_where_no_gradient_is_large(world2):
+    # every tensor below the threshold: the candidates reduce alike, no trial, no collective of its own
+    costs = [{"flat": 1.0, "in-place": 0.5}] * 2
+    for chosen, trial, seen, whole, split, checks in world2.run(_auto, costs, 10 ** 9):
+        assert chosen == "flat" and trial == 0 and checks > 0
+        assert split == whole and set(seen) == {whole}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastddp.bench.models import DEFAULT_MODELS, model_zoo
-from fastddp.settings import Settings
+from fastddp.reduction import IN_PLACE_MIN_NUMEL
 
 
 def _params(name):
@@ -25,7 +25,7 @@ def test_weights1m_sits_at_the_in_place_threshold():
     params = _params("weights1m")
     weights = [p for p in params if p.dim() == 2]
     assert len(params) == 48 and len(weights) == 24
-    assert {p.numel() for p in weights} == {Settings.in_place_numel} == {1 << 20}
+    assert {p.numel() for p in weights} == {IN_PLACE_MIN_NUMEL} == {1 << 20}
 
 
 def test_manysmall_is_hundreds_of_small_tensors():

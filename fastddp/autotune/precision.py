@@ -190,7 +190,7 @@ class PrecisionSearch:
         cmp = "; ".join(f"{s['format']}/{s['against']} {s['ratio']:.3f} ({s['lo']:.3f}-{s['hi']:.3f}) "
                         f"{s['verdict']}" for s in steps)
         return (f"{pick} after {self.rounds} paired rounds (trimmed mean step: {parts}; {cmp or 'one format'}; "
-                f"a less precise format must be faster by > {self.margin:.0%} over its whole 90% interval)")
+                f"a later candidate must be faster by > {self.margin:.0%} over its whole 90% interval)")
 
 
 def _ratio(x: float) -> float:

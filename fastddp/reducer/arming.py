@@ -62,6 +62,7 @@ class Arming:
         self.handles: list = []
         self.native = None
         self._views, self._any = None, False  # the early copy's views (None: find them again)
+        self._views_key = None  # the mode's views_key they were found for
         mod = _native.countdown_module()
         if mod is None:
             self.handles = [p.register_post_accumulate_grad_hook(_py_hook(body, i))
@@ -106,8 +107,8 @@ class Arming:
         the point and nothing is copied early.  Returns ``(early, divide)``
         for ``Countdown.arm`` (early -1: none, 0: a plain copy, else the
         scale; divide > 0: divide by it instead)."""
-        if self._views is None:
-            self._views = self._find_views(buckets, mode, ctx, world)
+        if self._views is None or self._views_key != mode.views_key:
+            self._views, self._views_key = self._find_views(buckets, mode, ctx, world), mode.views_key
             self._any = any(v is not None for v in self._views)
             self.native.set_views(self._views)
         if not self._any or join_pending:

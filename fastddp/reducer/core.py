@@ -132,6 +132,7 @@ class Reducer(BucketPlans):
         if sync:
             self.num_iterations += 1
             self.ctx.iteration = self.num_iterations
+            self.ctx.forward_at = time.perf_counter()
             self.divisor.set_work(None)
 
     def set_forward_pass_work_handle(self, work, use_static_world_size: bool) -> None:

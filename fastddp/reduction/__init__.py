@@ -51,7 +51,7 @@ __all__ = ["Kind", "Scaling", "StepContext", "Reduction", "AllReduce", "PythonHo
 
 
 def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
-           device: torch.device | None = None, pg=None) -> tuple[Reduction, Reduction]:
+           device: torch.device | None = None, pg=None, trial: bool = True) -> tuple[Reduction, Reduction]:
     """The bucket modes for a DDP module: ``(dense, sparse)``.
 
     ``hook``/``state``: the registered comm hook (None: none); a hook tagged
@@ -59,9 +59,11 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     state's group is the module's), else as an ordinary callback.
     ``device``: the parameters' (default CPU); it decides the kernel backend
     the modes pack with.  ``pg``: the module's process group (the
-    hierarchical hook resolves its topology on it, collectively)."""
+    hierarchical hook resolves its topology on it, collectively).  ``trial``
+    (no hook): the CPU's in-place rule may be decided by trial steps
+    (:func:`_all_reduce`); a mode that measures its own candidates passes False."""
     if hook is None:
-        return _all_reduce(Scaling.DIV if batched_grad_copy else Scaling.MUL, device), SparseAllReduce()
+        return _all_reduce(Scaling.DIV if batched_grad_copy else Scaling.MUL, device, trial=trial), SparseAllReduce()
     from ..hooks import CompressionState, FP8CompressionState
 
     tag = getattr(hook, "_fastddp_fused", None)
@@ -109,13 +111,21 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     return FusedCompression(dtype, error_feedback, reference), sparse
 
 
-def _all_reduce(scaling: Scaling, device, fused: bool = False) -> AllReduce:
-    """The plain all-reduce; on the CPU its large grads are reduced where they
-    are (``FASTDDP_IN_PLACE_NUMEL``, default :data:`IN_PLACE_MIN_NUMEL`; on a
-    GPU the one fused pack is the point)."""
+def _all_reduce(scaling: Scaling, device, fused: bool = False, trial: bool = True) -> Reduction:
+    """The plain all-reduce.  On the CPU its large grads may be reduced where
+    they are: ``FASTDDP_IN_PLACE_NUMEL`` elements or more where set (0:
+    never), else (auto) where paired trial steps measure it faster than one
+    collective per bucket (``trial``; without: never).  On a GPU the one fused
+    pack is the point."""
     cpu = device is None or torch.device(device).type == "cpu"
     least = settings.get().in_place_numel
-    return AllReduce(scaling, fused=fused, in_place_min=least if cpu and least else None)
+    if not cpu or least == 0 or (least is None and not trial):
+        return AllReduce(scaling, fused=fused)
+    if least is None:
+        from .autoprec import in_place_choice
+
+        return in_place_choice(scaling, fused, IN_PLACE_MIN_NUMEL)
+    return AllReduce(scaling, fused=fused, in_place_min=least)
 
 
 def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, Reduction]:

@@ -48,10 +48,10 @@ import statistics
 from ..autotune.precision import PrecisionSearch, Watch, rotation
 from .compression import ResidualBook
 from .kinds import Kind
-from .plain import Reduction, SparseAllReduce, fused_state
+from .plain import AllReduce, Reduction, SparseAllReduce, fused_state
 from .stepclock import StepClock, decision_group, max_over_ranks, max_over_ranks_later
 
-__all__ = ["ORDER", "AutoPrecision", "build"]
+__all__ = ["ORDER", "AutoPrecision", "build", "in_place_choice"]
 
 log = logging.getLogger("fastddp.autotune")
 
@@ -81,7 +81,7 @@ def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose):
         return choose(hierarchical_hook, hs, batched_grad_copy, True, device, pg)[0]
 
     makers = {
-        "fp32": lambda: choose(None, None, batched_grad_copy, True, device)[0],
+        "fp32": lambda: choose(None, None, batched_grad_copy, True, device, trial=False)[0],  # one trial at a time
         "hier-fp32": lambda: hier("fp32"),
         "bf16": lambda: choose(bf16_fp32acc_hook, CompressionState(error_feedback=ef, chunk_bytes=cb),
                                batched_grad_copy, True, device, pg)[0],
@@ -99,16 +99,43 @@ def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose):
     return mode, SparseAllReduce()
 
 
+def in_place_choice(scaling, fused: bool, least: int) -> Reduction:
+    """The CPU's plain all-reduce where ``FASTDDP_IN_PLACE_NUMEL`` is unset
+    (auto): one collective per bucket (``flat``, torch's count) unless paired
+    trial steps measure reducing the gradients of ``least`` elements or more
+    where they are (``in-place``: no copy into the bucket and back, one
+    collective per segment) faster by more than the margin over the whole
+    interval.  No bucket with such a gradient (or an option that keeps one
+    collective per bucket): flat at once, no trial, no collective of its own."""
+    from ..hooks import AutoPrecisionState
+
+    flat, split = AllReduce(scaling, fused), AllReduce(scaling, fused, in_place_min=least)
+    state = AutoPrecisionState(lowest="fp32", error_feedback=False, watch=False, tune_buckets=False)
+    mode = AutoPrecision(state, {"flat": flat, "in-place": split}, label="in_place",
+                         differs=lambda ctx, bucket: bool(split.segments(ctx, bucket)))
+    mode.kind, mode.fused = flat.kind, fused
+    return mode
+
+
 class AutoPrecision(Reduction):
-    """The allowed formats' modes, one at a time (see the module docstring)."""
+    """The allowed formats' modes, one at a time (see the module docstring).
+    ``label``: what it chooses (its stats key, its log lines); ``differs``:
+    whether a bucket would be reduced differently by the candidates (given,
+    a plan where none is settles on the first without a trial)."""
 
     kind = Kind.AUTO
     fused = True
 
-    def __init__(self, state, modes: dict, device=None, where: str = ""):
+    def __init__(self, state, modes: dict, device=None, where: str = "", label: str = "auto_precision",
+                 differs=None):
         self.state, self.modes, self.formats, self.where = state, modes, list(modes), where
+        self.label, self._differs = label, differs
+        self._looked, self._seen_differ = None, False  # the iteration whose packs tell whether a bucket differs
         self.cur_name = self.next_name = self.formats[0]
         self.clock = StepClock(device, state.clock)
+        # auto precision times the reduction window; another choice (in place) moves work before the
+        # first pack (the early copies), so it times from the synced forward (``ctx.forward_at``)
+        self._from_forward = label != "auto_precision"
         single = len(self.formats) == 1
         self.phase = _SETTLED if single else _WAIT
         self.watch = Watch() if state.watch and not single else None
@@ -147,6 +174,8 @@ class AutoPrecision(Reduction):
     def pack(self, ctx, bucket, grads) -> None:
         if ctx.iteration != self._it:
             self._enter(ctx)
+        if self._looked == ctx.iteration and self.phase == _WAIT and not self._seen_differ:
+            self._seen_differ = self._differs(ctx, bucket)
         values = self._pending.pop(bucket.index, None) if self._pending else None
         if values is not None:
             if not self.cur.adopt_residual(ctx, bucket, values):
@@ -176,9 +205,10 @@ class AutoPrecision(Reduction):
     def early_copy(self, world: int):
         return self.modes[self.next_name].early_copy(world)  # armed before the next iteration's packs
 
+    views_key = property(lambda self: self.next_name, doc="The early copy's views follow the next format.")
+
     def in_place(self, ctx, bucket) -> frozenset:
-        # the early copy's views are found once for every format: none copies these
-        return frozenset().union(*(m.in_place(ctx, bucket) for m in self.modes.values()))
+        return self.modes[self.next_name].in_place(ctx, bucket)  # armed before the next iteration's packs
 
     def residual_of(self, bucket_index: int):
         v = self._pending.get(bucket_index)
@@ -194,6 +224,7 @@ class AutoPrecision(Reduction):
             self._pending = {}
         self._spare = {}  # laid out for the old buckets
         self._restart = True
+        self._looked, self._seen_differ = None, False  # the new plan is looked at afresh
 
     # ----------------------------------------------------------- steps
     def _enter(self, ctx) -> None:
@@ -212,7 +243,13 @@ class AutoPrecision(Reduction):
             elif self.phase == _SETTLED and self.watch is not None:
                 self._drop_window()
                 self._watching = False  # a new baseline from here (or once the layout settles)
-        if self.phase == _WAIT and ctx.rebuilt:
+        if self.phase == _WAIT and ctx.rebuilt and self._differs is not None and self._looked is None:
+            self._looked = it  # this iteration's packs (the final plan's) tell whether a trial can tell anything
+        elif self.phase == _WAIT and ctx.rebuilt and self._differs is not None and not self._seen_differ:
+            self.phase, self.settled_at = _SETTLED, it  # every bucket the same whichever: nothing to measure
+            self.decisions.append({"step": it, "chosen": self.cur_name, "trigger": "first measurement",
+                                   "rounds": 0, "reason": "no bucket is reduced differently by the candidates"})
+        elif self.phase == _WAIT and ctx.rebuilt:
             self._begin_trial(it + 1, "first measurement")
         elif self.phase == _TRIAL:
             self._trial(ctx, it)
@@ -221,7 +258,7 @@ class AutoPrecision(Reduction):
         if self.phase == _TRIAL:
             self.next_name = self._scheduled(it + 1)
         if self.phase == _TRIAL or (self.phase == _SETTLED and self._watching and not self.watch.exhausted):
-            self.clock.start(it, self.cur_name)  # timed only where a window is read
+            self.clock.start(it, self.cur_name, ctx.forward_at if self._from_forward else None)  # timed only where read
 
     def _watch_if_still(self, ctx, it: int) -> None:
         """The watch runs while the layout holds still: bucket_cap_mb="auto"
@@ -367,11 +404,11 @@ class AutoPrecision(Reduction):
 
     def _log(self, text: str) -> None:
         if self._rank == 0:
-            log.info("fastddp auto precision: %s", text)
+            log.info("fastddp %s: %s", self.label.replace("_", " "), text)
 
     def stats(self) -> dict:
         s = self.search
-        return {"auto_precision": {
+        return {self.label: {
             "state": self.phase, "current": self.cur_name,
             "chosen": self.next_name if self.phase in (_SETTLED, _FROZEN) else None,
             "candidates": list(self.formats), "lowest": self.state.lowest,

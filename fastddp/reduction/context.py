@@ -24,7 +24,7 @@ class StepContext:
 
     __slots__ = ("comm", "world", "rank", "view_mode", "names", "index_of", "divisor",
                  "globally_unused", "early_filled", "pre_unpack", "iteration", "num_buckets",
-                 "layout_settled", "rebuilt", "keeps_unused")
+                 "layout_settled", "rebuilt", "keeps_unused", "forward_at")
 
     comm: Any
     """:class:`~fastddp.comm.Comm`: collectives, streams, ``release``/``hand_over``."""
@@ -63,6 +63,9 @@ class StepContext:
     """find_unused_parameters or static_graph: a globally unused parameter's
     ``.grad`` is left as it was (torch's rule), so a mode must not change a
     gradient before it knows the parameter was used."""
+    forward_at: float
+    """``time.perf_counter()`` at the synced forward of :attr:`iteration`
+    (a mode that times whole steps starts there)."""
 
     @classmethod
     def of(cls, comm, world: int, rank: int, view_mode: bool, names: Sequence[str], index_of: dict,
@@ -70,7 +73,7 @@ class StepContext:
            early_filled: Callable[[Any], bytes] = lambda b: b"", pre_unpack: Callable | None = None,
            keeps_unused: bool = False):
         return cls(comm, world, rank, view_mode, names, index_of, divisor, globally_unused,
-                   early_filled, pre_unpack, 0, 0, False, False, keeps_unused)
+                   early_filled, pre_unpack, 0, 0, False, False, keeps_unused, 0.0)
 
     def name(self, p) -> str:
         """The parameter's name (``module.path.weight``)."""

@@ -65,6 +65,10 @@ class Reduction:
     """Bumped when the mode's wire changes after it was first chosen (a
     re-measure picked another format): a layout tuned for the old one is
     tuned again."""
+    views_key = None
+    """What :meth:`in_place` depends on besides the plan (a mode that changes
+    it between iterations changes this too: the early copy's views are found
+    again)."""
 
     def pack(self, ctx, bucket, grads) -> None:
         fill_flat(ctx, bucket, grads, self.scaling, bucket.health)
@@ -105,11 +109,13 @@ class Reduction:
         return frozenset()
 
 
-IN_PLACE_MIN_NUMEL = settings.Settings.in_place_numel
-"""On the CPU, a gradient of at least this many elements (4 MiB of fp32;
-``FASTDDP_IN_PLACE_NUMEL``) is all-reduced where it is, skipping its copy into
-the bucket and back (mlp25m's three weights, 2 ranks on 2 cores: ~17 ms less
-CPU per step and rank).  Each such gradient costs one more collective."""
+IN_PLACE_MIN_NUMEL = 1 << 20
+"""On the CPU, a gradient of at least this many elements (4 MiB of fp32) may
+be all-reduced where it is, skipping its copy into the bucket and back
+(mlp25m's three weights, 2 ranks on 2 cores: ~17 ms less CPU per step and
+rank); each such gradient costs one or two more collectives, so where
+``FASTDDP_IN_PLACE_NUMEL`` is unset paired trial steps decide
+(:func:`~fastddp.reduction.autoprec.in_place_choice`)."""
 
 
 def _in_place_ok(g, flat: torch.Tensor, numel: int) -> bool:

@@ -70,7 +70,8 @@ def max_over_ranks_later(ctx, side, vals: list):
 
 
 class StepClock:
-    """Per iteration, its reduction window (first pack -> last unpack)."""
+    """Per iteration, its reduction window (first pack -> last unpack), or
+    from a start the caller gives (the host clock only: ``start(at=...)``)."""
 
     def __init__(self, device, synthetic, event=None):
         self.synthetic = synthetic
@@ -89,8 +90,11 @@ class StepClock:
             return ev
         return time.perf_counter()
 
-    def start(self, it: int, fmt: str) -> None:
-        self.marks[it] = [self._now(fmt), None, fmt]
+    def start(self, it: int, fmt: str, at: float | None = None) -> None:
+        """Iteration ``it`` in format ``fmt`` starts now, or at host time
+        ``at`` (``time.perf_counter``; the host clock, not synthetic)."""
+        use_at = at is not None and self.synthetic is None and not self.cuda
+        self.marks[it] = [at if use_at else self._now(fmt), None, fmt]
 
     def end(self, it: int) -> None:
         m = self.marks.get(it)
