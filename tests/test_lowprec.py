@@ -19,9 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fastddp import kernels
 from tests._dist import STAND_IN, _world_fixture, torch_reference, world2, world3  # noqa: F401
 from tests._models import loss_fn, make_batch, make_model
 from tests._parity import side_by_side
+
+#: the Triton interpreter serves the kernels (tests/run.sh's second session)
+INTERPRET = kernels.backend() == "interpret"
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(STAND_IN, reason="fastddp's fused low-precision paths")]
@@ -388,36 +392,46 @@ def test_sparse_gradients_are_refused_clearly(world2):
 
 
 # --------------------------------------------------------------- overlap
-def _order_of_events(rank, world, eager=False):
+def _order_of_events(rank, world, eager=False, thread=False):
     """Every bucket's all-to-all is issued during backward, as its bucket is
     ready (before the last bucket's pack), and the shard sums and
     all-gathers run after the last bucket is issued, in bucket order
-    (``eager``: phase 2 queued at issue, CUDA's schedule)."""
+    (``eager``: phase 2 queued at issue, CUDA's schedule; ``thread``: the
+    phase-2 thread, else the end-of-backward schedule).  Each event with the
+    name of the thread it ran on."""
+    import threading
+
     from fastddp import groups, kernels
 
     events = []
     real_a2a, real_ag, real_sum, real_pack = (groups.all_to_all_single, groups.all_gather_into_tensor,
                                               kernels.reduce_shards, kernels.pack)
 
+    def note(kind, n):
+        events.append((kind, n, threading.current_thread().name))
+
     def a2a(out, t, pg):
-        events.append(("a2a", t.numel()))
+        note("a2a", t.numel())
         return real_a2a(out, t, pg)
 
     def ag(out, t, pg):
-        events.append(("ag", out.numel()))
+        note("ag", out.numel())
         return real_ag(out, t, pg)
 
     def rsum(*a, **k):
-        events.append(("sum", None))
+        note("sum", None)
         return real_sum(*a, **k)
 
     def pack(srcs, dst, *a, **k):
         if dst.dtype == torch.bfloat16:
-            events.append(("pack", dst.numel()))
+            note("pack", dst.numel())
         return real_pack(srcs, dst, *a, **k)
 
     m = _fused(make_model("deep"), bucket_cap_mb=0.001)
     m.reducer.mode.eager = eager
+    assert (m.reducer.mode.phase_two is not None) == (kernels.backend() != "interpret")
+    if not thread:
+        m.reducer.mode.phase_two = None
     for step in range(2):  # the second step runs in the rebuilt buckets
         m.zero_grad(set_to_none=True)
         x, y = make_batch("deep", rank, step)
@@ -434,7 +448,7 @@ def _order_of_events(rank, world, eager=False):
 
 def test_all_to_all_overlaps_backward(world2):
     for events, nb in world2.run(_order_of_events):
-        kinds = [k for k, _ in events]
+        kinds = [k for k, _, _ in events]
         assert nb > 2 and kinds.count("a2a") == nb and kinds.count("ag") == nb and kinds.count("sum") == nb
         last_pack = max(i for i, k in enumerate(kinds) if k == "pack")
         first_sum = kinds.index("sum")
@@ -452,11 +466,92 @@ def _order_of_events_eager(rank, world):
 
 def test_phase2_at_issue_runs_during_backward(world2):
     for events, nb in world2.run(_order_of_events_eager):
-        kinds = [k for k, _ in events]
+        kinds = [k for k, _, _ in events]
         assert nb > 2 and kinds.count("a2a") == nb and kinds.count("ag") == nb and kinds.count("sum") == nb
         last_pack = max(i for i, k in enumerate(kinds) if k == "pack")
         assert kinds.index("sum") < last_pack, kinds  # bucket 0's phase 2 while backward runs
         assert [k for k in kinds if k != "pack"] == ["a2a", "sum", "ag"] * nb, kinds
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Triton interpreter is not thread-safe: phase 2 stays at the end of "
+                                       "backward there")
+def test_phase2_thread_runs_every_later_round_in_bucket_order(world2):
+    # gloo: the backward thread packs and issues the all-to-alls; the
+    # phase-2 thread alone sums and all-gathers, bucket by bucket, in the
+    # order the all-to-alls were issued
+    for events, nb in world2.run(_order_of_events, False, True):
+        main = [(k, n) for k, n, t in events if t != "fastddp-phase2"]
+        side = [(k, n) for k, n, t in events if t == "fastddp-phase2"]
+        assert nb > 2 and {k for k, _ in main} == {"pack", "a2a"}, main
+        assert [k for k, _ in side] == ["sum", "ag"] * nb, side
+        a2a = [n for k, n in main if k == "a2a"]
+        assert [n for k, n in side if k == "ag"] == a2a  # a shard's all-to-all and all-gather move as many
+
+
+class _Gate(torch.autograd.Function):
+    """Identity whose backward waits (at most ``timeout`` s) for ``event``:
+    the layers before it are reduced only after it."""
+
+    @staticmethod
+    def forward(ctx, x, event, timeout, seen):
+        ctx.event, ctx.timeout, ctx.seen = event, timeout, seen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen.append(ctx.event.wait(ctx.timeout))
+        return g, None, None, None
+
+
+def _phase2_while_backward_waits(rank, world):
+    """The backward stops at a gate between the last layers (reduced first)
+    and the first ones until an all-gather is issued: only phase 2 running
+    during backward opens it."""
+    import threading
+
+    from fastddp import groups
+
+    event, seen = threading.Event(), []
+    torch.manual_seed(0)
+    head, tail = torch.nn.Linear(32, 64), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                                              torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head, self.tail = head, tail
+
+        def forward(self, x):
+            return self.tail(_Gate.apply(self.head(x), event, self.timeout, seen))
+
+    real_ag = groups.all_gather_into_tensor
+
+    def ag(out, t, pg):
+        event.set()
+        return real_ag(out, t, pg)
+
+    net = Net()
+    m = _fused(net, bucket_cap_mb=0.001)
+    for step in range(3):
+        # the first step's buckets are torch's first bucket (1 MiB: the whole model), ready only after
+        # the gate; the rebuilt ones (the small cap) reduce the tail's grads first
+        net.timeout = 0.0 if step == 0 else 30.0
+        event.clear()
+        m.zero_grad(set_to_none=True)
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * rank + step))
+        groups.all_gather_into_tensor = ag
+        try:
+            m(x).square().mean().backward()
+        finally:
+            groups.all_gather_into_tensor = real_ag
+    return seen
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Triton interpreter is not thread-safe: phase 2 stays at the end of "
+                                       "backward there")
+def test_phase2_runs_while_backward_still_computes(world2):
+    for seen in world2.run(_phase2_while_backward_waits):
+        assert seen[1:] == [True] * 2  # an all-gather was issued before backward got past the gate
 
 
 def _eager_matches_deferred(rank, world, hook_name):

@@ -24,7 +24,9 @@ two per-bucket mixes for the question whether formats chosen per bucket pay
 rest in fp8) and ``fastddp-fp8-last32`` (the last one in fp32); the fastddp rows
 read ``FASTDDP_*`` settings from the environment, and ``ROW:N`` builds a
 fastddp row with ``FASTDDP_IN_PLACE_NUMEL=N`` (``fastddp:0``: the in-place
-reduction off, a before/after in one run).
+reduction off, a before/after in one run); ``ROW@end`` builds a two-phase
+row (``fastddp-fp8``, ``fastddp-bf16acc``) with phase 2 at the end of
+backward instead of on its thread (the schedule before it, in one run).
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ def _wrap(name: str, module):
     import fastddp.hooks as fh
     from fastddp import settings
 
+    if name.endswith("@end"):  # a two-phase row with phase 2 at the end of backward (no phase-2 thread)
+        ddp = _wrap(name[:-4], module)
+        if getattr(ddp.reducer.mode, "phase_two", None) is None:
+            raise SystemExit(f"step_phases: {name[:-4]} runs no phase-2 thread; @end applies to "
+                             "fastddp-fp8 and fastddp-bf16acc")
+        ddp.reducer.mode.phase_two = None
+        return ddp
     name, _, least = name.partition(":")
     if least:  # fastddp...:N -- FASTDDP_IN_PLACE_NUMEL=N for this row alone
         old = os.environ.get("FASTDDP_IN_PLACE_NUMEL")
@@ -207,7 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--link", default="local", help="local (loopback), netns (unshaped) or netns:RATE (Gbit/s)")
     p.add_argument("--rows", default="torch,fastddp",
                    help=f"comma-separated, the first is the base: {', '.join(ROWS)}; a fastddp row may end "
-                        "in :N (FASTDDP_IN_PLACE_NUMEL=N for it)")
+                        "in :N (FASTDDP_IN_PLACE_NUMEL=N for it), a two-phase row in @end (phase 2 at the "
+                        "end of backward)")
     p.add_argument("--model", default="mlp25m")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=3, help="steps per row before the timed ones (fastddp-autoprec: "
@@ -216,7 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=29517)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    bad = [r for r in args.rows.split(",") if r.partition(":")[0] not in ROWS
+    bad = [r for r in (r.removesuffix("@end") for r in args.rows.split(",")) if r.partition(":")[0] not in ROWS
            or (r.partition(":")[2] and (r.startswith("torch") or not r.partition(":")[2].isdigit()))]
     if bad:
         p.error(f"--rows: unknown {bad}; choose from {', '.join(ROWS)}")

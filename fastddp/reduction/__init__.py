@@ -42,7 +42,7 @@ from .fp32acc import Fp32Accumulate
 from .hierarchical import Hierarchical
 from .kinds import Kind
 from .plain import IN_PLACE_MIN_NUMEL, AllReduce, NoOp, PythonHook, Reduction, SparseAllReduce, fused_state
-from .twophase import CHUNK_BYTES, MAX_CHUNKS, TwoPhase, chunk_bounds
+from .twophase import CHUNK_BYTES, MAX_CHUNKS, PhaseTwo, TwoPhase, chunk_bounds
 
 __all__ = ["Kind", "Scaling", "StepContext", "Reduction", "AllReduce", "PythonHook", "FusedCompression",
            "Fp32Accumulate", "BlockFp8", "Hierarchical", "NoOp", "SparseAllReduce", "TwoPhase", "ResidualBook", "choose",
@@ -91,7 +91,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         if state is not None and not isinstance(state, FP8CompressionState):
             raise TypeError(f"fp8_compress_hook takes an FP8CompressionState (or None), got {type(state).__name__}")
         kernels.prepare_fp8(device)  # its CPU loops' one-time build: now, not in a step
-        return BlockFp8(fp8_state), PythonHook(hook, state)
+        return _phase_two(BlockFp8(fp8_state), device, pg), PythonHook(hook, state)
     if error_feedback and kind not in (Kind.COMPRESS, Kind.FP32ACC):
         raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
                          "compression hooks and bf16_fp32acc_hook only")
@@ -107,8 +107,16 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         return NoOp(), sparse
     reference = kernels.backend(device) == "reference"
     if kind is Kind.FP32ACC:
-        return Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference), sparse
+        return _phase_two(Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference),
+                          device, pg), sparse
     return FusedCompression(dtype, error_feedback, reference), sparse
+
+
+def _phase_two(mode, device, pg):
+    """A flat two-phase mode: its rounds after the all-to-all on a thread of
+    its own where waits block the host (:class:`~.twophase.PhaseTwo`)."""
+    mode.phase_two = PhaseTwo.of(pg, device, kernels.backend(device))
+    return mode
 
 
 def _all_reduce(scaling: Scaling, device, fused: bool = False, trial: bool = True) -> Reduction:
@@ -147,9 +155,9 @@ def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, R
             return _all_reduce(Scaling.MUL, device, fused=True), sparse
         if state.wire == "bf16":
             reference = kernels.backend(device) == "reference"
-            return Fp32Accumulate(state.error_feedback, state.chunk_bytes, reference), sparse
+            return _phase_two(Fp32Accumulate(state.error_feedback, state.chunk_bytes, reference), device, pg), sparse
         kernels.prepare_fp8(device)
-        return BlockFp8(state), sparse
+        return _phase_two(BlockFp8(state), device, pg), sparse
     if state.wire == "fp8":
         kernels.prepare_fp8(device)
     inside, across = topology.subgroups(pg, topo)

@@ -13,27 +13,39 @@ staging) plus the mode's pack and unpack::
               rank's shard (ONE launch, fp32, in rank order), all-gather the
               sums (async).  On CUDA (NCCL: a wait is a stream wait) it is
               queued right after the bucket's all-to-all, on the comm engine's
-              second side stream, so it runs during backward; where a wait
-              blocks the host (gloo, the interpreter) it runs at the end of
-              backward, for every bucket in flight, in bucket order.  Either
-              way every rank issues the same collectives in the same order.
+              second side stream, so it runs during backward.  Where a wait
+              blocks the host (gloo) a thread of the mode's own
+              (:class:`PhaseTwo`) runs it as soon as the all-to-all is in,
+              also during backward, issuing the all-gathers on a group of its
+              own (a gloo twin of the module's group: each group sees its
+              collectives in one order on every rank).  Without a twin (a
+              group that is not the whole world), under the Triton
+              interpreter (not thread-safe) or for a wire whose later rounds
+              use groups of their own (hierarchical), it runs at the end of
+              backward, for every bucket in flight, in bucket order.
     finish    wait this bucket's all-gathers and extras and unstage
 
 A step's collectives are never issued from a collective's callback thread
-(the Triton interpreter is not thread-safe, and collectives issued from
-callbacks could reach the ranks in different orders): :class:`ShardStep`
-is completed by ``wait()`` on the end-of-backward thread.
+(collectives issued from callbacks could reach the ranks in different
+orders): the backward thread issues every all-to-all on the module's group,
+the phase-2 thread (or the end-of-backward callback) every later round, each
+in bucket order, and :class:`ShardStep` is completed by ``wait()`` on the
+end-of-backward thread.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import torch
+import torch.distributed as dist
 
 from .. import groups, settings
 from ..comm import Pending
 from .datapath import Scaling
 
-__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "chunk_bounds", "ShardWire", "ShardStep", "TwoPhase"]
+__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "chunk_bounds", "ShardWire", "ShardStep", "PhaseTwo", "TwoPhase"]
 
 
 #: Bytes each way per collective call of a two-phase reduction's chunked
@@ -130,12 +142,14 @@ class ShardStep:
     :meth:`~fastddp.comm.Comm.wait` completes: ``wait()`` finishes it on the
     calling thread (the end-of-backward callback)."""
 
-    __slots__ = ("engine", "wire", "bucket", "pg", "works", "iteration", "health", "extra")
-    # works: per round run so far, per piece, its Works
+    __slots__ = ("engine", "wire", "bucket", "pg", "works", "iteration", "health", "extra", "ran", "error")
+    # works: per round run so far, per piece, its Works; ran: set once the
+    # phase-2 thread has run every round (None: no thread); error: what it raised
 
     def __init__(self, engine, wire, bucket, pg, iteration, health):
         self.engine, self.wire, self.bucket, self.pg = engine, wire, bucket, pg
         self.works, self.iteration, self.health, self.extra = [], iteration, health, []
+        self.ran, self.error = None, None
 
     @property
     def done(self) -> bool:
@@ -162,6 +176,65 @@ class ShardStep:
         return None
 
 
+class PhaseTwo:
+    """The rounds after the first, run by a thread as soon as they can start
+    (gloo: a wait blocks the host), on ``group``: a gloo twin of the module's
+    group, so that the rounds never interleave with the module group's
+    collectives in an order that could differ between ranks.  One per module
+    group, shared by every mode on it (two DDP modules reduced in one
+    backward submit in the one order the backward thread issues their
+    all-to-alls, the same on every rank), made once and kept for the
+    process's life, as the group is.  Steps are run in the order submitted,
+    each round by round."""
+
+    _ONE: dict = {}  # id(pg) -> (pg, PhaseTwo)
+
+    def __init__(self, group):
+        self.group = group
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, pg, device, backend: str) -> "PhaseTwo | None":
+        """The one for ``pg`` (made collectively the first time: every rank of
+        the world makes the twin group here, as it builds the same mode), or
+        None where the rounds stay on the end-of-backward thread: not the
+        CPU, the Triton interpreter (not thread-safe), a group of one rank, or
+        a group that is not the whole world (``new_group`` needs every rank
+        of the world)."""
+        from .. import groups
+
+        cpu = device is None or torch.device(device).type == "cpu"
+        if (not cpu or backend == "interpret" or pg is None or not groups.is_registered(pg)
+                or not dist.is_gloo_available() or groups.size(pg) < 2
+                or groups.size(pg) != dist.get_world_size()):
+            return None
+        got = cls._ONE.get(id(pg))
+        if got is None or got[0] is not pg:
+            got = cls._ONE[id(pg)] = (pg, cls(dist.new_group(groups.global_ranks(pg), backend="gloo")))
+        return got[1]
+
+    def submit(self, step: ShardStep) -> None:
+        step.ran, step.pg = threading.Event(), self.group
+        if self._thread is None:
+            self._thread = threading.Thread(target=PhaseTwo._run, args=(self._queue,), daemon=True,
+                                            name="fastddp-phase2")
+            self._thread.start()
+        self._queue.put(step)
+
+    @staticmethod
+    def _run(q: queue.SimpleQueue) -> None:
+        while True:
+            step = q.get()
+            try:
+                while not step.done:
+                    step.advance()
+            except BaseException as e:  # raised where the bucket is waited for
+                step.error = e
+            finally:
+                step.ran.set()
+
+
 class TwoPhase:
     """The engine, mixed into a mode whose ``shard_wire(ctx, bucket)`` returns
     the bucket's :class:`ShardWire` (sized at its pack) and whose pack fills
@@ -178,6 +251,7 @@ class TwoPhase:
         self.chunk_bytes = chunk_bytes
         self.open: list[ShardStep] = []  # in issue order
         self.wires: dict[int, ShardWire] = {}
+        self.phase_two: PhaseTwo | None = None  # set by the mode's builder where a thread runs phase 2
 
     def pieces(self, bucket_index: int) -> int:
         """How many pieces bucket ``bucket_index``'s phases run in (0: not sized yet)."""
@@ -198,9 +272,14 @@ class TwoPhase:
     def _start(self, ctx, bucket, wire: ShardWire, health) -> Pending:
         # a step left open by an abandoned iteration is dropped: its
         # all-to-all completed (every rank issued it) and nobody waits for it
-        self.open = [s for s in self.open if s.iteration == ctx.iteration and s.bucket.index < bucket.index]
+        kept = [s for s in self.open if s.iteration == ctx.iteration and s.bucket.index < bucket.index]
+        for s in self.open:
+            if s.ran is not None and s not in kept:
+                s.ran.wait()  # the thread may still use the buffers this bucket reuses
+        self.open = kept
         eager = self.eager if self.eager is not None else ctx.comm.cuda
-        if not eager:  # the earlier buckets' cheap rounds, before this bucket's collectives
+        threaded = self.phase_two is not None and not eager
+        if not eager and not threaded:  # the earlier buckets' cheap rounds, before this bucket's collectives
             for s in self.open:
                 while len(s.works) < s.wire.early_rounds:
                     s.advance()
@@ -210,7 +289,9 @@ class TwoPhase:
         step.advance()
         step.extra = wire.start_extra(pg)
         self.open.append(step)
-        if eager:
+        if threaded:
+            self.phase_two.submit(step)
+        elif eager:
             with ctx.comm.phase2_context():
                 while not step.done:
                     step.advance()
@@ -219,14 +300,21 @@ class TwoPhase:
     def finish(self, step: ShardStep) -> None:
         """Until ``step`` has run its last round: the next round of every open
         step not done (in issue order, round by round); then wait for
-        ``step``'s last Works and extras."""
-        for s in self.open:  # every bucket's cheap rounds first: the last one's slow hop starts now
-            while len(s.works) < s.wire.early_rounds:
-                s.advance()
-        while not step.done:
-            for s in self.open:
-                if not s.done:
+        ``step``'s last Works and extras.  With a phase-2 thread: until it has
+        run ``step``'s rounds (what it raised is raised here)."""
+        if step.ran is not None:
+            step.ran.wait()
+            if step.error is not None:
+                self.open.remove(step)
+                raise step.error
+        else:
+            for s in self.open:  # every bucket's cheap rounds first: the last one's slow hop starts now
+                while len(s.works) < s.wire.early_rounds:
                     s.advance()
+            while not step.done:
+                for s in self.open:
+                    if not s.done:
+                        s.advance()
         for w in [w for ws in step.works[-1] for w in ws] + list(step.extra):
             groups.wait(w)
         step.wire.stage_in()

@@ -34,6 +34,18 @@ def test_two_rows_on_loopback(tmp_path):
     assert all(len(samples[r][f"thread-{q}"]) == 3 for r in samples for q in step_phases.THREAD)
 
 
+def test_end_rows_run_phase_two_at_the_end_of_backward(tmp_path):
+    out = tmp_path / "s.json"
+    run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows",
+                          "fastddp-bf16acc,fastddp-bf16acc@end", "--model", "tiny", "--steps", "2",
+                          "--json", str(out), "--port", "29533"], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert set(json.loads(out.read_text())) == {"fastddp-bf16acc", "fastddp-bf16acc@end"}
+    bad = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows", "torch,fastddp@end", "--model",
+                          "tiny", "--steps", "2", "--port", "29535"], capture_output=True, text=True, timeout=240)
+    assert bad.returncode != 0 and "runs no phase-2 thread" in bad.stdout + bad.stderr
+
+
 def test_thread_cpu_difference_is_paired_with_an_interval():
     d, lo, hi = step_phases.difference([10.0, 10.0, 10.0, 10.0], [10.4, 10.6, 10.4, 10.6])
     assert d == pytest.approx(0.5) and lo < 0.5 < hi
