@@ -140,12 +140,16 @@ def _reducer(e: Entry):
 
 def _tuning(e: Entry) -> bool:
     """The wrapper is fastddp with ``bucket_cap_mb="auto"`` still tuning
-    (asked for, or turned on by ``auto_precision_hook`` after its choice), or
-    with ``auto_precision_hook`` still measuring its formats."""
+    (asked for, or turned on by ``auto_precision_hook`` after its choice),
+    with ``auto_precision_hook`` still measuring its formats, or with the
+    CPU's plain all-reduce still measuring whether its large gradients go in
+    place (``stats()["in_place"]``)."""
     r = _reducer(e)
     if r is None:
         return False
-    return r.tuning_active or r.stats().get("auto_precision", {}).get("state") in ("waiting", "trial")
+    st = r.stats()
+    return r.tuning_active or any(st.get(k, {}).get("state") in ("waiting", "trial")
+                                  for k in ("auto_precision", "in_place"))
 
 
 def _buckets(e: Entry) -> list[list[int]] | None:

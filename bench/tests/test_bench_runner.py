@@ -511,7 +511,15 @@ def test_runner_reads_the_buckets_and_the_tuning_through_public_methods(tmp_path
         buckets = rounds._buckets(SimpleNamespace(module=fixed))
         assert buckets == fixed.reducer.bucket_indices() and len(buckets) > 1
         assert sorted(i for b in buckets for i in b) == list(range(12))  # every parameter once
+        assert rounds._tuning(SimpleNamespace(module=fixed))  # the in-place rule looks at the rebuilt plan
+        for _ in range(2):
+            fixed(x).sum().backward()
+        assert fixed.stats()["in_place"]["state"] == "settled"  # no gradient of 2^20: nothing to measure
         assert not fixed.reducer.tuning_active and not rounds._tuning(SimpleNamespace(module=fixed))
+        big = fastddp.DistributedDataParallel(torch.nn.Linear(1024, 1024))  # a weight of 2^20 elements
+        for _ in range(3):
+            big(torch.randn(2, 1024)).sum().backward()
+        assert big.stats()["in_place"]["state"] == "trial" and rounds._tuning(SimpleNamespace(module=big))
         auto = fastddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb="auto")
         assert auto.reducer.tuning_active and rounds._tuning(SimpleNamespace(module=auto))
         auto.reducer.freeze_tuning("test")
