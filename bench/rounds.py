@@ -148,8 +148,7 @@ def _tuning(e: Entry) -> bool:
     if r is None:
         return False
     st = r.stats()
-    return r.tuning_active or any(st.get(k, {}).get("state") in ("waiting", "trial")
-                                  for k in ("auto_precision", "in_place"))
+    return r.tuning_active or any(st.get(k, {}).get("measuring") for k in ("auto_precision", "in_place"))
 
 
 def _buckets(e: Entry) -> list[list[int]] | None:

@@ -367,7 +367,7 @@ def _slowing_link(rank, world):
 
     def all_reduce(t, pg, op=dist.ReduceOp.SUM, async_op=False):
         if op == dist.ReduceOp.MAX:  # the mode's decisions (the buckets' are SUMs)
-            calls.append((m.reducer.mode.phase, async_op))
+            calls.append((m.reducer.mode.phase.value, async_op))
         return real(t, pg, op, async_op=async_op)
 
     groups.all_reduce = all_reduce
@@ -431,7 +431,7 @@ def test_precision_first_then_the_buckets_for_the_chosen_format(world2, caps):
     assert s0 == s1 and ap0["decisions"] == ap1["decisions"]
     assert ap0["chosen"] == "fp8" and tune0["state"] == "settled"
     tuner = [t for _, t, _ in s0]
-    started = next(k for k, t in enumerate(tuner) if t != "wait")  # step k is iteration k + 1
+    started = next(k for k, t in enumerate(tuner) if t != "waiting")  # step k is iteration k + 1
     assert started + 1 >= ap0["settled_at_step"], "the bucket tuner tried layouts during the precision trial"
     assert {f for f, _, _ in s0[started:]} == {"fp8"}, "the layout was tuned for another format"
     assert all(w is None for _, t, w in s0 if t != "settled"), "the watch read a window while layouts changed"

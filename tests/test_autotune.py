@@ -278,21 +278,21 @@ def test_constructor_configure_and_env(monkeypatch, tmp_path):
     with single_rank_group(tmp_path):
         m = nn.Linear(4, 4)
         assert "autotune" not in DDP(m).stats()
-        assert DDP(m, bucket_cap_mb="auto").stats()["autotune"]["state"] == "wait"
+        assert DDP(m, bucket_cap_mb="auto").stats()["autotune"]["state"] == "waiting"
         with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB or 'auto'"):
             DDP(m, bucket_cap_mb="big")
         with pytest.raises(ValueError, match="both given"):
             DDP(m, bucket_cap_mb="auto", bucket_cap_mb_list=[1, 5])
         try:
             fastddp.configure(bucket_cap_mb="auto")
-            assert DDP(m).stats()["autotune"]["state"] == "wait"
+            assert DDP(m).stats()["autotune"]["state"] == "waiting"
             assert "autotune" not in DDP(m, bucket_cap_mb=5).stats()
         finally:
             fastddp.configure(bucket_cap_mb=None)
         monkeypatch.setenv("FASTDDP_BUCKET_CAP_MB", "auto")
         settings.reload()
         d = DDP(m)
-        assert d.stats()["autotune"]["state"] == "wait"
+        assert d.stats()["autotune"]["state"] == "waiting"
         # one rank: it tunes too (no collectives needed), settles, grads untouched
         opt = torch.optim.SGD(d.parameters(), lr=0.1)
         for step in range(30):
@@ -621,7 +621,7 @@ def test_the_tuner_waits_while_the_bucket_mode_measures(monkeypatch):
     for _ in range(5):
         t.boundary()
         r.steps_reduced += 1
-        assert t.report()["state"] == "wait" and not t.wants_ready_marks and r.installs == 0
+        assert t.report()["state"] == "waiting" and not t.wants_ready_marks and r.installs == 0
     r.mode_measuring = False
     t.boundary()
     assert t.report()["state"] == "probe" and t.wants_ready_marks
@@ -635,7 +635,7 @@ def test_a_settled_tuner_tunes_again_when_the_modes_wire_changes(monkeypatch):
     assert tuner.report()["state"] == "settled" and not tuner.active
     installs = r.installs
     r.mode_epoch = 1
-    assert tuner.active and tuner.report()["state"] == "wait"  # seen before the next boundary
+    assert tuner.active and tuner.report()["state"] == "waiting"  # seen before the next boundary
     tuner.boundary()
     rep = tuner.report()
     assert rep["state"] == "probe" and rep["retunes"] == 1 and rep["settled_at_step"] is None

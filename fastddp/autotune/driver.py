@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import groups, planner
 from .model import HOST_PER_BUCKET_S, Layout, candidates, line_fit, predict
+from .phase import Phase
 from .search import TRIAL_STEPS, Search
 
 __all__ = ["MICROBENCH_BYTES", "MICROBENCH_REPS", "Tuner", "TunerHost"]
@@ -34,7 +35,7 @@ MICROBENCH_BYTES = (4096, 256 * 1024, 4 * 1024 * 1024)
 """Sizes of the timed all-reduces (capped at the model's size) that fit latency and bandwidth."""
 MICROBENCH_REPS = 3
 
-_WAIT, _PROBE, _TRIAL, _SETTLED = "wait", "probe", "trial", "settled"
+_WAIT, _PROBE, _TRIAL, _SETTLED = Phase.WAITING, Phase.PROBE, Phase.TRIAL, Phase.SETTLED
 
 
 class TunerHost(Protocol):
@@ -315,7 +316,9 @@ class Tuner:
         chosen = self.current if self.state == _SETTLED else None
         s = self.search
         pending = self.state == _SETTLED and self.active  # tuning again from the next step
-        return {"state": _WAIT if pending else self.state, "steps": self.steps, "settled_at_step": self.settled_at,
+        state = _WAIT if pending else self.state
+        return {"state": state.value, "measuring": state.measuring, "steps": self.steps,
+                "settled_at_step": self.settled_at,
                 "retunes": self.retunes,
                 "chosen": chosen.report() if chosen is not None else None,
                 "current": self.current.report() if self.current is not None else None,

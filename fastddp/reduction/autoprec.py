@@ -45,6 +45,7 @@ import logging
 import math
 import statistics
 
+from ..autotune.phase import Phase
 from ..autotune.precision import PrecisionSearch, Watch, rotation
 from .compression import ResidualBook
 from .kinds import Kind
@@ -58,7 +59,7 @@ log = logging.getLogger("fastddp.autotune")
 #: every format, most precise first (a flat format before its hierarchical form)
 ORDER = ("fp32", "hier-fp32", "bf16", "hier-bf16", "fp8", "hier-fp8")
 _LOWEST_INDEX = {"fp32": 2, "bf16": 4, "fp8": 6}  # formats allowed for each ``lowest``: ORDER[:n]
-_WAIT, _TRIAL, _SETTLED, _FROZEN = "waiting", "trial", "settled", "frozen"
+_WAIT, _TRIAL, _SETTLED, _FROZEN = Phase.WAITING, Phase.TRIAL, Phase.SETTLED, Phase.FROZEN
 
 
 def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose):
@@ -160,7 +161,7 @@ class AutoPrecision(Reduction):
         self.side, self.decided_on = decision_group(None, None)  # the host default; build() sets CUDA's
 
     cur = property(lambda self: self.modes[self.cur_name], doc="The mode that packs this iteration.")
-    measuring = property(lambda self: self.phase in (_WAIT, _TRIAL),
+    measuring = property(lambda self: self.phase.measuring,
                          doc="Waiting for its trial or in it: bucket_cap_mb='auto' waits until it is done.")
     tunes_buckets = property(lambda self: self.state.tune_buckets)
     scaling = property(lambda self: self.cur.scaling)
@@ -409,7 +410,7 @@ class AutoPrecision(Reduction):
     def stats(self) -> dict:
         s = self.search
         return {self.label: {
-            "state": self.phase, "current": self.cur_name,
+            "state": self.phase.value, "measuring": self.phase.measuring, "current": self.cur_name,
             "chosen": self.next_name if self.phase in (_SETTLED, _FROZEN) else None,
             "candidates": list(self.formats), "lowest": self.state.lowest,
             "error_feedback": self.state.error_feedback, "tune_buckets": self.state.tune_buckets,
