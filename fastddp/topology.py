@@ -167,3 +167,24 @@ def subgroups(pg, topo: Topology):
             across = g
     _SUBGROUPS[key] = (pg, inside, across)
     return inside, across
+
+
+def late_inside(pg, topo: Topology):
+    """A second group of the ranks on this rank's host, for the rounds the
+    phase-2 thread runs inside the host while the backward thread issues the
+    first one on :func:`subgroups`' (each group sees one thread's
+    collectives: one order on every rank).  Made once per (group, topology),
+    collectively, as :func:`subgroups`."""
+    key = (id(pg), topo.hosts, "late")
+    got = _SUBGROUPS.get(key)
+    if got is not None and got[0] is pg:
+        return got[1]
+    me = groups.rank(pg)
+    to_global = groups.global_ranks(pg)
+    inside = None
+    for ranks in topo.hosts:
+        g = dist.new_group([to_global[r] for r in ranks], backend=dist.get_backend(pg))
+        if me in ranks:
+            inside = g
+    _SUBGROUPS[key] = (pg, inside, None)
+    return inside

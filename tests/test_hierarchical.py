@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fastddp import kernels
 from tests._dist import _world_fixture, fastddp_only
 
 pytestmark = [fastddp_only, pytest.mark.timeout(600)]
@@ -363,10 +364,13 @@ def test_bad_states():
 
 
 # ------------------------------------------------------------------ overlap
-def _rounds_order(rank, world):
-    """The order of the engine's rounds: round 1 of bucket b (the inside
-    hop's sum and the between-hosts collective) runs before bucket b+1 is
-    issued, i.e. during backward, not at its end."""
+def _rounds_order(rank, world, thread):
+    """The order of the engine's rounds, each with the thread it ran on.
+    Without the phase-2 thread (``thread`` False): round 1 of bucket b (the
+    inside hop's sum and the between-hosts collective) runs before bucket
+    b+1 is issued, i.e. during backward, not at its end."""
+    import threading
+
     from fastddp import DistributedDataParallel as DDP
     from fastddp.hooks import hierarchical_hook
     from fastddp.reduction import twophase
@@ -375,13 +379,17 @@ def _rounds_order(rank, world):
     advance = twophase.ShardStep.advance
 
     def spy(self):
-        events.append((self.bucket.index, len(self.works)))
+        events.append((self.bucket.index, len(self.works), threading.current_thread().name))
         advance(self)
 
     twophase.ShardStep.advance = spy
     try:
         ddp = DDP(_model(), bucket_cap_mb=0.0005)
         ddp.register_comm_hook(_state("fp8", 2), hierarchical_hook)
+        mode = ddp.reducer.mode
+        assert (mode.phase_two is not None) == (kernels.backend() != "interpret")
+        if not thread:
+            mode.phase_two = None
         for step in range(2):  # the second: rebuilt buckets
             events.clear()
             x, y = _batch(rank, step)
@@ -392,11 +400,25 @@ def _rounds_order(rank, world):
 
 
 def test_between_hosts_hop_starts_during_backward(world4):
-    for events, nb in world4.run(_rounds_order):
+    for events, nb in world4.run(_rounds_order, False):
         assert nb >= 3, nb
+        order = [(b, r) for b, r, _ in events]
         for b in range(nb - 1):
-            assert events.index((b, 1)) < events.index((b + 1, 0)), events
-        assert sorted(events) == [(b, r) for b in range(nb) for r in range(4)]
+            assert order.index((b, 1)) < order.index((b + 1, 0)), order
+        assert sorted(order) == [(b, r) for b in range(nb) for r in range(4)]
+
+
+@pytest.mark.skipif(kernels.backend() == "interpret", reason="the Triton interpreter is not thread-safe: no "
+                                                              "phase-2 thread there")
+def test_phase2_thread_runs_every_round_after_the_first(world4):
+    # the backward thread issues each bucket's inside all-to-all; the thread
+    # every later round (between hosts, then the gather inside the host on
+    # its own inside group), bucket after bucket, round after round
+    for events, nb in world4.run(_rounds_order, True):
+        main = [(b, r) for b, r, t in events if t != "fastddp-phase2"]
+        side = [(b, r) for b, r, t in events if t == "fastddp-phase2"]
+        assert nb >= 3 and main == [(b, 0) for b in range(nb)], main
+        assert side == [(b, r) for b in range(nb) for r in (1, 2, 3)], side
 
 
 # ----------------------------------------------- compile, auto caps, checkpoints

@@ -161,4 +161,8 @@ def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, R
     if state.wire == "fp8":
         kernels.prepare_fp8(device)
     inside, across = topology.subgroups(pg, topo)
-    return Hierarchical(state, topo, inside, across), sparse
+    mode = Hierarchical(state, topo, inside, across)
+    mode.phase_two = PhaseTwo.of(pg, device, kernels.backend(device))
+    if mode.phase_two is not None:  # the thread runs every round after the first: the last one inside the host
+        mode.inside_late = topology.late_inside(pg, topo)  # on a group of its own (across: the thread's alone)
+    return mode, sparse

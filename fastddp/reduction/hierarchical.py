@@ -78,6 +78,7 @@ class HierWire(ShardWire):
         self.stage, self.recv = stage, recv
         self.host = recv[:S]
         self.inside, self.across, self.inner = inside, across, inner
+        self.inside_late = inside  # the last round's group (the phase-2 thread's twin where it runs it)
         self.ex, self.exbuf = ex, exbuf
         self.rounds = 3 if inner is None else 4
         self.bounds = [(0, S)]
@@ -101,15 +102,15 @@ class HierWire(ShardWire):
             return [groups.all_to_all_single(self.recv, self.stage, self.inside)]
         if r == self.rounds - 1:
             if self.inner is None:
-                return [groups.all_gather_into_tensor(self.stage, self.host, self.inside)]
+                return [groups.all_gather_into_tensor(self.stage, self.host, self.inside_late)]
             self.inner.stage_in()
             if self.gathered is None:
                 self._decode()
-                return [groups.all_gather_into_tensor(self.stage, self.host, self.inside)]
+                return [groups.all_gather_into_tensor(self.stage, self.host, self.inside_late)]
             # the host's reduced shards travel inside the host still encoded
             # (decoding is exact, so the bits are the same): fp8 4x, bf16 2x
             # fewer bytes than fp32; every rank decodes the whole bucket (finish)
-            return [groups.all_gather_into_tensor(o, i, self.inside)
+            return [groups.all_gather_into_tensor(o, i, self.inside_late)
                     for o, i in zip(self.gathered, self._encoded(self.inner))]
         if r == 1:
             if k == 0:
@@ -168,6 +169,7 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
         self.fmt = state.wire
         self.wire_dtype = _WIRE_DTYPES[self.fmt]
         self.topology, self.inside, self.across = topology, inside, across
+        self.inside_late = inside  # the builder gives the phase-2 thread's twin with the thread
         self.block = state.block_size
         self.exempt_rule = state.exempt
         self.bytes_between = 0
@@ -204,6 +206,7 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
         recv = torch.empty_like(stage)
         d = HierWire(self.fmt, L, H, S, stage, recv, self.inside, self.across, self._inner(recv[:S], S, H, dev),
                      B, ex, exbuf, self.gather_encoded)
+        d.inside_late = self.inside_late
         if ex:
             q8 = [k for k in range(len(bucket.params)) if k not in ex]
             d.q8 = q8

@@ -17,12 +17,12 @@ staging) plus the mode's pack and unpack::
               blocks the host (gloo) a thread of the mode's own
               (:class:`PhaseTwo`) runs it as soon as the all-to-all is in,
               also during backward, issuing the all-gathers on a group of its
-              own (a gloo twin of the module's group: each group sees its
-              collectives in one order on every rank).  Without a twin (a
-              group that is not the whole world), under the Triton
-              interpreter (not thread-safe) or for a wire whose later rounds
-              use groups of their own (hierarchical), it runs at the end of
-              backward, for every bucket in flight, in bucket order.
+              own (a gloo twin of the module's group; the hierarchical
+              wire's last round on a twin of its inside group: each group
+              sees its collectives in one order on every rank).  Without a
+              twin (a group that is not the whole world) or under the Triton
+              interpreter (not thread-safe) it runs at the end of backward,
+              for every bucket in flight, in bucket order.
     finish    wait this bucket's all-gathers and extras and unstage
 
 A step's collectives are never issued from a collective's callback thread
