@@ -13,7 +13,8 @@
 # quick cases by their recorded time (tests/durations.json), not the tests
 # marked `slow` or `rig`; under 2 minutes on 2 cores. The full command is what
 # CI runs. tests/README.md maps each library module to the files that test it.
-# Extra arguments go to both sessions (e.g. -x, -k pattern). The last line says
+# Extra arguments go to both sessions (e.g. -x, -k pattern); TEST_PATHS (default
+# tests) is what both collect (the run.sh self-tests name two small files). The last line says
 # passed or FAILED with both sessions' counts and the time taken; above a
 # FAILED line, every failed test's id (pytest's short summary, both sessions),
 # so that `bash tests/run.sh | tail` still names what failed.
@@ -43,9 +44,9 @@ t0=$SECONDS
 # minute each on 2 cores, then cached), not inside a test's timeout
 "$py" -c "import fastddp._native as n; n.main()"
 "$py" -c "import fastddp.kernels._fp8_native as f; f.main()"
-"$py" -m pytest tests -m "not interpret and not gpu" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default"
+"$py" -m pytest ${TEST_PATHS:-tests} -m "not interpret and not gpu" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default"
 rc1=${PIPESTATUS[0]}
-TRITON_INTERPRET=1 "$py" -m pytest tests -m "interpret" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/interpret"
+TRITON_INTERPRET=1 "$py" -m pytest ${TEST_PATHS:-tests} -m "interpret" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/interpret"
 rc2=${PIPESTATUS[0]}
 took="$(( (SECONDS - t0) / 60 ))m$(( (SECONDS - t0) % 60 ))s"
 what="${tier}default session: $(counts "$logs/default") (rc=$rc1); interpreter session: $(counts "$logs/interpret") (rc=$rc2); $took"
