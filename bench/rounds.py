@@ -151,6 +151,16 @@ def _tuning(e: Entry) -> bool:
     return r.tuning_active or any(st.get(k, {}).get("measuring") for k in ("auto_precision", "in_place"))
 
 
+def in_place_note(stats: dict) -> str | None:
+    """What the CPU's in-place rule decided after a trial (``stats()["in_place"]``), for the
+    row's note; None where it measured nothing (no gradient large enough) or is not there."""
+    ip = stats.get("in_place")
+    if ip is None or not ip.get("chosen") or not any(d.get("rounds") for d in ip.get("decisions", [])):
+        return None
+    return ("large grads reduced in place" if ip["chosen"] == "in-place" else
+            "buckets whole (in place not faster)") + " after its trial"
+
+
 def _buckets(e: Entry) -> list[list[int]] | None:
     """The wrapper's buckets as parameter indices (fastddp's reducer), else None."""
     r = _reducer(e)
@@ -271,6 +281,9 @@ def _bench_model(ctx: RankContext, spec: ModelSpec, names: tuple[str, ...], opti
                 what = f"chose {ap['chosen']}" + ("" if len(set(picks)) == 1 else
                                                   f" (each build: {', '.join(str(c) for c in picks)})")
                 e.row.note = f"{e.row.note}, {what}" if e.row.note else what
+        what = in_place_note(stats)
+        if what:
+            e.row.note = f"{e.row.note}, {what}" if e.row.note else what
         e.row.buckets = _buckets(e)
     t_post = time.perf_counter()
     for e in entries:

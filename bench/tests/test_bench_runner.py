@@ -542,3 +542,16 @@ def test_link_from_an_install_without_the_clone_says_what_to_do(tmp_path, monkey
     err = capsys.readouterr().err
     assert "tools/netlink.py" in err and "pip install -e" in err and "--simulate-bandwidth" in err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_in_place_decision_is_noted_only_after_a_trial():
+    from fastddp.bench.rounds import in_place_note
+
+    trial = {"rounds": 5, "chosen": "in-place"}
+    assert in_place_note({"in_place": {"chosen": "in-place", "decisions": [trial]}}) == \
+        "large grads reduced in place after its trial"
+    assert in_place_note({"in_place": {"chosen": "flat", "decisions": [dict(trial, chosen="flat")]}}) == \
+        "buckets whole (in place not faster) after its trial"
+    assert in_place_note({"in_place": {"chosen": "flat", "decisions": [{"rounds": 0}]}}) is None  # nothing large
+    assert in_place_note({"in_place": {"chosen": None, "decisions": []}}) is None  # still measuring
+    assert in_place_note({}) is None  # torch's DDP, or fastddp on a GPU
