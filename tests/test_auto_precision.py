@@ -355,6 +355,18 @@ def test_format_changes_in_the_trial_reuse_residual_memory(world2):
     assert storages <= 3 * buckets, (storages, packs, buckets)
 
 
+def _in_backward() -> bool:
+    """A bucket of a backward is being packed or issued further up this stack."""
+    import sys
+
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name in ("_bucket_complete", "_finalize"):
+            return True
+        f = f.f_back
+    return False
+
+
 def _slowing_link(rank, world):
     import torch.distributed as dist
 
@@ -367,7 +379,7 @@ def _slowing_link(rank, world):
 
     def all_reduce(t, pg, op=dist.ReduceOp.SUM, async_op=False):
         if op == dist.ReduceOp.MAX:  # the mode's decisions (the buckets' are SUMs)
-            calls.append((m.reducer.mode.phase.value, async_op))
+            calls.append((m.reducer.mode.phase.value, async_op, _in_backward()))
         return real(t, pg, op, async_op=async_op)
 
     groups.all_reduce = all_reduce
@@ -393,9 +405,11 @@ def test_a_link_that_slows_is_re_measured_and_the_watch_never_waits(world2):
     assert [x["chosen"] for x in d] == ["fp32", "fp8"] and d[1]["trigger"].startswith("re-measure 1")
     assert d == st1["decisions"]
     assert d[1]["trial_from_step"] - 40 <= 5 * 4 + 2, "the re-measure came later than its windows allow"
-    watch = [a for phase, a in calls0 if phase == "settled"]
+    watch = [a for phase, a, _ in calls0 if phase == "settled"]
     assert watch and all(watch), f"a settled window was all-reduced and waited for mid-backward: {calls0}"
-    assert not any(a for phase, a in calls0 if phase == "trial")  # the trial's rounds: one wait each
+    assert not any(a for phase, a, _ in calls0 if phase == "trial")  # the trial's rounds: one wait each
+    # every decision at the forward boundary, where the bucket tuner decides: none inside a backward
+    assert not any(inside for _, _, inside in calls0), calls0
 
 
 def _with_autocap(rank, world, caps):

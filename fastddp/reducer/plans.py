@@ -73,6 +73,8 @@ class BucketPlans:
             rebuilt = self.tuner.boundary() or rebuilt
         self.ctx.rebuilt = not self._should_rebuild()
         self.ctx.layout_settled = self.ctx.rebuilt and not self.tuning_active
+        if syncs:
+            self._dense.boundary(self.ctx)  # the mode's decisions, after the tuner's
         return rebuilt
 
     def plan_for(self, config: planner.BucketConfig) -> planner.BucketPlan:

@@ -2,11 +2,13 @@
 
 One bucket mode that owns the allowed formats' modes (built as
 :func:`~fastddp.reduction.choose` builds them for their own hooks) and
-hands every call to the one in use.  It switches only at the first pack of
-a new iteration (``ctx.iteration``: a synchronising forward), which every
-rank reaches at the same point; the format of iteration ``i + 1`` is fixed
-at iteration ``i``'s first pack, so the native hooks' early copy, armed
-before ``i + 1``'s backward, follows the format that will pack it::
+hands every call to the one in use.  It decides and switches only at the
+forward boundary (:meth:`AutoPrecision.boundary`: the synchronising forward
+of ``ctx.iteration``, where the bucket tuner decides too), which every rank
+reaches at the same point, never inside a pack; the format of iteration
+``i + 1`` is fixed at iteration ``i``'s boundary, so the native hooks' early
+copy, armed before ``i + 1``'s backward, follows the format that will pack
+it::
 
     waiting   until torch's one bucket rebuild is done (``ctx.rebuilt``), in the
               most precise format; bucket_cap_mb="auto" (asked for, or turned
@@ -143,6 +145,7 @@ class AutoPrecision(Reduction):
         self.search: PrecisionSearch | None = None
         self.samples: dict = {}      # iteration -> (format, s), read from the clock
         self._it = 0                 # the iteration whose packs run now
+        self._clock_due = None       # (iteration, format): its window starts at its first pack
         self._t0 = 0                 # first iteration of the trial
         self._reduced = 0            # trial rounds all-reduced so far
         self._win0 = self._wins = 0  # first watched iteration, windows all-reduced
@@ -172,9 +175,19 @@ class AutoPrecision(Reduction):
         return self.modes[name]
 
     # -------------------------------------------------------- delegation
-    def pack(self, ctx, bucket, grads) -> None:
+    def boundary(self, ctx) -> None:
+        """The synchronising forward of ``ctx.iteration``: every decision of
+        this mode is made here, where the bucket tuner makes its own (never
+        inside a pack, mid-backward)."""
         if ctx.iteration != self._it:
             self._enter(ctx)
+
+    def pack(self, ctx, bucket, grads) -> None:
+        if ctx.iteration != self._it:  # a caller that runs no forward boundary (a mode driven directly)
+            self._enter(ctx)
+        if self._clock_due is not None:
+            self.clock.start(*self._clock_due)  # the reduction window starts at the first pack
+            self._clock_due = None
         if self._looked == ctx.iteration and self.phase == _WAIT and not self._seen_differ:
             self._seen_differ = self._differs(ctx, bucket)
         values = self._pending.pop(bucket.index, None) if self._pending else None
@@ -229,8 +242,8 @@ class AutoPrecision(Reduction):
 
     # ----------------------------------------------------------- steps
     def _enter(self, ctx) -> None:
-        """The first pack of iteration ``ctx.iteration``: switch to the format
-        fixed for it, read finished windows, decide the next one, start timing."""
+        """The boundary of iteration ``ctx.iteration``: switch to the format
+        fixed for it, read finished windows, decide the next one, time it."""
         it = self._it = ctx.iteration
         self._rank = ctx.rank
         if self.next_name != self.cur_name:
@@ -259,7 +272,10 @@ class AutoPrecision(Reduction):
         if self.phase == _TRIAL:
             self.next_name = self._scheduled(it + 1)
         if self.phase == _TRIAL or (self.phase == _SETTLED and self._watching and not self.watch.exhausted):
-            self.clock.start(it, self.cur_name, ctx.forward_at if self._from_forward else None)  # timed only where read
+            if self._from_forward:  # timed only where a window is read
+                self.clock.start(it, self.cur_name, ctx.forward_at)
+            else:
+                self._clock_due = (it, self.cur_name)
 
     def _watch_if_still(self, ctx, it: int) -> None:
         """The watch runs while the layout holds still: bucket_cap_mb="auto"

@@ -70,6 +70,10 @@ class Reduction:
     it between iterations changes this too: the early copy's views are found
     again)."""
 
+    def boundary(self, ctx) -> None:
+        """The synchronising forward of ``ctx.iteration`` (the step's one
+        decision point: a mode that measures decides here)."""
+
     def pack(self, ctx, bucket, grads) -> None:
         fill_flat(ctx, bucket, grads, self.scaling, bucket.health)
 
