@@ -49,8 +49,7 @@ from typing import Any, Callable
 __all__ = ["NativeMode", "Settings", "configure", "configured", "default", "get", "parse",
            "parse_auto_precision", "parse_bucket_cap", "parse_check_finite", "reload"]
 
-OFF_WORDS = ("0", "false", "off", "no")
-ON_WORDS = ("1", "true", "on", "yes")
+from .kernels._switch import OFF_WORDS, ON_WORDS, parse_switch  # the one truthiness rule
 
 
 class NativeMode(enum.Enum):
@@ -68,18 +67,9 @@ def _accepted(words) -> str:
 
 
 def _switch(name: str, text: str, words: tuple = ()):
-    """The one truthiness rule (``text`` is stripped and not empty): an off
-    word -> False, an on word -> True, one of ``words`` -> that word."""
-    low = text.lower()
-    if low in OFF_WORDS:
-        return False
-    if low in ON_WORDS:
-        return True
-    if low in words:
-        return low
-    raise ValueError(f"fastddp: {name}={text!r} is not a valid value; accepted (any case): "
-                     f"{_accepted(OFF_WORDS)} (off), {_accepted(ON_WORDS)} (on)"
-                     + (f", {_accepted(words)}" if words else "") + ", or unset")
+    """The one truthiness rule (``text`` is stripped and not empty):
+    :func:`fastddp.kernels._switch.parse_switch`."""
+    return parse_switch(name, text, words)
 
 
 def _native(name: str, text: str) -> NativeMode:

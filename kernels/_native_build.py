@@ -42,33 +42,23 @@ from typing import Sequence
 
 import torch
 
+from ._switch import parse_switch
+
 __all__ = ["BUILD_LIMIT_S", "Extension", "exit_on_sigterm", "has_ninja", "switch"]
 
 #: seconds after which a build lock is a dead builder's: a build of either
 #: module takes ~1 min on 2 busy cores (40-70 s on one); 10x that is no build.
 BUILD_LIMIT_S = 600.0
 
-_OFF = ("0", "false", "off", "no")
-
-
-_ON = ("1", "true", "on", "yes")
-
-
 def switch(var: str) -> str:
     """``"on"``, ``"off"`` or ``"require"``: the value of the switch ``var``
-    (unset or empty: on), by fastddp.settings' truthiness rule (case and
-    blanks ignored; anything else is an error naming the variable).  Read at
-    each call: tests and tools flip it.  The kernels package reads its own
-    switch (it imports nothing of fastddp)."""
-    raw = os.environ.get(var, "").strip().lower()
-    if raw == "require":
-        return "require"
-    if raw in _OFF:
-        return "off"
-    if not raw or raw in _ON:
+    (unset or empty: on), by the one truthiness rule (:mod:`._switch`).
+    Read at each call: tests and tools flip it."""
+    raw = os.environ.get(var, "").strip()
+    if not raw:
         return "on"
-    raise ValueError(f"fastddp: {var}={os.environ[var]!r} is not a switch: use 1/true/on/yes, "
-                     "0/false/off/no, or require (a failed build is then an error)")
+    v = parse_switch(var, raw, ("require",))
+    return "require" if v == "require" else "on" if v else "off"
 
 
 def has_ninja() -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import threading
 from typing import Sequence
 
@@ -28,6 +27,7 @@ from . import reference, torch_path
 # this module and the launchers, which use them too: no import circle.
 from ._counters import bump as _bump, launch_count, reset_launch_count, stats  # noqa: F401
 from ._layout import Layout  # noqa: F401  (re-exported: fastddp.kernels.Layout)
+from ._switch import interpreter_requested
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -38,7 +38,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 @functools.lru_cache(maxsize=None)
 def _triton_status() -> tuple[bool, bool, str]:
     """(triton importable, interpreter on, reason-if-not)."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = interpreter_requested()
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from fastddp.kernels._switch import interpreter_requested
+
+INTERPRET = interpreter_requested()
 
 
 #: each test's seconds (setup + call + teardown) on a quiet 2-core machine,

@@ -12,7 +12,9 @@ import os
 import pytest
 import torch
 
-OFF = os.environ.get("FASTDDP_FP8_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+from fastddp.kernels._native_build import switch
+
+OFF = switch("FASTDDP_FP8_NATIVE") == "off"
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ scalar CPU casts produce different ones).
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import pytest
@@ -20,11 +19,12 @@ import torch
 
 import fastddp.kernels as K
 from fastddp.kernels import reference, torch_path
+from fastddp.kernels._switch import interpreter_requested
 from tests._dist import STAND_IN, world2  # noqa: F401
 from tests._models import loss_fn, make_batch, make_model
 from tests._compare import assert_bits
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = interpreter_requested()
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
 BF16 = torch.bfloat16
 SIZES = [1, 2, 7, 255, 257, 16383, 16385, 70001]  # around BLOCK (16K interpreted) and the CPU chunk (64K)

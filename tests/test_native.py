@@ -22,11 +22,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fastddp.kernels._native_build import switch
+
 from tests._dist import REPO_ROOT, fastddp_only, setting, single_rank_group, world2  # noqa: F401 (fixture)
 
 pytestmark = fastddp_only
 
-OFF = os.environ.get("FASTDDP_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+OFF = switch("FASTDDP_NATIVE") == "off"
 
 
 def _native_env(value: str | None):

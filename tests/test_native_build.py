@@ -26,6 +26,20 @@ def test_switch_has_one_rule(monkeypatch):
         assert switch("FASTDDP_X") == want, raw
     monkeypatch.delenv("FASTDDP_X")
     assert switch("FASTDDP_X") == "on"
+    monkeypatch.setenv("FASTDDP_X", "sometimes")  # the same refusal as fastddp.settings', naming the variable
+    with pytest.raises(ValueError, match=r"FASTDDP_X='sometimes' is not a valid value; accepted .*require"):
+        switch("FASTDDP_X")
+
+
+def test_one_place_spells_the_truthiness_words():
+    # fastddp.settings and the native builds take the words from kernels._switch; the interpreter
+    # switch follows Triton's own reading (an on word), so both agree on TRITON_INTERPRET=false
+    from fastddp import settings
+    from fastddp.kernels import _switch
+
+    assert settings.OFF_WORDS is _switch.OFF_WORDS and settings.ON_WORDS is _switch.ON_WORDS
+    assert not _switch.interpreter_requested({"TRITON_INTERPRET": "false"})
+    assert _switch.interpreter_requested({"TRITON_INTERPRET": " 1 "}) and not _switch.interpreter_requested({})
 
 
 def _lock(path, age_s: float):
