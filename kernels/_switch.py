@@ -35,7 +35,8 @@ def parse_switch(name: str, text: str, words: tuple = ()):
 
 def interpreter_requested(environ=None) -> bool:
     """``TRITON_INTERPRET`` is Triton's variable, read by Triton's own rule
-    (an on word turns the interpreter on, anything else leaves it off):
-    fastddp reads it the same way so that both agree, and never refuses it."""
+    (``triton.knobs``' getenv_bool: an on word or ``y`` turns the
+    interpreter on, anything else leaves it off): fastddp reads it the same
+    way so that both agree, and never refuses it."""
     env = os.environ if environ is None else environ
-    return env.get("TRITON_INTERPRET", "").strip().lower() in ON_WORDS
+    return env.get("TRITON_INTERPRET", "").strip().lower() in ON_WORDS + ("y",)
