@@ -72,7 +72,7 @@ class Comm:
         self.pg = process_group
         self.device = device
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None  # packs, collectives, unpacks (CUDA)
         # the second phase of the two-phase reductions, queued at issue (CUDA)
         self.phase2 = torch.cuda.Stream(device=device) if self.cuda else None
         # persistent events for the joins (Stream.wait_stream makes a new one per call)
@@ -87,11 +87,6 @@ class Comm:
         self._ev_open: list[bool] = []
         self._ev_current = -1
         self.exposed_cuda_ms: collections.deque = collections.deque(maxlen=32)
-
-    @property
-    def comm_stream(self):
-        """The side stream packs, collectives and unpacks run on (None on CPU)."""
-        return self.stream
 
     # -- stream plumbing -------------------------------------------------
     def pack_context(self, ready_event: "torch.cuda.Event | None"):

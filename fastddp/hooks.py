@@ -27,7 +27,7 @@ class GradBucket:
     __slots__ = ("_index", "_num_buckets", "_buffer", "_params", "_layout")
 
     def __init__(self, index: int, num_buckets: int, buffer: torch.Tensor,
-                 params: Sequence[torch.Tensor], views: Sequence[torch.Tensor] | None, layout):
+                 params: Sequence[torch.Tensor], layout):
         self._index = index
         self._num_buckets = num_buckets
         self._buffer = buffer

@@ -42,7 +42,8 @@ class Readiness:
         self.per_iter_counts: list[int] = []
         self.ready_order: list[int] = []  # for the one bucket rebuild
         self.collect_order = False
-        self.armed = [0, 0]               # backwards armed: first of their forward, extra (debug: ranks agree)
+        self.armed_first = 0              # backwards armed: the first of their forward (debug: ranks agree)
+        self.armed_extra = 0              # and the extra ones (a second backward through the outputs)
         self.num_bwd_calls = 0            # torch's num_bwd_calls_: backwards that fired a hook
         self.first_hook_called = False
 
@@ -83,7 +84,10 @@ class Readiness:
         self.first_hook_called = False
         self.marked = bytearray(len(self.names))
         self.marked_unused = False
-        self.armed[extra] += 1
+        if extra:
+            self.armed_extra += 1
+        else:
+            self.armed_first += 1
         if self.dynamic_find_unused:
             self.used_map.forget()
             self.unused = unused()
@@ -236,7 +240,8 @@ class Readiness:
         here instead of leaving its peers blocked in a collective."""
         if self.world == 1:
             return
-        marked = torch.tensor([*self.armed, *self.marked], dtype=torch.int64, device=self.device)
+        marked = torch.tensor([self.armed_first, self.armed_extra, *self.marked], dtype=torch.int64,
+                              device=self.device)
         if groups.is_registered(self.pg) and groups.backend_name(self.pg) == "gloo":
             dist.monitored_barrier(group=self.pg, wait_all_ranks=True)
         every = [torch.empty_like(marked) for _ in range(self.world)]

@@ -51,13 +51,6 @@ def triton_available() -> bool:
     return _triton_status()[0]
 
 
-def interpreter_enabled() -> bool:
-    """True when TRITON_INTERPRET was set (it is read when @triton.jit runs,
-    i.e. when fastddp.kernels is imported)."""
-    ok, interp, _ = _triton_status()
-    return ok and interp
-
-
 def backend(device: torch.device | str | None = None) -> str:
     """The backend that serves tensors on ``device`` (default CPU): ``"triton"``
     (compiled kernels, CUDA tensors), ``"interpret"`` (the kernels under

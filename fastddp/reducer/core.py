@@ -85,7 +85,7 @@ class Reducer(BucketPlans):
 
     # ------------------------------------------------------- public surface
     view_mode = property(lambda self: self.opts.gradient_as_bucket_view)
-    comm_stream = property(lambda self: self.comm.comm_stream, doc="The CUDA side stream of packs and collectives.")
+    comm_stream = property(lambda self: self.comm.stream, doc="The CUDA side stream of packs and collectives.")
     has_comm_hook = property(lambda self: self.comm_hook is not None)
     native = property(lambda self: self.arming.native, doc="The native countdown (None: Python hooks).")
     mode = property(lambda self: self._dense, doc="The dense buckets' mode (fastddp.reduction).")

@@ -261,8 +261,7 @@ class PythonHook(Reduction):
         from ..hooks import GradBucket
 
         layout = None if bucket.sparse else bucket.hook_layout
-        fut = self.hook(self.state, GradBucket(bucket.index, ctx.num_buckets, buffer, bucket.params,
-                                               None, layout))
+        fut = self.hook(self.state, GradBucket(bucket.index, ctx.num_buckets, buffer, bucket.params, layout))
         if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
             raise TypeError(
                 f"fastddp: the comm hook {getattr(self.hook, '__name__', self.hook)!r} returned "
