@@ -33,7 +33,7 @@ class Bucket:
                  "hook_layout", "sparse", "sparse_grad", "reduction", "health", "prefilled",
                  "in_place", "_segments")
 
-    def __init__(self, spec: planner.Bucket, params: Sequence[torch.Tensor], dtype: torch.dtype | None = None):
+    def __init__(self, spec: planner.BucketSpec, params: Sequence[torch.Tensor], dtype: torch.dtype | None = None):
         self.index = spec.index
         self.spec = spec
         self.indices = list(spec.param_indices)

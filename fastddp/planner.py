@@ -51,7 +51,7 @@ __all__ = [
     "DEFAULT_FIRST_BUCKET_BYTES",
     "MIB",
     "NO_SIZE_LIMIT",
-    "Bucket",
+    "BucketSpec",
     "BucketConfig",
     "BucketPlan",
     "assign",
@@ -82,7 +82,7 @@ _INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
-class Bucket:
+class BucketSpec:
     """One flat gradient bucket: same dtype, same device, params back to back."""
 
     index: int
@@ -135,9 +135,9 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """An ordered tuple of :class:`Bucket`; ``buckets[0]`` is expected ready first."""
+    """An ordered tuple of :class:`BucketSpec`; ``buckets[0]`` is expected ready first."""
 
-    buckets: tuple[Bucket, ...]
+    buckets: tuple[BucketSpec, ...]
     """The buckets, in the order the reducer numbers them (``GradBucket.index()``)."""
     _locator: dict[int, tuple[int, int]] = field(
         init=False, repr=False, compare=False, default_factory=dict
@@ -190,10 +190,10 @@ class BucketPlan:
     def __len__(self) -> int:
         return len(self.buckets)
 
-    def __iter__(self) -> Iterator[Bucket]:
+    def __iter__(self) -> Iterator[BucketSpec]:
         return iter(self.buckets)
 
-    def __getitem__(self, index: int) -> Bucket:
+    def __getitem__(self, index: int) -> BucketSpec:
         return self.buckets[index]
 
     def describe(self, names: Sequence[str] | None = None, *, max_members: int = 8) -> str:
@@ -561,7 +561,7 @@ def _build_plan(
             numel, dtype, device, _ = _param_meta(params[i], i)
             offsets.append(total)
             total += numel
-        buckets.append(Bucket(
+        buckets.append(BucketSpec(
             index=position,
             param_indices=tuple(indices),
             offsets=tuple(offsets),

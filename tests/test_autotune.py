@@ -457,7 +457,7 @@ def _tuner_with(order_costs, device="cpu", gbps=1.0):
     lays = []
     for k, (first, rest, buckets, samples) in enumerate(order_costs):
         cfg = planner.BucketConfig() if k == 0 else planner.BucketConfig(bucket_cap_mb_list=(first, rest))
-        lay = autotune.Layout(first, rest, cfg, key=(k,), buckets=buckets, predicted_s=float(k))
+        lay = autotune.Candidate(first, rest, cfg, key=(k,), buckets=buckets, predicted_s=float(k))
         lay.samples = list(samples)
         lays.append(lay)
     t = autotune.Search(lays, lays[0], cpu=device == "cpu", link_gbps=gbps)
@@ -488,11 +488,11 @@ def test_noise_shrinks_with_the_steps_measured():
     first 0.5 / rest 0.5 MiB on 9 noisy steps each (65.1 / 58.6 ms, steps spread
     ~9%); with the count fixed at 3 the 10% gain was "within noise" and auto kept
     the default, 1.067x the best fixed cap.  Counted, it is taken."""
-    default = autotune.Layout(1, 25, planner.BucketConfig(), key=("d",))
-    other = autotune.Layout(0.5, 0.5, planner.BucketConfig(bucket_cap_mb=0.5), key=("o",))
+    default = autotune.Candidate(1, 25, planner.BucketConfig(), key=("d",))
+    other = autotune.Candidate(0.5, 0.5, planner.BucketConfig(bucket_cap_mb=0.5), key=("o",))
     default.samples = [100.7, 62.5, 63.9, 67.8, 77.4, 65.1, 69.1, 72.8, 73.9]  # ms, as measured
     other.samples = [56.6, 59.6, 67.6, 56.9, 70.1, 78.4, 70.9, 58.6, 65.9]
-    third = autotune.Layout(0.25, 5, planner.BucketConfig(bucket_cap_mb_list=(0.25, 5)), key=("t",))
+    third = autotune.Candidate(0.25, 5, planner.BucketConfig(bucket_cap_mb_list=(0.25, 5)), key=("t",))
     third.samples = [77.8, 79.5, 70.6, 83.7, 70.2, 71.7, 95.6, 72.5, 68.3]
     t = autotune.Search([default, other, third], default, cpu=True, link_gbps=None)
     t.order, t.best = [default, other, third], default  # the three trials of that run, in order
@@ -502,7 +502,7 @@ def test_noise_shrinks_with_the_steps_measured():
     fixed3 = t.noise(default)  # another layout measured on TRIAL_STEPS only
     assert counted < gain < fixed3, (counted, gain, fixed3)
     assert t.final_best() is other  # taken once every trial is in
-    short = autotune.Layout(0.5, 0.5, planner.BucketConfig(bucket_cap_mb=0.5), key=("s",))
+    short = autotune.Candidate(0.5, 0.5, planner.BucketConfig(bucket_cap_mb=0.5), key=("s",))
     short.samples = other.samples[:3]
     assert t.noise(default, short) > counted  # fewer steps: a larger gain needed
     assert t.noise(default, other) >= autotune.REL_NOISE * default.cost

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastddp import autotune, planner
-from fastddp.autotune import Layout, Search
+from fastddp.autotune import Candidate, Search
 
 N, NUMEL = 16, 256 * 1024  # 16 params of 1 MiB fp32: the grid's caps give different buckets
 
@@ -27,11 +27,11 @@ def _grid(price=lambda plan: 1e-3 * len(plan.buckets), base=None):
     return autotune.candidates(base or planner.BucketConfig(), _plan_for(), price)
 
 
-def _caps(lay: Layout) -> tuple:
+def _caps(lay: Candidate) -> tuple:
     return lay.first_mb, lay.rest_mb
 
 
-def _run(search: Search, measure) -> Layout:
+def _run(search: Search, measure) -> Candidate:
     """The loop the driver runs: ``measure(lay)`` gives one round of
     TRIAL_STEPS step times for ``lay``; returns the settled pick."""
     lay = search.default
@@ -187,9 +187,9 @@ def test_on_a_wire_a_tie_the_model_separates_by_less_than_the_noise_keeps_the_in
     assert "within the noise: kept the incumbent" in s.tie_rule
 
 
-def _measured(buckets, predicted_s, samples, default=False) -> Layout:
+def _measured(buckets, predicted_s, samples, default=False) -> Candidate:
     cfg = planner.BucketConfig() if default else planner.BucketConfig(bucket_cap_mb=float(buckets))
-    lay = Layout(1.0, float(buckets), cfg, key=(buckets,), buckets=buckets, predicted_s=predicted_s)
+    lay = Candidate(1.0, float(buckets), cfg, key=(buckets,), buckets=buckets, predicted_s=predicted_s)
     return lay, list(samples)
 
 

@@ -67,7 +67,7 @@ def test_segments_cut_large_slots_and_merge_the_runs_between():
     params = [torch.zeros(s) for s in shapes]
     numels = [p.numel() for p in params]
     offsets = [sum(numels[:k]) for k in range(len(numels))]
-    spec = planner.Bucket(0, tuple(range(len(params))), tuple(offsets), sum(numels), torch.float32,
+    spec = planner.BucketSpec(0, tuple(range(len(params))), tuple(offsets), sum(numels), torch.float32,
                           torch.device("cpu"), 1 << 30)
     b = Bucket(spec, params)
     # slots: [0,3) [3,103) [103,123) [123,125) [125,132) [132,182)

@@ -29,7 +29,7 @@ from fastddp.planner import (
     DEFAULT_FIRST_BUCKET_BYTES,
     MIB,
     NO_SIZE_LIMIT,
-    Bucket,
+    BucketSpec,
     BucketConfig,
     BucketPlan,
     assign,
@@ -393,14 +393,14 @@ class TestPlansByHand:
             plan.describe(["a", "b"])
 
     def test_plan_rejects_inconsistent_buckets(self):
-        b0 = Bucket(0, (0,), (0,), 1, F32, torch.device("cpu"), 8)
-        b1 = Bucket(1, (0,), (0,), 1, F32, torch.device("cpu"), 8)
+        b0 = BucketSpec(0, (0,), (0,), 1, F32, torch.device("cpu"), 8)
+        b1 = BucketSpec(1, (0,), (0,), 1, F32, torch.device("cpu"), 8)
         with pytest.raises(ValueError, match="parameter 0 is in bucket 0 and again"):
             BucketPlan((b0, b1))
         with pytest.raises(ValueError, match="indices must be 0..len-1"):
             BucketPlan((b1,))
         with pytest.raises(ValueError, match="2 param indices but 1 offsets"):
-            Bucket(0, (0, 1), (0,), 2, F32, torch.device("cpu"), 8)
+            BucketSpec(0, (0, 1), (0,), 2, F32, torch.device("cpu"), 8)
 
 
 # ==========================================================================

@@ -53,12 +53,12 @@ the candidate grid, pure), :mod:`.search` (the trials fed with costs, pure),
 """
 
 from .driver import MICROBENCH_BYTES, MICROBENCH_REPS, Tuner, TunerHost
-from .model import FIRST_CAPS_MB, HOST_PER_BUCKET_S, REST_CAPS_MB, Layout, candidates, predict, wire_bytes
+from .model import FIRST_CAPS_MB, HOST_PER_BUCKET_S, REST_CAPS_MB, Candidate, candidates, predict, wire_bytes
 from .option import parse_cap, resolve_cap
 from .search import (COPY_SPEED_GBPS, MAX_LAYOUTS, MAX_TRIAL_STEPS, MAX_TUNING_STEPS, PRUNE, REL_NOISE,
                      SPREAD_OK, TRIAL_STEPS, Search)
 
-__all__ = ["COPY_SPEED_GBPS", "FIRST_CAPS_MB", "HOST_PER_BUCKET_S", "Layout", "MAX_LAYOUTS", "MAX_TRIAL_STEPS",
+__all__ = ["COPY_SPEED_GBPS", "FIRST_CAPS_MB", "HOST_PER_BUCKET_S", "Candidate", "MAX_LAYOUTS", "MAX_TRIAL_STEPS",
            "MAX_TUNING_STEPS", "MICROBENCH_BYTES", "MICROBENCH_REPS", "PRUNE", "REL_NOISE", "REST_CAPS_MB",
            "SPREAD_OK", "Search", "TRIAL_STEPS", "Tuner", "TunerHost", "candidates", "parse_cap", "predict",
            "resolve_cap", "wire_bytes"]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import groups, planner
-from .model import HOST_PER_BUCKET_S, Layout, candidates, line_fit, predict
+from .model import HOST_PER_BUCKET_S, Candidate, candidates, line_fit, predict
 from .phase import Phase
 from .search import TRIAL_STEPS, Search
 
@@ -82,7 +82,7 @@ class Tuner:
         self.settled_at = None
         self.reason = ""
         self.search: Search | None = None  # from the probe's model on
-        self.current: Layout | None = None
+        self.current: Candidate | None = None
         self.model: dict = {}
         self._times: list = []
         self._local: list = []         # this rank's step times (s) of the current round
@@ -268,7 +268,7 @@ class Tuner:
         return d.cpu()
 
     # -- trials --------------------------------------------------------------
-    def _start(self, lay: Layout) -> bool:
+    def _start(self, lay: Candidate) -> bool:
         self.current = lay
         self._local, self._local_exposed = [], []
         return self.host.set_bucket_config(lay.config)
@@ -281,7 +281,7 @@ class Tuner:
         self._local, self._local_exposed = [], []
         self.search.record(self.current, vals[:k], vals[k:])
 
-    def _settle(self, pick: Layout, why: str) -> bool:
+    def _settle(self, pick: Candidate, why: str) -> bool:
         changed = pick is not self.current and self.host.set_bucket_config(pick.config)
         self.current = pick
         self.state, self.settled_at = _SETTLED, self.steps
@@ -290,7 +290,7 @@ class Tuner:
         self._log()
         return changed
 
-    def _explain(self, pick: Layout) -> str:
+    def _explain(self, pick: Candidate) -> str:
         s = self.search
         d = s.default
         base = (f"; torch's default (first 1 / rest 25 MiB) {d.cost * 1e3:.2f} ms"

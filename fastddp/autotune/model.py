@@ -1,6 +1,6 @@
 """The cost model and the candidates: pure (no process group, no clock).
 
-A candidate :class:`Layout` is the buckets torch's rebuild makes with one
+A candidate :class:`Candidate` is the buckets torch's rebuild makes with one
 pair of caps; :func:`predict` prices its exposed communication from a ready
 timeline and a latency / bandwidth line; :func:`candidates` lists the grid."""
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .. import planner
 
-__all__ = ["FIRST_CAPS_MB", "HOST_PER_BUCKET_S", "Layout", "REST_CAPS_MB", "candidates", "line_fit", "predict",
+__all__ = ["FIRST_CAPS_MB", "HOST_PER_BUCKET_S", "Candidate", "REST_CAPS_MB", "candidates", "line_fit", "predict",
            "wire_bytes"]
 
 REST_CAPS_MB = (0.5, 1, 2, 5, 10, 25, 50, 100)
@@ -24,7 +24,7 @@ HOST_PER_BUCKET_S = {"cpu": 30e-6, "cuda": 10e-6}
 """Host cost of one more bucket on the backward thread (pack + issue), for the model."""
 
 
-def wire_bytes(spec: planner.Bucket, itemsize: int | None) -> int:
+def wire_bytes(spec: planner.BucketSpec, itemsize: int | None) -> int:
     """Bytes bucket ``spec`` puts on the wire (``itemsize`` None: its params' element size)."""
     return 0 if spec.sparse else spec.numel * (itemsize or spec.element_size)
 
@@ -63,7 +63,7 @@ def line_fit(xs, ys, weights=None) -> tuple[float, float, float]:
 
 
 @dataclass
-class Layout:
+class Candidate:
     """One candidate: caps, its plan's shape, what the model and the steps said."""
 
     first_mb: float
@@ -117,7 +117,7 @@ class Layout:
 
 
 def candidates(base: planner.BucketConfig, plan_for: Callable[[planner.BucketConfig], planner.BucketPlan],
-               price: Callable[[planner.BucketPlan], float]) -> tuple[list[Layout], Layout]:
+               price: Callable[[planner.BucketPlan], float]) -> tuple[list[Candidate], Candidate]:
     """The grid's layouts, one per distinct set of buckets, and torch's default among them.
 
     Every (first, rest) pair of :data:`REST_CAPS_MB` x (``rest`` and the
@@ -130,9 +130,9 @@ def candidates(base: planner.BucketConfig, plan_for: Callable[[planner.BucketCon
     flags = dict(static_graph=base.static_graph, find_unused_parameters=base.find_unused_parameters,
                  set_last_bucket_as_small=base.set_last_bucket_as_small)
     seen: dict = {}
-    layouts: list[Layout] = []
+    layouts: list[Candidate] = []
 
-    def add(first, rest, default=False) -> Layout:
+    def add(first, rest, default=False) -> Candidate:
         if default:
             cfg = planner.BucketConfig(**flags)
         elif first == rest:
@@ -146,7 +146,7 @@ def candidates(base: planner.BucketConfig, plan_for: Callable[[planner.BucketCon
             if default and not old.is_default:  # torch's default names it
                 old.first_mb, old.rest_mb, old.config = first, rest, cfg
             return old
-        lay = Layout(first, rest, cfg, key, len(plan.buckets), price(plan))
+        lay = Candidate(first, rest, cfg, key, len(plan.buckets), price(plan))
         seen[key] = lay
         layouts.append(lay)
         return lay

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from .model import Layout, line_fit
+from .model import Candidate, line_fit
 
 __all__ = ["COPY_SPEED_GBPS", "MAX_LAYOUTS", "MAX_TRIAL_STEPS", "MAX_TUNING_STEPS", "PRUNE", "REL_NOISE",
            "SPREAD_OK", "Search", "TRIAL_STEPS"]
@@ -56,13 +56,13 @@ class Search:
         pick = search.final_best()
     """
 
-    def __init__(self, layouts: list[Layout], default: Layout, *, cpu: bool, link_gbps: float | None):
+    def __init__(self, layouts: list[Candidate], default: Candidate, *, cpu: bool, link_gbps: float | None):
         if not any(l is default for l in layouts):
             raise ValueError("fastddp autotune: torch's default layout must be one of the candidates")
         self.layouts, self.default = layouts, default
         self.cpu, self.link_gbps = cpu, link_gbps
-        self.order: list[Layout] = []  # measured, in trial order
-        self.best: Layout | None = None
+        self.order: list[Candidate] = []  # measured, in trial order
+        self.best: Candidate | None = None
         self.tie_rule = ""             # how final_best chose among layouts within noise
 
     @property
@@ -70,7 +70,7 @@ class Search:
         """Steps measured over all layouts."""
         return sum(len(l.samples) for l in self.order)
 
-    def record(self, lay: Layout, steps: list, exposed: list) -> None:
+    def record(self, lay: Candidate, steps: list, exposed: list) -> None:
         """One round of ``lay``'s steps (s, MAX over ranks): the step times
         and their exposed communication.  ``lay`` replaces the best only if
         faster by more than the noise; the best measured again may lose its place."""
@@ -83,14 +83,14 @@ class Search:
         elif self.best is None or lay.cost < self.best.cost - self.noise(self.best, lay):
             self.best = lay
 
-    def wants_more(self, lay: Layout) -> bool:
+    def wants_more(self, lay: Candidate) -> bool:
         """Measure ``lay`` TRIAL_STEPS more steps?"""
         return len(lay.samples) < MAX_TRIAL_STEPS and lay.spread > SPREAD_OK and not self.spent()
 
     def spent(self) -> bool:
         return self.steps >= MAX_TUNING_STEPS
 
-    def final_best(self) -> Layout:
+    def final_best(self) -> Candidate:
         """The best once every trial is in: the fastest layout measured, if
         it beats the incumbent by the noise as known now (the spread pooled
         over all trials, each layout's own step count).  Else the trials
@@ -117,7 +117,7 @@ class Search:
         gbps = self.link_gbps
         return self.cpu and (gbps is None or gbps >= COPY_SPEED_GBPS)
 
-    def by_link(self, ties: list) -> Layout:
+    def by_link(self, ties: list) -> Candidate:
         """Among layouts the steps cannot tell apart (CPU ranks: steps spread
         15-25% step to step on a 2-core VM, so 30 tuning steps cannot resolve
         3-7%), what the link says: at copy speed (the all-reduce microbenchmark
@@ -140,7 +140,7 @@ class Search:
         else:
             per = self.per_bucket_s()
 
-            def price(lay: Layout) -> float:  # the model, corrected per bucket by the trials
+            def price(lay: Candidate) -> float:  # the model, corrected per bucket by the trials
                 return lay.predicted_s + per * lay.buckets
             pick, inc = min(ties, key=lambda l: (price(l), l.cost)), self.best
             gain = price(inc) - price(pick)
@@ -180,7 +180,7 @@ class Search:
         dev = [abs(s - l.cost) for l in self.order for s in l.samples]
         return 1.4826 * statistics.median(dev) if dev else 0.0
 
-    def noise(self, ref: Layout, other: Layout | None = None) -> float:
+    def noise(self, ref: Candidate, other: Candidate | None = None) -> float:
         """What a difference of the costs of ``ref`` and ``other`` must exceed:
         1% of ``ref``'s cost, or twice the pooled robust spread of the steps
         times sqrt(1/n_ref + 1/n_other), the samples each was measured on
@@ -193,7 +193,7 @@ class Search:
         n_other = max(len(other.samples), 1) if other is not None else TRIAL_STEPS
         return max(REL_NOISE * ref.cost, 2 * spread * math.sqrt(1 / n_ref + 1 / n_other))
 
-    def calibrated(self, lay: Layout) -> float:
+    def calibrated(self, lay: Candidate) -> float:
         """The model's prediction on the measured scale, optimistically: +
         the smallest (measured - predicted) seen.  It only prunes, so it errs
         towards trying: with the median, one layout the model misjudged badly
@@ -202,7 +202,7 @@ class Search:
         base = min(l.cost - l.predicted_s for l in self.order)
         return base + lay.predicted_s
 
-    def next(self) -> Layout | None:
+    def next(self) -> Candidate | None:
         """The layout to measure next; None: the search is over."""
         measured = {id(l) for l in self.order}
         if len(self.order) >= MAX_LAYOUTS or self.spent():
@@ -235,7 +235,7 @@ class Search:
         return min(todo, key=self.calibrated) if todo else None
 
 
-def _beyond(t: Layout, worse: Layout, best: Layout) -> bool:
+def _beyond(t: Candidate, worse: Candidate, best: Candidate) -> bool:
     """``t`` lies past ``worse`` as seen from ``best`` on the rest-cap axis."""
     if worse.rest_mb == best.rest_mb:
         return False
