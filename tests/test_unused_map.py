@@ -30,7 +30,7 @@ STEPS = 5
 def _watch_map():
     """Count the map's read-backs and collect the tensors all-reduced as the map."""
     import fastddp.groups as G
-    import fastddp.readiness as R
+    import fastddp.reducer.readiness as R
 
     seen = {"reads": 0, "maps": []}
     real_tolist, real_all_reduce = torch.Tensor.tolist, G.all_reduce
@@ -126,7 +126,7 @@ def test_pinned_staging_rewritten_only_when_the_marks_change():
     """The upload buffer is not rewritten while an earlier upload may read
     it: unchanged marks leave it alone (no query, no wait); changed marks wait
     for the last upload only if it has not run (the emulated event)."""
-    from fastddp.readiness import PinnedStaging
+    from fastddp.reducer.readiness import PinnedStaging
 
     ev = _FakeEvent()
     st = PinnedStaging(4, pinned=False, event=ev)

@@ -3,7 +3,7 @@
 It reproduces torch 2.13's C++ ``Reducer`` (``torch/csrc/distributed/c10d/
 reducer.cpp``) rule for rule where the rules decide gradients, and replaces its
 per-parameter work with one fused ``pack`` and one fused ``unpack`` per bucket.
-Which parameters count as ready is :mod:`fastddp.readiness`'s business, which
+Which parameters count as ready is :mod:`fastddp.reducer.readiness`'s business, which
 hooks run :mod:`.arming`'s, how a bucket is packed, reduced and unpacked its
 mode's (:mod:`fastddp.reduction`, which sees the step's
 :class:`~fastddp.reduction.StepContext`, never this class).  Per step::
@@ -32,7 +32,7 @@ from .. import autotune, compile as _compile, groups, planner, profiling, reduct
 from ..buckets import Bucket
 from ..comm import Comm
 from ..health import HealthCheck
-from ..readiness import Readiness
+from .readiness import Readiness
 from .arming import Arming
 from .divisor import Divisor
 from .options import Collaborators, ReducerOptions

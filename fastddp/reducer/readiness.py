@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import groups
+from .. import groups
 
 __all__ = ["PinnedStaging", "Readiness", "UsedMap"]
 
