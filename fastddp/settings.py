@@ -100,40 +100,31 @@ def _seconds(name: str, text: str) -> float:
     return value
 
 
-def _bytes(name: str, text: str) -> int:
+def _whole(name: str, text: str, accepted: str) -> int:
+    """A whole number >= 0, else a ValueError naming the variable and ``accepted``."""
     try:
         value = int(text)
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"fastddp: {name}={text!r} is not a whole number of bytes >= 0 "
-                         "(0 turns chunking off)")
+        raise ValueError(f"fastddp: {name}={text!r} is not {accepted}")
     return value
+
+
+def _bytes(name: str, text: str) -> int:
+    return _whole(name, text, "a whole number of bytes >= 0 (0 turns chunking off)")
 
 
 def _count(name: str, text: str) -> int:
     """A whole number >= 0 (torchrun's LOCAL_WORLD_SIZE, GROUP_RANK; ranks per host; elements)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"fastddp: {name}={text!r} is not a whole number >= 0")
-    return value
+    return _whole(name, text, "a whole number >= 0")
 
 
 def _in_place(name: str, text: str) -> int | None:
     """``auto`` (None: the plain all-reduce measures whether it pays) or elements >= 0."""
     if text.lower() == "auto":
         return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"fastddp: {name}={text!r} is not a whole number >= 0 or auto "
-                         "(auto: measured; 0: never)")
-    return value
+    return _whole(name, text, "a whole number >= 0 or auto (auto: measured; 0: never)")
 
 
 def _cap(name: str, text: str):
