@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from tests._dist import STAND_IN, setting, world2, world3  # noqa: F401
 from tests._parity import side_by_side
+from tests.test_auto_precision import SyntheticClock
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(STAND_IN, reason="fastddp's own reduction path")]
@@ -251,19 +252,6 @@ def test_find_unused_with_kept_grads_equals_torch(world2):
 
 # ----------------------------------------------------- auto: the paired trial
 
-class _Clock:
-    """A rank's synthetic clock (``StepClock``'s ``synthetic``): each read
-    returns the time, then advances it by the candidate's cost."""
-
-    def __init__(self, cost: dict):
-        self.cost, self.t = dict(cost), 0.0
-
-    def __call__(self, name: str) -> float:
-        t = self.t
-        self.t += self.cost[name]
-        return t
-
-
 def _auto(rank, world, costs, least, steps=24):
     """The default path with FASTDDP_IN_PLACE_NUMEL unset (auto) and the
     candidates' threshold at ``least``, side by side with torch's DDP for
@@ -278,7 +266,7 @@ def _auto(rank, world, costs, least, steps=24):
         from fastddp import DistributedDataParallel as F
 
         ddp = F(module, **opts)
-        ddp.reducer.mode.clock.synthetic = _Clock(costs[rank])
+        ddp.reducer.mode.clock.synthetic = SyntheticClock(costs[rank])
         return ddp
 
     def step_fn(ddp, x, y, step, is_ref):
