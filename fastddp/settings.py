@@ -201,7 +201,7 @@ class Settings:
     """``FASTDDP_IN_PLACE_NUMEL``: on the CPU, gradients of at least this
     many elements are all-reduced where they are (0: never); None (unset or
     ``auto``): where paired trial steps measure it faster than one collective
-    per bucket (:func:`fastddp.reduction.autoprec.in_place_choice`)."""
+    per bucket (:func:`fastddp.reduction.choices.in_place_choice`)."""
     native: NativeMode = NativeMode.ON
     """``FASTDDP_NATIVE``."""
     ranks_per_host: int | None = None

@@ -78,7 +78,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         return PythonHook(hook, state), PythonHook(hook, state)
     kind, dtype = tag
     if kind is Kind.AUTO:
-        from .autoprec import build
+        from .choices import build
 
         return build(state, batched_grad_copy, group_ok, device, pg, choose)
     if kind is Kind.HIER:
@@ -113,8 +113,8 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
 
 
 def _phase_two(mode, device, pg):
-    """A flat two-phase mode: its rounds after the all-to-all on a thread of
-    its own where waits block the host (:class:`~.twophase.PhaseTwo`)."""
+    """A two-phase mode: its rounds after the first on the module group's
+    phase-2 thread where waits block the host (:class:`~.twophase.PhaseTwo`)."""
     mode.phase_two = PhaseTwo.of(pg, device, kernels.backend(device))
     return mode
 
@@ -130,7 +130,7 @@ def _all_reduce(scaling: Scaling, device, fused: bool = False, trial: bool = Tru
     if not cpu or least == 0 or (least is None and not trial):
         return AllReduce(scaling, fused=fused)
     if least is None:
-        from .autoprec import in_place_choice
+        from .choices import in_place_choice
 
         return in_place_choice(scaling, fused, IN_PLACE_MIN_NUMEL)
     return AllReduce(scaling, fused=fused, in_place_min=least)
@@ -161,8 +161,7 @@ def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, R
     if state.wire == "fp8":
         kernels.prepare_fp8(device)
     inside, across = topology.subgroups(pg, topo)
-    mode = Hierarchical(state, topo, inside, across)
-    mode.phase_two = PhaseTwo.of(pg, device, kernels.backend(device))
+    mode = _phase_two(Hierarchical(state, topo, inside, across), device, pg)
     if mode.phase_two is not None:  # the thread runs every round after the first: the last one inside the host
         mode.inside_late = topology.late_inside(pg, topo)  # on a group of its own (across: the thread's alone)
     return mode, sparse

@@ -119,7 +119,7 @@ be all-reduced where it is, skipping its copy into the bucket and back
 (mlp25m's three weights, 2 ranks on 2 cores: ~17 ms less CPU per step and
 rank); each such gradient costs one or two more collectives, so where
 ``FASTDDP_IN_PLACE_NUMEL`` is unset paired trial steps decide
-(:func:`~fastddp.reduction.autoprec.in_place_choice`)."""
+(:func:`~fastddp.reduction.choices.in_place_choice`)."""
 
 
 def _in_place_ok(g, flat: torch.Tensor, numel: int) -> bool:

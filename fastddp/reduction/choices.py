@@ -1,0 +1,67 @@
+"""The two modes built from :class:`~.autoprec.AutoPrecision`'s measured
+choice: ``auto_precision_hook`` (the wire format) and the CPU's plain
+all-reduce where ``FASTDDP_IN_PLACE_NUMEL`` is unset (the in-place layout)."""
+
+from __future__ import annotations
+
+from .autoprec import LOWEST_INDEX, ORDER, AutoPrecision
+from .plain import AllReduce, Reduction, SparseAllReduce, fused_state
+from .stepclock import decision_group
+
+__all__ = ["build", "in_place_choice"]
+
+
+def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose):
+    """``(dense, sparse)`` modes for ``auto_precision_hook``: its candidates
+    built as their own hooks' fused paths by ``choose``
+    (:func:`fastddp.reduction.choose`, passed in: this module sits below the
+    package); sparse buckets as without a hook."""
+    from .. import topology
+    from ..hooks import (AutoPrecisionState, CompressionState, FP8CompressionState, HierarchicalState,
+                         bf16_fp32acc_hook, fp8_compress_hook, hierarchical_hook)
+
+    state = fused_state("auto_precision_hook", state, AutoPrecisionState, group_ok)
+    topo = topology.resolve(pg, state.ranks_per_host)  # collective where nothing explicit is set
+    hosts = not isinstance(topo, topology.Flat)
+    ef, cb = state.error_feedback, state.chunk_bytes
+
+    def hier(wire):
+        hs = HierarchicalState(wire=wire, ranks_per_host=state.ranks_per_host, error_feedback=ef and wire != "fp32",
+                               block_size=state.block_size, chunk_bytes=cb)
+        return choose(hierarchical_hook, hs, batched_grad_copy, True, device, pg)[0]
+
+    makers = {
+        "fp32": lambda: choose(None, None, batched_grad_copy, True, device, trial=False)[0],  # one trial at a time
+        "hier-fp32": lambda: hier("fp32"),
+        "bf16": lambda: choose(bf16_fp32acc_hook, CompressionState(error_feedback=ef, chunk_bytes=cb),
+                               batched_grad_copy, True, device, pg)[0],
+        "hier-bf16": lambda: hier("bf16"),
+        "fp8": lambda: choose(fp8_compress_hook, FP8CompressionState(block_size=state.block_size,
+                                                                     error_feedback=ef, chunk_bytes=cb),
+                              batched_grad_copy, True, device, pg)[0],
+        "hier-fp8": lambda: hier("fp8"),
+    }
+    names = [n for n in ORDER[:LOWEST_INDEX[state.lowest]] if hosts or not n.startswith("hier-")]
+    where = topo.describe() if hosts else f"flat ({topo.why})"
+    mode = AutoPrecision(state, {n: makers[n]() for n in names}, device, where)
+    if len(names) > 1:  # one format makes no decisions
+        mode.side, mode.decided_on = decision_group(pg, device)
+    return mode, SparseAllReduce()
+
+
+def in_place_choice(scaling, fused: bool, least: int) -> Reduction:
+    """The CPU's plain all-reduce where ``FASTDDP_IN_PLACE_NUMEL`` is unset
+    (auto): one collective per bucket (``flat``, torch's count) unless paired
+    trial steps measure reducing the gradients of ``least`` elements or more
+    where they are (``in-place``: no copy into the bucket and back, one
+    collective per segment) faster by more than the margin over the whole
+    interval.  No bucket with such a gradient (or an option that keeps one
+    collective per bucket): flat at once, no trial, no collective of its own."""
+    from ..hooks import AutoPrecisionState
+
+    flat, split = AllReduce(scaling, fused), AllReduce(scaling, fused, in_place_min=least)
+    state = AutoPrecisionState(lowest="fp32", error_feedback=False, watch=False, tune_buckets=False)
+    mode = AutoPrecision(state, {"flat": flat, "in-place": split}, label="in_place",
+                         differs=lambda ctx, bucket: bool(split.segments(ctx, bucket)))
+    mode.kind, mode.fused = flat.kind, fused
+    return mode
