@@ -495,4 +495,8 @@ if __name__ == "__main__":
     ns = parser.parse_args()
     sys.path.insert(0, str(REPO))
     torch.set_num_threads(1)
+    if ns.impl == "torch":  # torch's DDP has the exit race fastddp guards against (docs/options.md,
+        import fastddp  # "A clean exit"): the comparison row gets the same clean exit, as examples/train.py's
+
+        fastddp.install_exit_drain()
     {"lightning": _lightning_worker, "accelerate": _accelerate_worker}[ns.client](ns)

@@ -421,4 +421,8 @@ if __name__ == "__main__":
     parser.add_argument("--late", action="store_true", help="accelerate: DDPs on a late-collectives group")
     ns = parser.parse_args()
     torch.set_num_threads(1)
+    if ns.impl == "torch":  # torch's DDP has the exit race fastddp guards against (docs/options.md,
+        import fastddp  # "A clean exit"): the comparison row gets the same clean exit, as examples/train.py's
+
+        fastddp.install_exit_drain()
     {"accelerate": _accelerate_worker, "lightning": _lightning_worker}[ns.client](ns)
