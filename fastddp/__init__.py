@@ -13,6 +13,7 @@ from ._exit import install as install_exit_drain
 from .ddp import DistributedDataParallel
 from .settings import configure
 from .hooks import GradBucket
+from .cross_site import CrossSite
 
-__all__ = ["DistributedDataParallel", "GradBucket", "configure", "hooks", "install_exit_drain", "kernels",
+__all__ = ["CrossSite", "DistributedDataParallel", "GradBucket", "configure", "hooks", "install_exit_drain", "kernels",
            "settings"]

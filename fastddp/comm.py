@@ -184,13 +184,14 @@ class Comm:
                                             "waited for the comm stream"}
 
     # -- collectives -----------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, nbytes: int | None = None) -> Pending:
-        """SUM-all-reduce ``tensor`` in place, asynchronously."""
+    def all_reduce(self, tensor: torch.Tensor, nbytes: int | None = None, group=None) -> Pending:
+        """SUM-all-reduce ``tensor`` in place, asynchronously, on the module's
+        group (or ``group``, a sub-group of it)."""
         if nbytes is None:
             nbytes = tensor.numel() * tensor.element_size()
         self.bytes_on_wire += nbytes
         self.collectives += 1
-        work = groups.all_reduce(tensor, self.pg, async_op=True)
+        work = groups.all_reduce(tensor, self.pg if group is None else group, async_op=True)
         return Pending(work=work, tensor=tensor)
 
     def all_reduce_each(self, tensors) -> Pending:

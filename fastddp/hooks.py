@@ -85,7 +85,9 @@ class GradBucket:
 
 def state_group(state):
     """The process group a hook's ``state`` names (None: the module's)."""
-    if isinstance(state, CompressionState):
+    from .reduction.sitelocal import SiteState
+
+    if isinstance(state, (CompressionState, SiteState)):
         return state.process_group
     return state  # torch's convention: the state is the process group (or None)
 

@@ -18,6 +18,8 @@ Hierarchical       ``hierarchical_hook``: fp32 inside each host, fp32/ MUL, at t
 AutoPrecision      ``auto_precision_hook``: one of the modes above,     the chosen mode's
                    chosen from measured steps, switched between steps
 NoOp               ``noop_hook``: nothing on the wire                  NONE
+SiteLocal          cross-site training's inner reduction: the mean     MUL (1/L)
+                   over the host's L ranks (:mod:`fastddp.cross_site`)
 SparseAllReduce    a sparse parameter's bucket without a hook          DIV (in place)
 =================  ==================================================  ===============
 
@@ -83,6 +85,11 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         return build(state, batched_grad_copy, group_ok, device, pg, choose)
     if kind is Kind.HIER:
         return _hierarchical(hook, state, group_ok, device, pg)
+    if kind is Kind.SITE:
+        from .sitelocal import SiteLocal, SiteState
+
+        state = fused_state("site_local_hook", state, SiteState, group_ok)
+        return SiteLocal(state), PythonHook(hook, state)
     if kind is Kind.FP8:
         if not group_ok:
             raise ValueError("fp8_compress_hook runs only as fastddp's fused path: its state's "

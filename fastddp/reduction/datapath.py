@@ -76,14 +76,15 @@ def check_flat(bucket, health, divide=None) -> None:
     kernels.pack([bucket.flat], bucket.flat, layout=bucket.flat_layout, divide=divide, health=health)
 
 
-def fill_flat(ctx, bucket, grads, scaling: Scaling, health=None) -> None:
+def fill_flat(ctx, bucket, grads, scaling: Scaling, health=None, divisor: int | None = None) -> None:
     """Write ``grads`` into ``bucket.flat`` under ``scaling`` (torch's
     mark_variable_ready_dense + flush_deferred_copies, one launch).
     ``health``: the bucket's check_finite flag, set by that same launch (or,
     where no pack reads the grads, by one in-place pack of the bucket).  A
     caller whose own next launch reads the whole bucket with ``health=``
-    passes None here: that launch flags the same values."""
-    W = ctx.divisor()
+    passes None here: that launch flags the same values.  ``divisor``: W
+    where the mode averages over other ranks than the module group's."""
+    W = ctx.divisor() if divisor is None else divisor
     done = bucket.prefilled
     if done:  # the native early copy put (some of) the grads in their slots, scaled
         bucket.prefilled = 0

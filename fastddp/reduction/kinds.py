@@ -19,4 +19,5 @@ class Kind(enum.Enum):
     HIER = "hierarchical"          #: fp32 inside each host, the chosen wire between hosts (rounds)
     AUTO = "auto-precision"        #: the wire format chosen from measurement among the allowed modes
     NOOP = "noop"                  #: nothing on the wire
+    SITE = "site-local"            #: cross-site training's inner reduction: mean over the host's ranks
     SPARSE = "sparse-allreduce"    #: a sparse parameter's own bucket

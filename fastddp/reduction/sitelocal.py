@@ -1,0 +1,85 @@
+"""Cross-site training's inner reduction (:class:`SiteLocal`): each bucket
+averaged over the ranks of this rank's host only, exactly as torch's DDP over
+those ranks would (``grad * fp32(1/L)`` in the one fused pack, a SUM
+all-reduce of the flat bucket on the host's group, the unpack); during the
+warm-up the whole group's plain all-reduce (torch's default path).
+
+The phase is :class:`SiteState`'s ``local``, switched by
+:class:`fastddp.cross_site.CrossSite` between steps, on every rank at the
+same step.  With one rank per host nothing crosses any link: the pack
+scales by 1 and the result is the rank's own gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Pending
+from .datapath import Scaling, fill_flat, unpack_grads
+from .kinds import Kind
+from .plain import Reduction
+
+__all__ = ["SiteLocal", "SiteState", "site_local_hook"]
+
+
+class SiteState:
+    """The inner reduction's state: the host's group and whether the warm-up
+    is over (set by CrossSite; read by the mode at each bucket)."""
+
+    def __init__(self, inside, ranks_per_host: int):
+        self.inside, self.ranks_per_host = inside, ranks_per_host
+        self.local = False
+        self.process_group = None  # the module's own group (fastddp.hooks.state_group)
+
+
+def site_local_hook(state: SiteState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """The same reduction as a Python comm hook (where fastddp's fused path
+    does not run it): mean over the host's ranks once the warm-up is over,
+    else over the whole group."""
+    t = bucket.buffer()
+    group = state.inside if state.local else None
+    n = state.ranks_per_host if state.local else dist.get_world_size()
+    t.div_(n)
+    if state.local and n == 1:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(t)
+        return fut
+    return dist.all_reduce(t, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+site_local_hook._fastddp_fused = (Kind.SITE, None)
+
+
+class SiteLocal(Reduction):
+    """See the module docstring."""
+
+    kind = Kind.SITE
+    scaling = Scaling.MUL
+    fused = True
+
+    def __init__(self, state: SiteState):
+        self.state = state
+        self.bytes_inside = 0
+
+    def pack(self, ctx, bucket, grads) -> None:
+        L = self.state.ranks_per_host if self.state.local else None
+        fill_flat(ctx, bucket, grads, Scaling.MUL, bucket.health, divisor=L)
+
+    def issue(self, ctx, bucket) -> Pending:
+        if not self.state.local:
+            return ctx.comm.all_reduce(bucket.flat)
+        if self.state.ranks_per_host == 1:
+            return Pending()
+        return ctx.comm.all_reduce(bucket.flat, group=self.state.inside)
+
+    def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
+        unpack_grads(ctx, bucket, bucket.flat, track_unused)
+
+    def shadow(self, ctx, bucket) -> Pending:
+        return self.issue(ctx, bucket)  # unreachable: freeze refuses join()
+
+    def freeze(self, why: str) -> None:
+        raise RuntimeError("fastddp: join() is not supported with fastddp.CrossSite: the outer sync "
+                           "needs every rank at every sync step; give every rank the same number of "
+                           "steps (e.g. drop_last=True or a sampler with equal shards)")
