@@ -323,3 +323,27 @@ def test_torch_post_local_sgd_runs_on_fastddp_as_on_torch_w2(world2, hierarchica
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["periodic", "hierarchical"])
 def test_torch_post_local_sgd_runs_on_fastddp_as_on_torch_w4(world4, hierarchical):
     assert all(world4.run(_post_local_body, hierarchical))
+
+
+# ------------------------------------------------------ the Triton interpreter
+def _interpret_body(rank, world):
+    import fastddp
+    from fastddp import kernels
+
+    model = fastddp.DistributedDataParallel(_net())
+    opt = _cross_site(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every=2, wire="fp8",
+                      ranks_per_host=1, delay=1)
+    for t in range(1, 8):
+        _loss(model, rank, t).backward()
+        opt.step()
+        opt.zero_grad()
+    return kernels.backend(torch.device("cpu")), opt._threaded, opt.stats()
+
+
+@pytest.mark.interpret
+def test_fp8_outer_sync_runs_on_the_main_thread_under_the_interpreter(world2):
+    """The interpreter is not thread-safe: the sync runs at its start, on the
+    main thread, with the Triton kernels' fp8 codec."""
+    for backend, threaded, stats in world2.run(_interpret_body):
+        assert backend == "interpret" and not threaded
+        assert stats["syncs"] == 3 and stats["bytes_between_hosts"] > 0, stats

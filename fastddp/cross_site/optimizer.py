@@ -16,9 +16,11 @@ rank's last exchange at the slowest rank's step time, never more than
 
 from __future__ import annotations
 
+import atexit
 import collections
 import math
 import time
+import weakref
 
 import torch
 
@@ -125,6 +127,8 @@ class CrossSite(torch.optim.Optimizer):
                        "exchange_s_last": None, "exposed_wait_s": 0.0}
         if warmup_steps == 0:
             self._go_local()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._at_exit())
 
     # -------------------------------------------------------------- schedule
     def _go_local(self) -> None:
@@ -179,6 +183,38 @@ class CrossSite(torch.optim.Optimizer):
         s["bytes_between_hosts"] += sync.bytes
         s["last_sync_step"], s["exchange_s_last"] = sync.step, round(sync.seconds, 6)
         s["delays"] = (s["delays"] + [sync.delay])[-16:]
+
+    def finish(self, average: bool = True) -> None:
+        """The end of training (call it before ``destroy_process_group``): the
+        sync in flight, if any, is waited for and applied; with ``average``
+        the hosts' parameters are then averaged exactly (fp32, blocking), so
+        every rank holds the same model to evaluate or save.  Training may go
+        on after it (the next sync is due on the usual schedule)."""
+        if self._pending is not None:
+            if self._apply_at == 0:
+                self._apply_at = self._pending.step + self._pending.wait_agreed(self.sync_timeout_s)
+            self._apply()
+        if not average:
+            return
+        sites, lay = self.sites, self.layout
+        lay.read(self.snap)
+        mine = lay.mine(self.snap)
+        groups.all_reduce(mine, sites.across)
+        mine.div_(sites.num_hosts)
+        if sites.ranks_per_host > 1:
+            groups.wait(groups.all_gather_into_tensor(self.theta, mine.clone(), sites.inside_sync))
+        else:
+            self.theta.copy_(mine)
+        with torch.no_grad():
+            torch._foreach_copy_([p.detach() for p in lay.params], lay.views(self.theta))
+        self.anchor.detach().copy_(lay.mine(self.theta))
+
+    def _at_exit(self) -> None:
+        """A sync still in flight when the interpreter exits: let it end (its
+        collectives pair with the other ranks', which wait here too), so gloo's
+        threads are not torn down under it (an abort at exit)."""
+        if self._pending is not None and self._pending.thread is not None:
+            self._pending.thread.join(self.sync_timeout_s)
 
     def stats(self) -> dict:
         """What the outer tier sent and when (plain data)."""

@@ -27,7 +27,8 @@ Layers, bottom up: :mod:`.context` (what a mode sees of a step),
 :mod:`.datapath` (fill, unpack, bucket views), :mod:`.plain`,
 :mod:`.compression` (16-bit wire, error-feedback residuals),
 :mod:`.twophase` (all-to-all -> fp32 shard sum -> all-gather) with its codecs
-:mod:`.fp32acc` and :mod:`.fp8`.  No mode sees the reducer: each call gets the
+:mod:`.fp32acc` and :mod:`.fp8`; :mod:`.sitelocal` (cross-site training's
+inner reduction).  No mode sees the reducer: each call gets the
 step's :class:`StepContext`.
 """
 
