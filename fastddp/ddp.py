@@ -75,6 +75,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     correct without it (:mod:`fastddp.surface`).
     """
 
+    _buffer_group = None
+    """The group the forward broadcasts buffers on (None: the module's);
+    :class:`fastddp.CrossSite` sets the host's."""
+
     def __init__(
         self,
         module: torch.nn.Module,
@@ -208,12 +212,13 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
 
     def _broadcast_buffers(self, src: int) -> None:
         # ``src`` is a rank of the group (c10d's broadcast_coalesced takes the
-        # group rank as the root, as torch's DDP passes it)
+        # group rank as the root, as torch's DDP passes it); cross-site
+        # training narrows the forward's broadcast to the host (CrossSite)
+        group = self.process_group if self._buffer_group is None else self._buffer_group
         with torch.no_grad():
             self._assign_modules_buffers()
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
-                dist._broadcast_coalesced(self.process_group, self.modules_buffers,
-                                          self.broadcast_bucket_size, src)
+                dist._broadcast_coalesced(group, self.modules_buffers, self.broadcast_bucket_size, src)
 
     @_compile.eager  # never traced by torch.compile
     def _pre_forward(self, *inputs, **kwargs):

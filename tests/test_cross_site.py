@@ -180,6 +180,43 @@ def test_compressed_wires_stay_close_to_fp32_and_hosts_agree_inside(world4):
     assert got["fp8"][0][1]["bytes_between_hosts"] * 3 <= fp32_bytes
 
 
+def _finish_body(rank, world):
+    import fastddp
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.BatchNorm1d(24), torch.nn.Linear(24, 5))
+    model = fastddp.DistributedDataParallel(net)
+    opt = _cross_site(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every=3, ranks_per_host=2)
+    for t in range(1, 6):  # a sync after step 3, in flight or applied; steps 4-5 local
+        _loss(model, rank, t).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def everyone():
+        flat = torch.cat([_flat(model), net[1].running_mean])
+        out = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(out, flat)
+        return out
+
+    model.eval()  # BatchNorm leaves its statistics alone: what the forward's broadcast set stays
+    with torch.no_grad():
+        model(_batch(rank, 99)[0])
+    model.train()
+    before = everyone()
+    opt.finish()
+    after = everyone()
+    return before, after, opt.stats()
+
+
+def test_buffers_stay_in_the_host_and_finish_makes_every_rank_alike(world4):
+    for before, after, stats in world4.run(_finish_body):
+        # the forward's buffer broadcast: inside each host only (hosts' BatchNorm statistics differ)
+        assert torch.equal(before[0], before[1]) and torch.equal(before[2], before[3])
+        assert not torch.equal(before[0][-24:], before[2][-24:])  # the running means: each host's own
+        assert all(torch.equal(after[0], a) for a in after[1:])
+        assert stats["syncs"] == 1 and not stats["in_flight"], stats
+
+
 # ----------------------------------------------------------------------- resume
 def _resume_body(rank, world, wire):
     import fastddp

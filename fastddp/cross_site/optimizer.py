@@ -23,6 +23,7 @@ import time
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from .. import groups, kernels
 from ..reduction.sitelocal import SiteState, site_local_hook
@@ -136,6 +137,7 @@ class CrossSite(torch.optim.Optimizer):
         self.layout.read(self.snap)
         self.anchor.detach().copy_(self.layout.mine(self.snap))
         self._site.local = True
+        self.module._buffer_group = self.sites.inside  # the forward's buffer broadcast stays in the host
 
     def _proposal(self) -> int:
         if self.delay != "auto":
@@ -207,6 +209,9 @@ class CrossSite(torch.optim.Optimizer):
             self.theta.copy_(mine)
         with torch.no_grad():
             torch._foreach_copy_([p.detach() for p in lay.params], lay.views(self.theta))
+            buffers = [b for b in self.module.module.buffers()]
+            if buffers:  # rank 0's buffers (BatchNorm statistics) everywhere, as DDP's construction
+                dist._broadcast_coalesced(self.module.process_group, buffers, 256 << 20, 0)
         self.anchor.detach().copy_(lay.mine(self.theta))
 
     def _at_exit(self) -> None:
