@@ -53,12 +53,12 @@ def _cross_site(model, inner, **kw):
 
 
 # ------------------------------------------------------------- inner reduction
-def _inner_body(rank, world):
+def _inner_body(rank, world, warmup_wire):
     import fastddp
 
     model = fastddp.DistributedDataParallel(_net())
     opt = _cross_site(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=100, warmup_steps=2,
-                      wire="fp32", ranks_per_host=2)
+                      wire="fp32", ranks_per_host=2, warmup_wire=warmup_wire)
     whole = torch.nn.parallel.DistributedDataParallel(_net())
     host = torch.nn.parallel.DistributedDataParallel(_net(), process_group=opt.sites.inside)
     same = []
@@ -67,16 +67,24 @@ def _inner_body(rank, world):
         ref.module.load_state_dict(model.module.state_dict())
         _loss(model, rank, t).backward()
         _loss(ref, rank, t).backward()
-        same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())))
+        if t <= 2 and warmup_wire == "fp32":  # the hierarchical sum: the exact average in another order
+            same.append(all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+                            for p, q in zip(model.parameters(), ref.parameters())))
+        else:
+            same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())))
         opt.step()
         opt.zero_grad()
         ref.zero_grad()
-    return same, opt.stats()["local"]
+    return same, opt.stats()["local"], type(model.reducer.mode.warm).__name__
 
 
-def test_inner_reduction_is_torch_ddp_over_the_hosts_ranks(world4):
-    for same, local in world4.run(_inner_body):
-        assert same == [True] * 4 and local
+@pytest.mark.parametrize("warmup_wire", ["exact", "fp32"])
+def test_inner_reduction_is_torch_ddp_over_the_hosts_ranks(world4, warmup_wire):
+    """The warm-up: torch's DDP over every rank (its bits, or the hierarchical
+    fp32 average); then torch's DDP over the host's ranks, bit for bit."""
+    for same, local, warm in world4.run(_inner_body, warmup_wire):
+        assert same == [True] * 4 and local, same
+        assert warm == {"exact": "NoneType", "fp32": "Hierarchical"}[warmup_wire]
 
 
 # ------------------------------------------------------- outer step, reference
@@ -303,6 +311,7 @@ def test_join_is_refused_with_the_reason(world2):
     (dict(delay=0), "delay=0"), (dict(delay=9, sync_every=8), "delay=9"),
     (dict(warmup_steps=-1), "warmup_steps=-1"), (dict(outer_momentum=1.0), "outer_momentum=1.0"),
     (dict(ranks_per_host=3), "ranks_per_host=3"), (dict(), "on one host"),
+    (dict(warmup_wire="fp16"), "warmup_wire='fp16'"),
 ])
 def test_bad_arguments_name_the_argument(tmp_path, kw, names):
     import fastddp

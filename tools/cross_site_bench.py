@@ -21,7 +21,8 @@ each rate:
 * ``fastddp-hier-fp8``: fastddp's best exact mode on this link
   (``hierarchical_hook``, fp8 between hosts);
 * ``cross-H-WIRE``: ``fastddp.CrossSite(sync_every=H, wire=WIRE)``, DiLoCo's
-  outer step (lr 0.7, Nesterov 0.9) after the same warm-up.
+  outer step (lr 0.7, Nesterov 0.9) after the same warm-up; ``-avg``: plain
+  averaging (lr 1, momentum 0); ``-LR_M``: that outer lr and momentum.
 
 ``--curve-rate`` runs the loss curves once, at that rate (the exact runs'
 curves do not depend on the link); the other rates time ``--time-steps``
@@ -162,9 +163,11 @@ def worker(a) -> None:
             from fastddp.hooks import HierarchicalState, hierarchical_hook
 
             model.register_comm_hook(HierarchicalState(wire=kind[2], ranks_per_host=L), hierarchical_hook)
-        else:  # cross-H-WIRE
+        else:  # cross-H-WIRE[-avg|-LR_MOMENTUM]: DiLoCo's outer step, plain averaging, or the given one
+            outer = {} if len(kind) < 4 else (dict(outer_lr=1.0, outer_momentum=0.0) if kind[3] == "avg" else
+                                              dict(zip(("outer_lr", "outer_momentum"), map(float, kind[3].split("_")))))
             opt = fastddp.CrossSite(model, inner, sync_every=int(kind[1]), wire=kind[2],
-                                    warmup_steps=a.warmup, ranks_per_host=L)
+                                    warmup_steps=a.warmup, ranks_per_host=L, warmup_wire=a.warmup_wire, **outer)
     steps, evals, times = a.steps, [], []
 
     def evaluate(t):
@@ -207,7 +210,7 @@ def run_one(link, a, run: str, steps: int, first: int, eval_every: int, tmp: Pat
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--run", run, "--steps", str(steps),
             "--first-step", str(first), "--eval-every", str(eval_every), "--result", str(res),
             "--per-host", str(a.per_host), "--d", str(a.d), "--layers", str(a.layers), "--heads", str(a.heads),
-            "--batch", str(a.batch), "--lr", str(a.lr), "--warmup", str(warmup)]
+            "--batch", str(a.batch), "--lr", str(a.lr), "--warmup", str(warmup), "--warmup-wire", a.warmup_wire]
     before = [link.counters(s)[0] for s in (0, 1)]
     t0 = time.monotonic()
     link.run_ranks(argv, timeout_s=a.timeout)
@@ -215,7 +218,7 @@ def run_one(link, a, run: str, steps: int, first: int, eval_every: int, tmp: Pat
     after = [link.counters(s)[0] for s in (0, 1)]
     out = json.loads(res.read_text())
     out.update(rate_gbit=link.spec.gbit, wall_s=wall, bytes_out=[y - x for x, y in zip(before, after)])
-    s = out["step_s"]
+    s = out["step_s"] or [0.0]  # a fixed-cost run trains no step
     out["median_step_s"] = statistics.median(s)
     # the mean over the last two sync periods (whole intervals: a sync's cost is in one of its steps)
     tail = s[-2 * period(run):] if period(run) > 1 else s[len(s) // 3:]
@@ -247,7 +250,10 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--warmup-wire", default="exact", help="CrossSite's warmup_wire (exact, fp32, bf16, fp8)")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--fixed", action="store_true",
+                   help="also run each kind with no step at the first rate: the bytes every run sends besides its steps")
     p.add_argument("--out", default="cross_site_bench.json")
     a = p.parse_args(argv)
     if a.worker:
@@ -260,14 +266,17 @@ def main(argv=None) -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="cross-site-bench-"))
     runs = a.runs.split(",")
-    results: dict = {"config": vars(a), "curves": {}, "timed": {}}
+    results: dict = {"config": vars(a), "curves": {}, "timed": {}, "fixed": {}}
     if a.curve_rate is not None:
         with NetnsLink(parse_link(f"netns:{a.curve_rate}"), ranks_per_host=a.per_host) as link:
             for run in runs:
                 results["curves"][run] = run_one(link, a, run, a.steps, 0, a.eval_every, tmp, a.warmup)
                 Path(a.out).write_text(json.dumps(results, indent=1))
-    for rate in [float(r) for r in a.rates.split(",") if r]:
+    for i, rate in enumerate(float(r) for r in a.rates.split(",") if r):
         with NetnsLink(parse_link(f"netns:{rate}"), ranks_per_host=a.per_host) as link:
+            for kind in sorted({r.split("-")[0] for r in runs}) if (a.fixed and i == 0) else ():
+                run = next(r for r in runs if r.split("-")[0] == kind)
+                results["fixed"][kind] = run_one(link, a, run, 0, 0, 0, tmp, 0)
             for run in runs:
                 # timed past any warm-up (its steps cost what torch-ddp's do): 3 sync periods, the
                 # mean over the last two; the exact runs: --time-steps, the mean over the last 2/3

@@ -103,11 +103,12 @@ def tables(res: dict, fixed: dict | None = None, target_frac: float = 0.75) -> s
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("results")
-    p.add_argument("--fixed", help="JSON of the no-step runs (bytes of the fixed cost)")
+    p.add_argument("--fixed", help="another run's JSON whose 'fixed' entry (no-step runs) gives the fixed cost")
     p.add_argument("--target-frac", type=float, default=0.75)
     a = p.parse_args(argv)
-    fixed = json.load(open(a.fixed)) if a.fixed else None
-    print(tables(json.load(open(a.results)), fixed, a.target_frac))
+    res = json.load(open(a.results))
+    fixed = json.load(open(a.fixed))["fixed"] if a.fixed else res.get("fixed") or None
+    print(tables(res, fixed, a.target_frac))
 
 
 if __name__ == "__main__":

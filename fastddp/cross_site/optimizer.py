@@ -34,13 +34,20 @@ from .wire import BLOCK, FORMATS, make_wire
 __all__ = ["CrossSite"]
 
 
-def _check(sync_every, warmup_steps, wire, outer_lr, outer_momentum, delay, sync_timeout_s) -> None:
+WARMUP_WIRES = ("exact",) + FORMATS
+
+
+def _check(sync_every, warmup_steps, wire, outer_lr, outer_momentum, delay, sync_timeout_s, warmup_wire) -> None:
     if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
         raise ValueError(f"fastddp.CrossSite: sync_every={sync_every!r} must be an int >= 1 (inner steps "
                          "between outer syncs)")
     if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
         raise ValueError(f"fastddp.CrossSite: warmup_steps={warmup_steps!r} must be an int >= 0 (exact "
                          "steps over every rank before the first outer sync)")
+    if warmup_wire not in WARMUP_WIRES:
+        raise ValueError(f"fastddp.CrossSite: warmup_wire={warmup_wire!r} must be one of "
+                         f"{', '.join(WARMUP_WIRES)} ('exact': torch's default path, its bits; a format: "
+                         "the hierarchical reduction with that wire between hosts)")
     if wire not in FORMATS:
         raise ValueError(f"fastddp.CrossSite: wire={wire!r} is not a format the outer sync carries; "
                          f"choose one of {', '.join(FORMATS)}")
@@ -82,7 +89,8 @@ class CrossSite(torch.optim.Optimizer):
     def __init__(self, module, optimizer: torch.optim.Optimizer, sync_every: int = 64, *,
                  warmup_steps: int = 0, wire: str = "fp8", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, error_feedback: bool = True,
-                 delay: int | str = "auto", ranks_per_host: int | None = None, sync_timeout_s: float = 600.0):
+                 delay: int | str = "auto", ranks_per_host: int | None = None, sync_timeout_s: float = 600.0,
+                 warmup_wire: str = "exact"):
         from ..ddp import DistributedDataParallel
 
         if not isinstance(module, DistributedDataParallel):
@@ -92,7 +100,7 @@ class CrossSite(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"fastddp.CrossSite: optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        _check(sync_every, warmup_steps, wire, outer_lr, outer_momentum, delay, sync_timeout_s)
+        _check(sync_every, warmup_steps, wire, outer_lr, outer_momentum, delay, sync_timeout_s, warmup_wire)
         self.optim, self.module = optimizer, module
         self.param_groups, self.defaults = optimizer.param_groups, optimizer.defaults
         self.sync_every, self.warmup_steps, self.wire_format = sync_every, warmup_steps, wire
@@ -103,6 +111,7 @@ class CrossSite(torch.optim.Optimizer):
             "sync_every": sync_every, "warmup_steps": warmup_steps, "wire": FORMATS.index(wire),
             "outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": bool(nesterov),
             "error_feedback": bool(error_feedback), "delay": 0 if delay == "auto" else delay,
+            "warmup_wire": WARMUP_WIRES.index(warmup_wire),
             "parameters": len(params), "elements": sum(p.numel() for p in params)})
         dev = params[0].device if params else torch.device("cpu")
         self.layout = Layout(params, self.sites.num_hosts, self.sites.ranks_per_host,
@@ -115,7 +124,8 @@ class CrossSite(torch.optim.Optimizer):
         self.wire = make_wire(wire, self.layout.shard, self.sites.num_hosts, self.sites.across, error_feedback)
         if wire == "fp8":
             kernels.prepare_fp8(dev)
-        self._site = SiteState(self.sites.inside, self.sites.ranks_per_host)
+        self._site = SiteState(self.sites.inside, self.sites.ranks_per_host,
+                               warmup_wire if warmup_steps else "exact")
         module.register_comm_hook(self._site, site_local_hook)
         self._threaded = kernels.backend(dev) != "interpret"
         self.steps = 0

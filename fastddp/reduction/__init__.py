@@ -90,7 +90,13 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         from .sitelocal import SiteLocal, SiteState
 
         state = fused_state("site_local_hook", state, SiteState, group_ok)
-        return SiteLocal(state), PythonHook(hook, state)
+        warm = None
+        if state.warmup_wire != "exact":  # the warm-up on the hierarchical mode with that wire
+            from ..hooks import HierarchicalState, hierarchical_hook
+
+            hier = HierarchicalState(wire=state.warmup_wire, ranks_per_host=state.ranks_per_host)
+            warm = _hierarchical(hierarchical_hook, hier, True, device, pg)[0]
+        return SiteLocal(state, warm), PythonHook(hook, state)
     if kind is Kind.FP8:
         if not group_ok:
             raise ValueError("fp8_compress_hook runs only as fastddp's fused path: its state's "

@@ -2,7 +2,9 @@
 averaged over the ranks of this rank's host only, exactly as torch's DDP over
 those ranks would (``grad * fp32(1/L)`` in the one fused pack, a SUM
 all-reduce of the flat bucket on the host's group, the unpack); during the
-warm-up the whole group's plain all-reduce (torch's default path).
+warm-up the whole group's plain all-reduce (torch's default path), or, where
+the warm-up names a wire, the hierarchical mode with it (``warm``: every call
+goes to it until the warm-up ends).
 
 The phase is :class:`SiteState`'s ``local``, switched by
 :class:`fastddp.cross_site.CrossSite` between steps, on every rank at the
@@ -27,8 +29,9 @@ class SiteState:
     """The inner reduction's state: the host's group and whether the warm-up
     is over (set by CrossSite; read by the mode at each bucket)."""
 
-    def __init__(self, inside, ranks_per_host: int):
+    def __init__(self, inside, ranks_per_host: int, warmup_wire: str = "exact"):
         self.inside, self.ranks_per_host = inside, ranks_per_host
+        self.warmup_wire = warmup_wire
         self.local = False
         self.process_group = None  # the module's own group (fastddp.hooks.state_group)
 
@@ -58,15 +61,46 @@ class SiteLocal(Reduction):
     scaling = Scaling.MUL
     fused = True
 
-    def __init__(self, state: SiteState):
-        self.state = state
-        self.bytes_inside = 0
+    def __init__(self, state: SiteState, warm: Reduction | None = None):
+        self.state, self.warm = state, warm
+
+    def _warming(self) -> Reduction | None:
+        return self.warm if self.warm is not None and not self.state.local else None
+
+    @property
+    def wire_dtype(self):
+        w = self._warming()
+        return None if w is None else w.wire_dtype
+
+    def boundary(self, ctx) -> None:
+        if (w := self._warming()) is not None:
+            w.boundary(ctx)
+
+    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
+        if self.warm is not None:
+            self.warm.carry_over(old_buckets, old_locate, new_buckets)
+
+    def residual_of(self, bucket_index: int):
+        w = self._warming()
+        return None if w is None else w.residual_of(bucket_index)
+
+    def check_result(self, bucket, result) -> None:
+        if (w := self._warming()) is not None:
+            w.check_result(bucket, result)
+
+    def stats(self) -> dict:
+        w = self._warming()
+        return w.stats() if w is not None and hasattr(w, "stats") else {}
 
     def pack(self, ctx, bucket, grads) -> None:
+        if (w := self._warming()) is not None:
+            return w.pack(ctx, bucket, grads)
         L = self.state.ranks_per_host if self.state.local else None
         fill_flat(ctx, bucket, grads, Scaling.MUL, bucket.health, divisor=L)
 
     def issue(self, ctx, bucket) -> Pending:
+        if (w := self._warming()) is not None:
+            return w.issue(ctx, bucket)
         if not self.state.local:
             return ctx.comm.all_reduce(bucket.flat)
         if self.state.ranks_per_host == 1:
@@ -74,6 +108,8 @@ class SiteLocal(Reduction):
         return ctx.comm.all_reduce(bucket.flat, group=self.state.inside)
 
     def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
+        if (w := self._warming()) is not None:
+            return w.unpack(ctx, bucket, result, track_unused)
         unpack_grads(ctx, bucket, bucket.flat, track_unused)
 
     def shadow(self, ctx, bucket) -> Pending:
