@@ -22,7 +22,8 @@ each rate:
   (``hierarchical_hook``, fp8 between hosts);
 * ``cross-H-WIRE``: ``fastddp.CrossSite(sync_every=H, wire=WIRE)``, DiLoCo's
   outer step (lr 0.7, Nesterov 0.9) after the same warm-up; ``-avg``: plain
-  averaging (lr 1, momentum 0); ``-LR_M``: that outer lr and momentum.
+  averaging (lr 1, momentum 0); ``-LR_M``: that outer lr and momentum;
+  a last ``-wFORMAT``: the warm-up on the hierarchical mode with that wire.
 
 ``--curve-rate`` runs the loss curves once, at that rate (the exact runs'
 curves do not depend on the link); the other rates time ``--time-steps``
@@ -163,9 +164,13 @@ def worker(a) -> None:
             from fastddp.hooks import HierarchicalState, hierarchical_hook
 
             model.register_comm_hook(HierarchicalState(wire=kind[2], ranks_per_host=L), hierarchical_hook)
-        else:  # cross-H-WIRE[-avg|-LR_MOMENTUM]: DiLoCo's outer step, plain averaging, or the given one
-            outer = {} if len(kind) < 4 else (dict(outer_lr=1.0, outer_momentum=0.0) if kind[3] == "avg" else
-                                              dict(zip(("outer_lr", "outer_momentum"), map(float, kind[3].split("_")))))
+        else:  # cross-H-WIRE[-avg|-LR_MOMENTUM|-dilo][-wWARMUPWIRE]: the outer step (DiLoCo's, plain
+            # averaging or the given lr_momentum) and the warm-up's wire (default --warmup-wire)
+            step = kind[3] if len(kind) > 3 else "dilo"
+            outer = ({} if step == "dilo" else dict(outer_lr=1.0, outer_momentum=0.0) if step == "avg" else
+                     dict(zip(("outer_lr", "outer_momentum"), map(float, step.split("_")))))
+            if len(kind) > 4:
+                a.warmup_wire = kind[4][1:]
             opt = fastddp.CrossSite(model, inner, sync_every=int(kind[1]), wire=kind[2],
                                     warmup_steps=a.warmup, ranks_per_host=L, warmup_wire=a.warmup_wire, **outer)
     steps, evals, times = a.steps, [], []

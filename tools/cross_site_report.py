@@ -9,8 +9,9 @@
   run (default 0.75: the other runs get a quarter more steps to reach it
   than DDP took); ``never`` where the run did not reach it;
 * time to target at each timed rate: the warm-up's steps at torch's DDP's
-  step time (the warm-up reduces as torch's DDP does), the others at the
-  run's own mean step time at that rate (a whole number of sync periods);
+  step time (the warm-up reduces as torch's DDP does; ``-wFORMAT``: at the
+  hierarchical mode's with that wire), the others at the run's own mean step
+  time at that rate (a whole number of sync periods);
 * step time ÷ the local step (no communication) and ÷ torch's DDP;
 * bytes out of a host per step past the fixed cost (veth counters; the
   fixed cost is a run of the same kind with no step, ``--fixed``).
@@ -33,6 +34,13 @@ def _warm(run: str, warmup: int) -> int:
     return warmup if run.startswith(("cross", "torch-postlocal")) else 0
 
 
+def _warm_peer(run: str) -> str:
+    """The timed run whose step time the warm-up's steps take: torch's DDP,
+    or the hierarchical mode a ``-wFORMAT`` warm-up runs on."""
+    last = run.split("-")[-1]
+    return f"fastddp-hier-{last[1:]}" if run.startswith("cross") and last[:1] == "w" else "torch-ddp"
+
+
 def tables(res: dict, fixed: dict | None = None, target_frac: float = 0.75) -> str:
     curves, timed, cfg = res["curves"], res["timed"], res["config"]
     warmup = cfg["warmup"]
@@ -53,12 +61,14 @@ def tables(res: dict, fixed: dict | None = None, target_frac: float = 0.75) -> s
         for r in rates:
             own = timed.get(f"{run}@{r:g}") or timed.get(f"{run}@{r}")
             ddp = timed.get(f"torch-ddp@{r:g}") or timed.get(f"torch-ddp@{r}")
+            peer = _warm_peer(run)
+            warm_t = timed.get(f"{peer}@{r:g}") or timed.get(f"{peer}@{r}")
             hier = timed.get(f"fastddp-hier-fp8@{r:g}") or timed.get(f"fastddp-hier-fp8@{r}")
-            if not (own and ddp and n):
+            if not (own and ddp and warm_t and n):
                 cells.append("—")
                 continue
             w = min(_warm(run, warmup), n)
-            secs = w * ddp["mean_step_s"] + (n - w) * own["mean_step_s"]
+            secs = w * warm_t["mean_step_s"] + (n - w) * own["mean_step_s"]
             ddp_secs = steps_to(ref, target) * ddp["mean_step_s"]
             hn = steps_to(curves.get("fastddp-hier-fp8", {}).get("evals", []), target)
             hier_secs = hn * hier["mean_step_s"] if (hier and hn) else None

@@ -35,3 +35,9 @@ def test_time_to_target_counts_the_warm_up_at_ddp_speed():
     assert "| cross-16-fp8 | 2.0000 | +11.1% | 40 | 16.0 s (0.533, —) |" in text
     assert "| fastddp-hier-fp8 | 2.9000 | +61.1% | never | — |" in text
     assert "| cross-16-fp8 | 200, 2.00, 0.200; 0.00 MB |" in text
+
+
+def test_a_named_warm_up_wire_takes_the_hierarchical_modes_step_time():
+    assert csr._warm_peer("cross-16-fp8-avg-wfp8") == "fastddp-hier-fp8"
+    assert csr._warm_peer("cross-16-fp8-avg") == "torch-ddp"
+    assert csr._warm_peer("torch-postlocal-16") == "torch-ddp"
