@@ -196,7 +196,8 @@ def worker(a) -> None:
     dist.barrier()
     if rank == 0:
         out = {"run": a.run, "steps": steps, "first_step": first, "step_s": times, "evals": evals,
-               "params": sum(p.numel() for p in net.parameters())}
+               "params": sum(p.numel() for p in net.parameters()), "warmup": a.warmup,
+               "warmup_wire": a.warmup_wire}
         if hasattr(opt, "stats") and callable(opt.stats):
             out["cross_site"] = opt.stats()
         Path(a.result).write_text(json.dumps(out))

@@ -38,7 +38,7 @@ def _warm_peer(run: str) -> str:
     """The timed run whose step time the warm-up's steps take: torch's DDP,
     or the hierarchical mode a ``-wFORMAT`` warm-up runs on."""
     last = run.split("-")[-1]
-    return f"fastddp-hier-{last[1:]}" if run.startswith("cross") and last[:1] == "w" else "torch-ddp"
+    return f"fastddp-hier-{last[1:]}" if run.startswith("cross") and last in ("wfp32", "wbf16", "wfp8") else "torch-ddp"
 
 
 def tables(res: dict, fixed: dict | None = None, target_frac: float = 0.75) -> str:
@@ -67,7 +67,7 @@ def tables(res: dict, fixed: dict | None = None, target_frac: float = 0.75) -> s
             if not (own and ddp and warm_t and n):
                 cells.append("—")
                 continue
-            w = min(_warm(run, warmup), n)
+            w = min(_warm(run, c.get("warmup", warmup)), n)
             secs = w * warm_t["mean_step_s"] + (n - w) * own["mean_step_s"]
             ddp_secs = steps_to(ref, target) * ddp["mean_step_s"]
             hn = steps_to(curves.get("fastddp-hier-fp8", {}).get("evals", []), target)
@@ -92,6 +92,19 @@ def tables(res: dict, fixed: dict | None = None, target_frac: float = 0.75) -> s
                          f"{own['mean_step_s'] / ddp['mean_step_s']:.3f}; "
                          f"{nbytes / len(own['step_s']) / 1e6:.2f} MB")
         out.append("| " + " | ".join(cells) + " |")
+    out += ["", "Measured end to end: each curve run's own step times summed to the target, at the rate it "
+            "ran at (the time a run took to train, without its evaluations):", "",
+            "| run | rate, Gbit/s | steps to target | time to target | × DDP's curve run, if at that rate |",
+            "|---|---|---|---|---|"]
+    ddp_n = steps_to(ref, target)
+    for run, c in curves.items():
+        n = steps_to(c["evals"], target)
+        if run in ("local", "host") or not n or not c.get("step_s"):
+            continue
+        secs = sum(c["step_s"][:n])
+        same = c.get("rate_gbit") == curves["torch-ddp"].get("rate_gbit")
+        cell = f"{secs / sum(curves['torch-ddp']['step_s'][:ddp_n]):.3f}" if same else "—"
+        out.append(f"| {run} | {c.get('rate_gbit')} | {n} | {secs:.1f} s | {cell} |")
     evals = [t for t, _ in ref]
     out += ["", "Validation loss at equal steps (gap to torch's DDP in brackets):", "",
             "| step | " + " | ".join(r for r in curves) + " |", "|---|" + "---|" * len(curves)]
