@@ -41,7 +41,7 @@ def _warm_peer(run: str) -> str:
     return f"fastddp-hier-{last[1:]}" if run.startswith("cross") and last in ("wfp32", "wbf16", "wfp8") else "torch-ddp"
 
 
-def tables(res: dict, fixed: dict | None = None, target_frac: float = 0.75) -> str:
+def tables(res: dict, fixed: dict | None = None, target_frac: float = 0.75, loss_runs=None, every: int = 1) -> str:
     curves, timed, cfg = res["curves"], res["timed"], res["config"]
     warmup = cfg["warmup"]
     ref = curves["torch-ddp"]["evals"]
@@ -106,11 +106,14 @@ def tables(res: dict, fixed: dict | None = None, target_frac: float = 0.75) -> s
         cell = f"{secs / sum(curves['torch-ddp']['step_s'][:ddp_n]):.3f}" if same else "—"
         out.append(f"| {run} | {c.get('rate_gbit')} | {n} | {secs:.1f} s | {cell} |")
     evals = [t for t, _ in ref]
+    shown = {r: curves[r] for r in (loss_runs or curves)}
     out += ["", "Validation loss at equal steps (gap to torch's DDP in brackets):", "",
-            "| step | " + " | ".join(r for r in curves) + " |", "|---|" + "---|" * len(curves)]
+            "| step | " + " | ".join(r for r in shown) + " |", "|---|" + "---|" * len(shown)]
     for i, t in enumerate(evals):
+        if i % every and i != len(evals) - 1:
+            continue
         row = [str(t + 1)]
-        for run, c in curves.items():
+        for run, c in shown.items():
             loss = dict(c["evals"]).get(t)
             row.append("—" if loss is None else f"{loss:.3f} ({(loss / ref[i][1] - 1) * 100:+.1f}%)")
         out.append("| " + " | ".join(row) + " |")
@@ -128,10 +131,12 @@ def main(argv=None) -> None:
     p.add_argument("results")
     p.add_argument("--fixed", help="another run's JSON whose 'fixed' entry (no-step runs) gives the fixed cost")
     p.add_argument("--target-frac", type=float, default=0.75)
+    p.add_argument("--loss-runs", help="comma-separated runs of the loss table (default: all)")
+    p.add_argument("--every", type=int, default=1, help="every n-th evaluation in the loss table")
     a = p.parse_args(argv)
     res = json.load(open(a.results))
     fixed = json.load(open(a.fixed))["fixed"] if a.fixed else res.get("fixed") or None
-    print(tables(res, fixed, a.target_frac))
+    print(tables(res, fixed, a.target_frac, a.loss_runs.split(",") if a.loss_runs else None, a.every))
 
 
 if __name__ == "__main__":
