@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["AUTO_LOWEST", "AutoPrecisionState", "CompressionState", "FP8CompressionState", "HierarchicalState"]
+__all__ = ["AUTO_LOWEST", "AutoPrecisionState", "CompressionState", "FP8CompressionState", "HierarchicalState",
+           "SiteState"]
 
 
 def _check_chunk_bytes(value, owner: str) -> int | None:
@@ -204,3 +205,14 @@ class AutoPrecisionState(CompressionState):
 
     def __repr__(self) -> str:
         return f"AutoPrecisionState(lowest={self.lowest!r}, error_feedback={self.error_feedback})"
+
+
+class SiteState:
+    """The inner reduction's state: the host's group and whether the warm-up
+    is over (set by CrossSite; read by the mode at each bucket)."""
+
+    def __init__(self, inside, ranks_per_host: int, warmup_wire: str = "exact"):
+        self.inside, self.ranks_per_host = inside, ranks_per_host
+        self.warmup_wire = warmup_wire
+        self.local = False
+        self.process_group = None  # the module's own group (fastddp.hooks.state_group)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README "The two commands"; .ci/run calls it).
 #
-# Two pytest sessions, because TRITON_INTERPRET is read when @triton.jit runs,
-# i.e. at import time, so the interpreter cannot be switched on mid-session:
+# Two pytest sessions, run side by side (FASTDDP_TESTS_SERIAL=1: one after the
+# other), because TRITON_INTERPRET is read when @triton.jit runs, i.e. at
+# import time, so the interpreter cannot be switched on mid-session:
 #   1. everything not marked `interpret`: the plain-torch CPU path, the
 #      planner, the reducer against torch DDP on gloo ranks, hooks (the
 #      bench's tests: bench/tests, tools': tools/tests);

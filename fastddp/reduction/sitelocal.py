@@ -18,22 +18,12 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Pending
+from ..hook_states import SiteState
 from .datapath import Scaling, fill_flat, unpack_grads
 from .kinds import Kind
 from .plain import Reduction
 
 __all__ = ["SiteLocal", "SiteState", "site_local_hook"]
-
-
-class SiteState:
-    """The inner reduction's state: the host's group and whether the warm-up
-    is over (set by CrossSite; read by the mode at each bucket)."""
-
-    def __init__(self, inside, ranks_per_host: int, warmup_wire: str = "exact"):
-        self.inside, self.ranks_per_host = inside, ranks_per_host
-        self.warmup_wire = warmup_wire
-        self.local = False
-        self.process_group = None  # the module's own group (fastddp.hooks.state_group)
 
 
 def site_local_hook(state: SiteState, bucket) -> torch.futures.Future[torch.Tensor]:
