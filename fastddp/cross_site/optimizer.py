@@ -121,7 +121,7 @@ class CrossSite(torch.optim.Optimizer):
         self.anchor = torch.zeros(self.layout.shard, device=dev)
         self.outer = torch.optim.SGD([self.anchor], lr=outer_lr, momentum=outer_momentum,
                                      nesterov=nesterov and outer_momentum > 0)
-        self.wire = make_wire(wire, self.layout.shard, self.sites.num_hosts, self.sites.across, error_feedback)
+        self.wire = make_wire(wire, self.layout.shard, self.sites.num_hosts, self.sites.across, error_feedback, dev)
         if wire == "fp8":
             kernels.prepare_fp8(dev)
         self._site = SiteState(self.sites.inside, self.sites.ranks_per_host,
@@ -164,17 +164,21 @@ class CrossSite(torch.optim.Optimizer):
             self._step_times.append(now - self._last_step_at)
         self._last_step_at = now
         self.steps += 1
-        if self._pending is not None:
-            if self._apply_at == 0:  # the first step after the start: the delay is known by now
-                self._apply_at = self._pending.step + self._pending.wait_agreed(self.sync_timeout_s)
-            if self.steps == self._apply_at:
-                self._apply()
+        if self._pending is not None and self.steps == self._agreed_apply_at():
+            self._apply()
         if self.steps == self.warmup_steps:
             self._go_local()
         elif self.steps > self.warmup_steps and (self.steps - self.warmup_steps) % self.sync_every == 0:
             self._pending = OuterSync(self, self.steps, self._proposal(), self._threaded)
             self._apply_at = 0
         return loss
+
+    def _agreed_apply_at(self) -> int:
+        """The step the sync in flight applies at (the first call after its
+        start waits for the ranks' agreement on the delay)."""
+        if self._apply_at == 0:
+            self._apply_at = self._pending.step + self._pending.wait_agreed(self.sync_timeout_s)
+        return self._apply_at
 
     def _apply(self) -> None:
         sync, t0 = self._pending, time.perf_counter()
@@ -203,8 +207,7 @@ class CrossSite(torch.optim.Optimizer):
         every rank holds the same model to evaluate or save.  Training may go
         on after it (the next sync is due on the usual schedule)."""
         if self._pending is not None:
-            if self._apply_at == 0:
-                self._apply_at = self._pending.step + self._pending.wait_agreed(self.sync_timeout_s)
+            self._agreed_apply_at()
             self._apply()
         if not average:
             return
@@ -262,8 +265,7 @@ class CrossSite(torch.optim.Optimizer):
         sd = self.optim.state_dict()
         pending = None
         if self._pending is not None:
-            if self._apply_at == 0:
-                self._apply_at = self._pending.step + self._pending.wait_agreed(self.sync_timeout_s)
+            self._agreed_apply_at()
             self._pending.finish(self.sync_timeout_s)
             pending = {"step": self._pending.step, "apply_at": self._apply_at, "delay": self._pending.delay,
                        "seconds": self._pending.seconds, "bytes": self._pending.bytes,

@@ -43,10 +43,10 @@ class OuterWire:
 
     fmt = "fp32"
 
-    def __init__(self, shard_numel: int, hosts: int, across, error_feedback: bool):
-        self.S, self.H, self.across = shard_numel, hosts, across
+    def __init__(self, shard_numel: int, hosts: int, across, error_feedback: bool, device=None):
+        self.S, self.H, self.across, self.device = shard_numel, hosts, across, device
         self.error_feedback = error_feedback
-        self.residual = torch.zeros(shard_numel) if error_feedback else None
+        self.residual = torch.zeros(shard_numel, device=device) if error_feedback else None
         self.bytes_sent = 0  # cumulative payload handed to the across collectives
 
     def average(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,23 +58,20 @@ class OuterWire:
         return x.div_(self.H)
 
 
-class _TwoPhase(OuterWire):
-    """all-to-all -> fp32 sum of this rank's piece -> all-gather."""
+class Bf16Wire(OuterWire):
+    """all-to-all of bf16 pieces -> fp32 sum of this rank's piece, rounded
+    once -> all-gather."""
 
-    def _with_residual(self, x: torch.Tensor) -> torch.Tensor:
-        return x.add_(self.residual) if self.residual is not None else x
-
-
-class Bf16Wire(_TwoPhase):
     fmt = "bf16"
 
-    def __init__(self, shard_numel, hosts, across, error_feedback):
-        super().__init__(shard_numel, hosts, across, error_feedback)
-        self.send = torch.empty(shard_numel, dtype=torch.bfloat16)
-        self.recv = torch.empty(shard_numel, dtype=torch.bfloat16)
+    def __init__(self, shard_numel, hosts, across, error_feedback, device=None):
+        super().__init__(shard_numel, hosts, across, error_feedback, device)
+        self.send = torch.empty(shard_numel, dtype=torch.bfloat16, device=device)
+        self.recv = torch.empty(shard_numel, dtype=torch.bfloat16, device=device)
 
     def average(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._with_residual(x)
+        if self.residual is not None:
+            x.add_(self.residual)
         self.send.copy_(x)
         if self.residual is not None:
             torch.sub(x, self.send.float(), out=self.residual)  # what the cast dropped
@@ -87,14 +84,17 @@ class Bf16Wire(_TwoPhase):
         return x.copy_(self.recv).div_(self.H)
 
 
-class Fp8Wire(_TwoPhase):
+class Fp8Wire(OuterWire):
+    """all-to-all of block-scaled e4m3 pieces -> fp32 sum of this rank's
+    piece, quantized again -> all-gather."""
+
     fmt = "fp8"
 
-    def __init__(self, shard_numel, hosts, across, error_feedback):
-        super().__init__(shard_numel, hosts, across, error_feedback)
+    def __init__(self, shard_numel, hosts, across, error_feedback, device=None):
+        super().__init__(shard_numel, hosts, across, error_feedback, device)
         nb = shard_numel // BLOCK
-        self.q, self.rq = torch.empty(shard_numel, dtype=torch.uint8), torch.empty(shard_numel, dtype=torch.uint8)
-        self.s, self.rs = torch.empty(nb), torch.empty(nb)
+        self.q, self.rq = (torch.empty(shard_numel, dtype=torch.uint8, device=device) for _ in range(2))
+        self.s, self.rs = (torch.empty(nb, device=device) for _ in range(2))
 
     def average(self, x: torch.Tensor) -> torch.Tensor:
         kernels.quantize_fp8(x, self.q, self.s, BLOCK, residual=self.residual)
@@ -108,6 +108,7 @@ class Fp8Wire(_TwoPhase):
         return kernels.dequantize_fp8(self.rq, self.rs, x, BLOCK).div_(self.H)
 
 
-def make_wire(fmt: str, shard_numel: int, hosts: int, across, error_feedback: bool) -> OuterWire:
+def make_wire(fmt: str, shard_numel: int, hosts: int, across, error_feedback: bool, device=None) -> OuterWire:
+    """The wire of ``fmt``, its buffers on ``device`` (the parameters')."""
     cls = {"fp32": OuterWire, "bf16": Bf16Wire, "fp8": Fp8Wire}[fmt]
-    return cls(shard_numel, hosts, across, error_feedback and fmt != "fp32")
+    return cls(shard_numel, hosts, across, error_feedback and fmt != "fp32", device)
