@@ -87,6 +87,66 @@ def test_inner_reduction_is_torch_ddp_over_the_hosts_ranks(world4, warmup_wire):
         assert warm == {"exact": "NoneType", "fp32": "Hierarchical"}[warmup_wire]
 
 
+def _accumulate_body(rank, world):
+    """Two micro-batches a step, the first under no_sync(): the host's grads
+    are what torch's DDP over the host's ranks accumulates, bit for bit."""
+    import fastddp
+
+    model = fastddp.DistributedDataParallel(_net())
+    opt = _cross_site(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, ranks_per_host=2,
+                      wire="fp32", delay=1)
+    host = torch.nn.parallel.DistributedDataParallel(_net(), process_group=opt.sites.inside)
+    same = []
+    for t in range(1, 6):
+        host.module.load_state_dict(model.module.state_dict())
+        for ddp in (model, host):
+            with ddp.no_sync():
+                _loss(ddp, rank, 10 * t).backward()
+            _loss(ddp, rank, 10 * t + 1).backward()
+        same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), host.parameters())))
+        opt.step()
+        opt.zero_grad()
+        host.zero_grad()
+    return same, opt.stats()["syncs"]
+
+
+def test_no_sync_and_accumulation_reduce_inside_the_host_as_torch(world4):
+    for same, syncs in world4.run(_accumulate_body):
+        assert same == [True] * 5 and syncs == 2
+
+
+def _finite_body(rank, world):
+    """check_finite: a NaN on rank 0 is caught on every rank (its flags are
+    gathered over the module's whole group), named, before any reduced value
+    reaches ``.grad``: every rank skips the step, and the step counts the
+    outer sync pairs stay equal."""
+    import fastddp
+
+    model = fastddp.DistributedDataParallel(_net(), check_finite="raise")
+    opt = _cross_site(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, ranks_per_host=2,
+                      wire="fp32", delay=1)
+    caught = []
+    for t in range(1, 6):
+        handle = model.module[0].weight.register_hook(lambda g: g * float("nan")) if (rank, t) == (0, 2) else None
+        try:
+            _loss(model, rank, t).backward()
+            opt.step()
+        except FloatingPointError as e:
+            caught.append((t, str(e)))
+        finally:
+            if handle is not None:
+                handle.remove()
+            opt.zero_grad()
+    return caught, opt.stats()["steps"], opt.stats()["syncs"], bool(torch.isfinite(_flat(model)).all())
+
+
+def test_check_finite_catches_a_nan_on_every_rank_and_the_syncs_stay_paired(world4):
+    for caught, steps, syncs, finite in world4.run(_finite_body):
+        assert [t for t, _ in caught] == [2], caught
+        assert "on rank 0" in caught[0][1] or "rank(s) [0]" in caught[0][1], caught  # the source, or who
+        assert steps == 4 and syncs == 1 and finite  # synced after steps 2 (applied at 3) and 4 (in flight)
+
+
 # ------------------------------------------------------- outer step, reference
 def _reference(rank, world, steps, H, warm, delay, lr, mu):
     """The algorithm in plain torch: one rank per host, the fp32 wire."""
