@@ -75,9 +75,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     correct without it (:mod:`fastddp.surface`).
     """
 
-    _buffer_group = None
-    """The group the forward broadcasts buffers on (None: the module's);
-    :class:`fastddp.CrossSite` sets the host's."""
+    _buffer_group = None  # the forward's buffer broadcast group (None: the module's; CrossSite: the host's)
 
     def __init__(
         self,
