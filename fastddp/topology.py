@@ -94,9 +94,11 @@ def _gathered(pg, world: int) -> list:
     return keys
 
 
-def resolve(pg, ranks_per_host: int | None = None) -> Topology | Flat:
+def resolve(pg, ranks_per_host: int | None = None, min_ranks_per_host: int = 2) -> Topology | Flat:
     """This process group's topology, or why the reduction stays flat.
-    Collective where nothing explicit is set (every rank must call it)."""
+    Collective where nothing explicit is set (every rank must call it).
+    ``min_ranks_per_host``: fewer ranks per host is flat (the hierarchy needs
+    2; cross-site training takes 1)."""
     world = groups.size(pg)
     explicit = ranks_per_host is not None
     if not explicit and settings.get().ranks_per_host is not None:
@@ -134,7 +136,7 @@ def resolve(pg, ranks_per_host: int | None = None) -> Topology | Flat:
         topo = Topology(tuple(hosts), src)
     if topo.num_hosts < 2:
         return Flat(f"all {world} ranks are on one host")
-    if topo.ranks_per_host < 2:
+    if topo.ranks_per_host < min_ranks_per_host:
         return Flat(f"one rank per host ({topo.num_hosts} hosts): the flat reduction already "
                     "crosses each host link once")
     return topo

@@ -15,6 +15,8 @@ Groups, made collectively at construction (every rank of the world calls
 * ``inside``: this rank's host (the inner, exact reduction, main thread);
 * ``across``: the ranks with this local rank on every host (the outer sync's
   payload, on the outer sync's thread);
+  these two are :func:`fastddp.topology.subgroups`' (shared with a
+  hierarchical warm-up, whose rounds end before any outer sync starts);
 * ``inside_sync``: this rank's host again, for the outer sync's gather of
   the new parameters (the thread's own, so no group sees two threads'
   collectives);
@@ -58,32 +60,13 @@ def _topology(pg, ranks_per_host: int | None) -> topology.Topology:
                                        or world % ranks_per_host):
         raise ValueError(f"fastddp.CrossSite: ranks_per_host={ranks_per_host!r} must be a positive divisor "
                          f"of the process group's {world} ranks (the ranks of one host are consecutive)")
-    if ranks_per_host == 1 or (ranks_per_host is None and world >= 2 and _one_per_host(pg, world)):
-        topo = topology.Topology(tuple((r,) for r in range(world)),
-                                 "ranks_per_host=1" if ranks_per_host else "one rank per host key")
-    else:
-        found = topology.resolve(pg, ranks_per_host)
-        if isinstance(found, topology.Flat):
-            raise ValueError(f"fastddp.CrossSite: cannot split the process group into sites: {found.why}. "
-                             "Cross-site training needs at least two hosts of equal rank counts "
-                             "(set ranks_per_host= or FASTDDP_RANKS_PER_HOST where detection cannot tell)")
-        topo = found
-    if topo.num_hosts < 2:
-        raise ValueError(f"fastddp.CrossSite: all {world} ranks are on one host; cross-site training "
-                         "needs at least two (on one host, plain DDP is exact and as fast)")
-    return topo
-
-
-def _one_per_host(pg, world: int) -> bool:
-    """Every rank reports a host key of its own (collective: the keys are
-    gathered).  Explicit settings are left to :func:`topology.resolve`."""
-    from .. import settings
-
-    if settings.get().ranks_per_host is not None:
-        return settings.get().ranks_per_host == 1
-    keys: list = [None] * world
-    dist.all_gather_object(keys, topology.host_key(), group=pg)
-    return len(set(keys)) == world
+    found = topology.resolve(pg, ranks_per_host, min_ranks_per_host=1)
+    if isinstance(found, topology.Flat):
+        raise ValueError(f"fastddp.CrossSite: cannot split the process group into sites: {found.why}. "
+                         "Cross-site training needs at least two hosts of equal rank counts (on one host, "
+                         "plain DDP is exact and as fast; set ranks_per_host= or FASTDDP_RANKS_PER_HOST "
+                         "where detection cannot tell)")
+    return found
 
 
 def resolve_sites(pg, ranks_per_host: int | None = None) -> Sites:
@@ -92,16 +75,16 @@ def resolve_sites(pg, ranks_per_host: int | None = None) -> Sites:
         raise ValueError("fastddp.CrossSite: the DDP module's process group must be the whole world (its "
                          "sub-groups are made by new_group, which every rank must call)")
     topo = _topology(pg, ranks_per_host)
+    # inside/across: the hierarchical reduction's sub-groups, made once per topology; a warm-up on that
+    # mode uses them too, but every round of a warm-up step ends in its backward, before any outer sync
+    inside, across = topology.subgroups(pg, topo)
     me = groups.rank(pg)
     to_global = groups.global_ranks(pg)
     backend = dist.get_backend(pg)
     made: dict = {}
-    for name, sets in (("inside", topo.hosts),
-                       ("across", [tuple(h[i] for h in topo.hosts) for i in range(topo.ranks_per_host)]),
-                       ("inside_sync", topo.hosts),
-                       ("world_sync", [tuple(range(groups.size(pg)))])):
+    for name, sets in (("inside_sync", topo.hosts), ("world_sync", [tuple(range(groups.size(pg)))])):
         for ranks in sets:
             g = dist.new_group([to_global[r] for r in ranks], backend=backend)
             if me in ranks:
                 made[name] = g
-    return Sites(topo, topo.host_of(me), topo.local_rank(me), **made)
+    return Sites(topo, topo.host_of(me), topo.local_rank(me), inside, across, **made)
