@@ -1,9 +1,12 @@
 """Shared test fixtures: isolation (seed, kernel counters, backend probe);
-the fast tier (``--fast``) and the durations it is chosen from."""
+the fast tier (``--fast``) and the durations it is chosen from; the shards
+tests/run.sh runs side by side (``FASTDDP_TESTS_SHARD``)."""
 
 from __future__ import annotations
 
+import fcntl
 import gc
+import heapq
 import json
 import os
 from collections import defaultdict
@@ -57,15 +60,57 @@ def _fast_tier(config, items) -> None:
     items[:] = [i for i in items if i in keep]
 
 
+def shard_files(items, table: dict, shards: int) -> list[set]:
+    """The selected tests' files dealt into ``shards`` sets of about equal
+    recorded time (longest file first to the least loaded shard).  Whole
+    files, so that a module's fixtures and shared workers start once; every
+    shard computes the same deal from the same selection."""
+    by_file: dict = defaultdict(float)
+    for item in items:  # an unrecorded test counts as quick
+        by_file[item.nodeid.split("::")[0]] += table.get(item.nodeid, 0.05)
+    heap = [(0.0, k) for k in range(shards)]
+    out = [set() for _ in range(shards)]
+    for name, t in sorted(by_file.items(), key=lambda kv: (-kv[1], kv[0])):
+        load, k = heapq.heappop(heap)
+        out[k].add(name)
+        heapq.heappush(heap, (load + t, k))
+    return out
+
+
+def _shard(items) -> None:
+    """``FASTDDP_TESTS_SHARD=i/n``: keep shard ``i`` of ``n`` (tests/run.sh
+    runs the default session as two such pytest processes side by side: its
+    subprocess-heavy tests leave a core idle).  The other shards' tests are
+    dropped, not deselected: each shard's summary counts what it ran and
+    what -m/-k deselected, which is the same in every shard."""
+    spec = os.environ.get("FASTDDP_TESTS_SHARD", "")
+    if not spec:
+        return
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"FASTDDP_TESTS_SHARD={spec!r}: expected i/n with 0 <= i < n, e.g. 0/2")
+    mine = shard_files(items, _durations(), n)[i]
+    items[:] = [item for item in items if item.nodeid.split("::")[0] in mine]
+
+
 _recorded: dict = defaultdict(float)
 
 
 def write_durations(path: Path, recorded: dict) -> None:
     """Merge ``recorded`` (test id -> seconds) into the JSON table at ``path``
     (the other session's tests, or tests not run this time, stay)."""
-    table = json.loads(path.read_text()) if path.exists() else {}
-    table.update({k: round(v, 3) for k, v in recorded.items()})
-    path.write_text(json.dumps(dict(sorted(table.items())), indent=0) + "\n")
+    with open(path, "a+") as f:  # the shards write the same table: one at a time
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        table = json.loads(text) if text.strip() else {}
+        table.update({k: round(v, 3) for k, v in recorded.items()})
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(dict(sorted(table.items())), indent=0) + "\n")
 
 
 def pytest_runtest_logreport(report):
@@ -115,6 +160,7 @@ def pytest_collection_modifyitems(config, items):
                 reason="kernel test: run with TRITON_INTERPRET=1 (tests/run.sh does)"))
     if config.getoption("fast"):
         _fast_tier(config, items)
+    _shard(items)
 
 
 @pytest.fixture(autouse=True)

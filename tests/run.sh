@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The project's test command (README "The two commands"; .ci/run calls it).
 #
-# Two pytest sessions, run side by side (FASTDDP_TESTS_SERIAL=1: one after the
-# other), because TRITON_INTERPRET is read when @triton.jit runs, i.e. at
-# import time, so the interpreter cannot be switched on mid-session:
+# Two pytest sessions, because TRITON_INTERPRET is read when @triton.jit runs,
+# i.e. at import time, so the interpreter cannot be switched on mid-session:
 #   1. everything not marked `interpret`: the plain-torch CPU path, the
 #      planner, the reducer against torch DDP on gloo ranks, hooks (the
 #      bench's tests: bench/tests, tools': tools/tests);
 #   2. the tests marked `interpret` under TRITON_INTERPRET=1: the very Triton
 #      kernel source, bit-exact against the reference, and the reducer with
 #      the kernels in the loop.
+# They run side by side, the default one as two pytest processes (whole test
+# files dealt by recorded time: tests/conftest.py, FASTDDP_TESTS_SHARD): its
+# subprocess-heavy tests (torchrun, clients, builds) leave a core idle, and
+# 2 cores run the three about twice as fast as one after the other.
+# FASTDDP_TESTS_SERIAL=1: one session after the other, the default one whole
+# (what --record-durations wants: times taken without a neighbour).
 # `--fast` is the fast tier (tests/conftest.py selects it): every test file's
 # quick cases by their recorded time (tests/durations.json), not the tests
 # marked `slow` or `rig`; under 2 minutes on 2 cores. The full command is what
@@ -39,6 +44,34 @@ counts() {
         sed -E 's/=+//g; s/ in [0-9.]+s.*$//; s/^ +//; s/ +$//'
 }
 
+# one session's counts from its shards' logs: summed, except "deselected"
+# (what -m/-k left out, the same in every shard), in pytest's order
+counts_of() {
+    for f in "$@"; do counts "$f"; echo; done | awk -F', ' '
+        { for (i = 1; i <= NF; i++) if (split($i, w, " ") == 2 && w[1] ~ /^[0-9]+$/) {
+              k = w[2]; sub(/s$/, "", k); if (k == "warning" || k == "error") k = k "s"
+              if (k == "deselected") { if (w[1] > n[k]) n[k] = w[1] } else n[k] += w[1] } }
+        END { out = ""
+              split("failed passed skipped deselected xfailed xpassed warnings errors", order, " ")
+              for (j = 1; j <= 8; j++) { k = order[j]; if (n[k] == "") continue
+                  name = k; if (n[k] == 1 && (k == "warnings" || k == "errors")) sub(/s$/, "", name)
+                  out = out (out == "" ? "" : ", ") n[k] " " name }
+              if (n["failed"] + n["passed"] + n["skipped"] + n["errors"] + n["xfailed"] + n["xpassed"] == 0)
+                  out = "no tests ran" (out == "" ? "" : ", " out)
+              print out }'
+}
+
+# a session's status from its shards': a shard that selected nothing (5) is
+# fine beside one that ran tests; 5 only where none did
+rc_of() {
+    local rc=5 r
+    for r in "$@"; do
+        if [ "$r" -ne 0 ] && [ "$r" -ne 5 ]; then echo "$r"; return; fi
+        [ "$r" -eq 0 ] && rc=0
+    done
+    echo "$rc"
+}
+
 t0=$SECONDS
 # the native modules (fastddp/_native.py: the readiness hooks;
 # kernels/_fp8_native.py: the fp8 CPU loops): built once here (about a
@@ -48,28 +81,39 @@ t0=$SECONDS
 # The interpreter session (one process, numpy on one core) runs beside the
 # default one, whose ranks leave a core idle about half the time; its output
 # follows the default session's.  FASTDDP_TESTS_SERIAL=1: one after the other.
+default=(-m "not interpret and not gpu")
+unset FASTDDP_TESTS_SHARD  # (run.sh run by a test inside a shard: its own sessions are whole)
 if [ "${FASTDDP_TESTS_SERIAL:-0}" = "1" ]; then
-    "$py" -m pytest ${TEST_PATHS:-tests} -m "not interpret and not gpu" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default"
+    "$py" -m pytest ${TEST_PATHS:-tests} "${default[@]}" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default"
     rc1=${PIPESTATUS[0]}
     TRITON_INTERPRET=1 "$py" -m pytest ${TEST_PATHS:-tests} -m "interpret" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/interpret"
     rc2=${PIPESTATUS[0]}
+    default_logs=("$logs/default")
 else
     TRITON_INTERPRET=1 "$py" -m pytest ${TEST_PATHS:-tests} -m "interpret" ${color[@]+"${color[@]}"} "$@" > "$logs/interpret" 2>&1 &
     ipid=$!
-    trap 'kill $ipid 2>/dev/null; rm -rf "$logs"' EXIT
-    "$py" -m pytest ${TEST_PATHS:-tests} -m "not interpret and not gpu" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default"
-    rc1=${PIPESTATUS[0]}
+    FASTDDP_TESTS_SHARD=1/2 "$py" -m pytest ${TEST_PATHS:-tests} "${default[@]}" ${color[@]+"${color[@]}"} "$@" > "$logs/default-1" 2>&1 &
+    spid=$!
+    trap 'kill $ipid $spid 2>/dev/null; rm -rf "$logs"' EXIT
+    FASTDDP_TESTS_SHARD=0/2 "$py" -m pytest ${TEST_PATHS:-tests} "${default[@]}" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default-0"
+    r0=${PIPESTATUS[0]}
+    wait $spid
+    r1=$?
     wait $ipid
     rc2=$?
     trap 'rm -rf "$logs"' EXIT
-    cat "$logs/interpret"
+    cat "$logs/default-1" "$logs/interpret"
+    rc1=$(rc_of "$r0" "$r1")
+    default_logs=("$logs/default-0" "$logs/default-1")
 fi
 took="$(( (SECONDS - t0) / 60 ))m$(( (SECONDS - t0) % 60 ))s"
-what="${tier}default session: $(counts "$logs/default") (rc=$rc1); interpreter session: $(counts "$logs/interpret") (rc=$rc2); $took"
+what="${tier}default session: $(counts_of "${default_logs[@]}") (rc=$rc1); interpreter session: $(counts_of "$logs/interpret") (rc=$rc2); $took"
 # pytest exits 5 when a session selects no test: that is a failure here too.
 if [ "$rc1" -ne 0 ] || [ "$rc2" -ne 0 ]; then
-    for session in default interpret; do
-        sed -E 's/\x1b\[[0-9;]*m//g' "$logs/$session" | grep -E '^(FAILED|ERROR) ' | sed "s/^/tests\/run.sh: $session session: /"
+    for log in "${default_logs[@]}" "$logs/interpret"; do
+        session=default
+        [ "$log" = "$logs/interpret" ] && session=interpret
+        sed -E 's/\x1b\[[0-9;]*m//g' "$log" | grep -E '^(FAILED|ERROR) ' | sed "s/^/tests\/run.sh: $session session: /"
     done
     echo "tests/run.sh: FAILED ($what)"
     exit 1

@@ -126,3 +126,32 @@ def test_recorded_durations_merge_into_the_table(tmp_path):
     write_durations(path, {"tests/test_a.py::x": 1.23456})
     write_durations(path, {"tests/test_b.py::y": 0.5, "tests/test_a.py::x": 2.0})
     assert json.loads(path.read_text()) == {"tests/test_a.py::x": 2.0, "tests/test_b.py::y": 0.5}
+
+
+def test_the_shards_deal_whole_files_by_recorded_time(monkeypatch):
+    """tests/run.sh's two default shards: every selected test in exactly one
+    shard, a file's tests together, the long files spread."""
+    from tests import conftest
+
+    table = {"tests/test_a.py::x": 50.0, "tests/test_b.py::x": 40.0, "tests/test_b.py::y": 5.0,
+             "tests/test_c.py::x": 30.0, "tests/test_d.py::x": 20.0}
+    monkeypatch.setattr(conftest, "_durations", lambda: table)
+    items = [_Item(n) for n in [*table, "tests/test_e.py::unrecorded"]]
+    kept = []
+    for i in range(2):
+        monkeypatch.setenv("FASTDDP_TESTS_SHARD", f"{i}/2")
+        mine = list(items)
+        conftest._shard(mine)
+        kept.append([it.nodeid for it in mine])
+    assert sorted(kept[0] + kept[1]) == sorted(it.nodeid for it in items)  # each once
+    files = [{n.split("::")[0] for n in k} for k in kept]
+    assert not files[0] & files[1]  # whole files
+    loads = [sum(table.get(n, 0.05) for n in k) for k in kept]
+    assert max(loads) <= 75.05, loads  # a+d | b+c (the best deal: 70 / 75)
+    monkeypatch.setenv("FASTDDP_TESTS_SHARD", "2/2")
+    with pytest.raises(pytest.UsageError, match="FASTDDP_TESTS_SHARD='2/2'"):
+        conftest._shard(list(items))
+    monkeypatch.delenv("FASTDDP_TESTS_SHARD")
+    whole = list(items)
+    conftest._shard(whole)
+    assert whole == items  # unset: everything
