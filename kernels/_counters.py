@@ -19,6 +19,13 @@ def bump(key: str, n: int = 1) -> None:
         _counts[key] += n
 
 
+def bump_all(*keys: str) -> None:
+    """Add 1 to each counter in ``keys`` under one lock."""
+    with _lock:
+        for key in keys:
+            _counts[key] += 1
+
+
 def launch_count() -> int:
     """Triton kernel launches (compiled or interpreted) since the last reset."""
     return _counts["launches"]

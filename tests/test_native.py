@@ -291,6 +291,76 @@ def test_native_and_python_hooks_give_the_same_gradients(world2):
                 assert torch.equal(x, y), f"rank {rank} case/step {k} param {i}: native {x} python {y}"
 
 
+class _Recorder:
+    """The native countdown with its data-path answers recorded."""
+
+    def __init__(self, native):
+        self.native, self.packs, self.unpacks = native, [], []
+
+    def pack(self, *args, **kw):
+        self.packs.append(self.native.pack(*args, **kw))
+        return self.packs[-1]
+
+    def unpack(self, *args, **kw):
+        self.unpacks.append(self.native.unpack(*args, **kw))
+        return self.unpacks[-1]
+
+
+def _native_data_path_body(rank, world_size):
+    """The default, batched, bucket-view and comm-hook paths with small
+    tensors (no early copy): each bucket packed and unpacked by one native
+    call, the grads bit-equal to torch's DDP in the same group.  A backward
+    with create_graph (grads that are graphs; torch's DDP refuses it) goes to
+    the Python path: equal to fastddp without the native data path."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from fastddp import DistributedDataParallel as DDP
+    from tests._dist import torch_reference
+    out = []
+    view = {"gradient_as_bucket_view": True}
+    cap = {"bucket_cap_mb": 0.0002}
+    for kw in ({}, {"batched_grad_copy": True}, view, {**view, "batched_grad_copy": True}, "hook"):
+        opts = {} if kw == "hook" else kw
+        ours, theirs = DDP(_model(), **cap, **opts), torch_reference(_model(), **cap, **opts)
+        if kw == "hook":
+            for d in (ours, theirs):
+                d.register_comm_hook(None, default_hooks.allreduce_hook)
+        rec = ours.reducer.ctx.native = _Recorder(ours.reducer.ctx.native)
+        steps = 4 if not kw else 3
+        for step in range(steps):
+            graph = step == 3
+            if graph:  # no optimizer step in between: a fresh model has the same weights
+                theirs = DDP(_model(), **cap)
+                theirs.reducer.ctx.native = None
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+            for d in (ours, theirs):
+                for p in d.parameters():
+                    p.grad = None
+                d(x).pow(2).sum().backward(create_graph=graph)
+            equal = all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
+            out.append((str(kw), step, equal, list(rec.packs), list(rec.unpacks), len(ours.reducer.buckets)))
+            rec.packs.clear()
+            rec.unpacks.clear()
+        for d in (ours, theirs):
+            for p in d.parameters():
+                p.grad = None  # (create_graph: grads that reference the graph)
+    return out
+
+
+def test_the_native_data_path_packs_and_unpacks_each_bucket(world2):
+    if OFF:
+        pytest.skip("FASTDDP_NATIVE=0")
+    for res in world2.run(_native_data_path_body):
+        for kw, step, equal, packs, unpacks, nb in res:
+            assert equal, f"{kw} step {step}: not bit-equal to torch's DDP"
+            assert nb > 1 or step == 0, "the test wants several buckets (after torch's rebuild)"
+            if step == 3:  # create_graph: every pack declined, the Python path served it
+                assert packs == [1] * nb, (kw, step, packs)
+            elif step > 0:  # the first step of view mode aliases; later ones find the views (ALL_VIEWS)
+                want = 2 if "gradient_as_bucket_view" in kw and step > 0 else 0
+                assert packs == [0] * nb or (want == 2 and packs == [want] * nb), (kw, step, packs)
+                assert unpacks == [-1] * nb, (kw, step, unpacks)
+
+
 @pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
 def test_countdown_early_copy_into_views():
     """set_views + arm(scale): each fresh grad goes into its view as it

@@ -128,6 +128,21 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
   int index_;
 };
 
+// The CPU data path of one bucket (the default, batched_grad_copy and comm
+// hook copies), as torch's reducer does it in C++: its grads read and checked
+// here instead of one Python attribute read and check each, the same ATen ops
+// as the Python pack (kernels/torch_path.py: _pack_plain, unpack_views), so
+// the same bits.  Only fp32/fp64 buckets whose views tile the flat buffer;
+// anything unusual is left to Python (the fallback and the oracle).
+struct Slots {
+  std::vector<int> idx;          // parameter index per position
+  std::vector<at::Tensor> views;  // per position: its slot, shaped (and strided) as the parameter
+  at::Tensor flat;
+  bool few_large = false;         // _few_large: one op per tensor beats copy-then-scale
+};
+
+enum PackCode { PACKED = 0, PYTHON = 1, ALL_VIEWS = 2 };
+
 using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 struct Countdown {
@@ -176,6 +191,7 @@ struct Countdown {
     nodes_.clear();
     keys_.clear();
     params_.clear();
+    slots_.clear();
     std::lock_guard<std::mutex> lock(st_->mu);
     st_->early = false;
     for (auto& t : st_->dst) t.reset();
@@ -245,11 +261,118 @@ struct Countdown {
 
   bool attached() const { return !nodes_.empty(); }
 
+  // Bucket b's slots (None: bucket b takes the Python path); called when
+  // the buckets change.
+  void set_slots(int b, std::optional<std::vector<int>> idx, std::optional<std::vector<at::Tensor>> views,
+                 std::optional<at::Tensor> flat) {
+    if (b < 0) throw pybind11::index_error("fastddp native: bucket index < 0");
+    if (slots_.size() <= static_cast<size_t>(b)) slots_.resize(b + 1);
+    Slots& s = slots_[b];
+    s = Slots();
+    if (!idx || !views || !flat) return;
+    TORCH_CHECK(idx->size() == views->size(), "fastddp native: one view per parameter of the bucket");
+    for (int i : *idx) TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < st_->vars.size(), "fastddp native: bad index");
+    s.idx = *idx;
+    s.views = *views;
+    s.flat = *flat;
+    int64_t total = 0;
+    for (auto& v : s.views) total += v.numel();
+    const int64_t n = static_cast<int64_t>(s.views.size());
+    s.few_large = n <= 64 && total >= n * (int64_t(1) << 18);
+  }
+
+  void clear_slots(int count) { slots_.assign(std::max(count, 0), Slots()); }
+
+  // The bucket's grads, each checked to be what the plain path copies:
+  // defined, dense, on the CPU, the slot's dtype and shape, not a graph
+  // (create_graph), not already the slot.  Returns false where one is not.
+  bool plain(const Slots& s, std::vector<at::Tensor>& grads, bool& all_views) {
+    grads.clear();
+    grads.reserve(s.idx.size());
+    all_views = true;
+    bool any_view = false;
+    for (size_t k = 0; k < s.idx.size(); ++k) {
+      const at::Tensor& g = st_->vars[s.idx[k]].grad();
+      const at::Tensor& v = s.views[k];
+      if (!g.defined()) return all_views = false;
+      if (g.is_same(v)) {
+        any_view = true;
+        continue;
+      }
+      all_views = false;
+      if (any_view || g.layout() != at::kStrided || !g.device().is_cpu() || g.requires_grad() ||
+          g.scalar_type() != v.scalar_type() || g.sizes() != v.sizes())
+        return false;
+      grads.push_back(g);
+    }
+    return !any_view;
+  }
+
+  // scaling: 0 a plain copy, 1 multiply by 1/w, 2 divide by w (the Python
+  // Scaling); alias: gradient_as_bucket_view, .grad becomes its slot.
+  int pack(int b, int scaling, double w, bool alias) {
+    if (b < 0 || static_cast<size_t>(b) >= slots_.size() || !slots_[b].flat.defined()) return PYTHON;
+    const Slots& s = slots_[b];
+    std::vector<at::Tensor> grads;
+    bool all_views = false;
+    if (!plain(s, grads, all_views)) return all_views ? ALL_VIEWS : PYTHON;
+    at::NoGradGuard no_grad;
+    const double scale = 1.0 / w;
+    if (s.few_large) {  // torch.mul(g, 1/W, out=v) / torch.div(g, W, out=v) / v.copy_(g)
+      for (size_t k = 0; k < grads.size(); ++k) {
+        at::Tensor& v = const_cast<at::Tensor&>(s.views[k]);
+        if (scaling == 2) at::div_out(v, grads[k], wrapped(w));
+        else if (scaling == 1 && scale != 1.0) at::mul_out(v, grads[k], wrapped(scale));
+        else v.copy_(grads[k]);
+      }
+    } else {  // _foreach_copy_ then one op on the whole flat buffer
+      at::_foreach_copy_(s.views, grads);
+      at::Tensor& flat = const_cast<at::Tensor&>(s.flat);
+      if (scaling == 2) flat.div_(w);
+      else if (scaling == 1 && scale != 1.0) flat.mul_(scale);
+    }
+    if (alias)
+      for (size_t k = 0; k < s.idx.size(); ++k) st_->vars[s.idx[k]].mutable_grad() = s.views[k];
+    return PACKED;
+  }
+
+  // The reduced flat buffer back into .grad (torch's finalize_bucket_dense).
+  // Without bucket views: one _foreach_copy_ into the grads; returns -1, or
+  // -2 where one is missing or not plain (Python).  With them: a missing
+  // grad becomes its view; returns the position of a grad that is neither
+  // (Python names it), else -1.
+  int unpack(int b, bool views) {
+    if (b < 0 || static_cast<size_t>(b) >= slots_.size() || !slots_[b].flat.defined()) return -2;
+    const Slots& s = slots_[b];
+    at::NoGradGuard no_grad;
+    if (views) {
+      for (size_t k = 0; k < s.idx.size(); ++k) {
+        at::Tensor& g = st_->vars[s.idx[k]].mutable_grad();
+        if (!g.defined()) g = s.views[k];
+        else if (!g.is_same(s.views[k])) return static_cast<int>(k);
+      }
+      return -1;
+    }
+    std::vector<at::Tensor> grads;
+    grads.reserve(s.idx.size());
+    for (size_t k = 0; k < s.idx.size(); ++k) {
+      const at::Tensor& g = st_->vars[s.idx[k]].grad();
+      const at::Tensor& v = s.views[k];
+      if (!g.defined() || g.layout() != at::kStrided || !g.device().is_cpu() ||
+          g.scalar_type() != v.scalar_type() || g.sizes() != v.sizes() || g.is_alias_of(s.flat))
+        return -2;
+      grads.push_back(g);
+    }
+    at::_foreach_copy_(grads, s.views);
+    return -1;
+  }
+
  private:
   std::shared_ptr<State> st_;
   std::vector<at::Tensor> params_;
   std::vector<NodePtr> nodes_;
   std::vector<uintptr_t> keys_;
+  std::vector<Slots> slots_;
 };
 
 }  // namespace
@@ -269,5 +392,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_views", &Countdown::set_views)
       .def("filled", &Countdown::filled)
       .def("filled_marks", &Countdown::filled_marks)
+      .def("set_slots", &Countdown::set_slots)
+      .def("clear_slots", &Countdown::clear_slots)
+      .def("pack", &Countdown::pack, pybind11::arg("bucket"), pybind11::arg("scaling"), pybind11::arg("w"),
+           pybind11::arg("alias"))
+      .def("unpack", &Countdown::unpack, pybind11::arg("bucket"), pybind11::arg("views"))
       .def_property_readonly("attached", &Countdown::attached);
 }

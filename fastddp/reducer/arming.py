@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import enum
 
-from .. import _native, compile as _compile
+import torch
+
+from .. import _native, compile as _compile, kernels
 
 __all__ = ["HookMode", "Arming", "EARLY_COPY_MIN_NUMEL"]
 
@@ -35,6 +37,19 @@ class HookMode(enum.IntEnum):
     PY = _native.PY
     FAST = _native.FAST
     IDLE = _native.IDLE
+
+
+def native_slots_ok(bucket) -> bool:
+    """The native data path serves the bucket (``Countdown.pack``): dense,
+    real fp32/fp64 on the CPU with the plain-torch kernels (not the Triton
+    interpreter), the parameters of the bucket's dtype, the views tiling the
+    flat buffer (what the Python pack's one op on the whole buffer needs)."""
+    if bucket.sparse or bucket.complex or bucket.flat.device.type != "cpu":
+        return False
+    if bucket.flat.dtype not in (torch.float32, torch.float64) or kernels.backend(bucket.flat.device) != "reference":
+        return False
+    lay = bucket.layout
+    return lay.dense and lay.total == bucket.flat.numel() and all(p.dtype == bucket.flat.dtype for p in bucket.params)
 
 
 def _py_hook(body, index: int):
@@ -75,11 +90,17 @@ class Arming:
         self.native = mod.Countdown(params, on_bucket, on_hook, [_ca_hook(body, i) for i in range(len(params))])
 
     # ----------------------------------------------------------- per plan
-    def set_buckets(self, bucket_of: list[int]) -> None:
-        """A new plan: parameter ``i`` counts down bucket ``bucket_of[i]``."""
+    def set_buckets(self, bucket_of: list[int], buckets) -> None:
+        """A new plan: parameter ``i`` counts down bucket ``bucket_of[i]``;
+        the native data path gets the slots of the buckets it can serve."""
         self.forget_views()
-        if self.native is not None:
-            self.native.set_buckets(bucket_of)
+        if self.native is None:
+            return
+        self.native.set_buckets(bucket_of)
+        self.native.clear_slots(len(buckets))
+        for b in buckets:
+            if native_slots_ok(b):
+                self.native.set_slots(b.index, b.indices, b.views, b.flat)
 
     def forget_views(self) -> None:
         """The buckets or their mode changed: the early copy's views are found again at the next arm."""

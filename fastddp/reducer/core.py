@@ -78,7 +78,8 @@ class Reducer(BucketPlans):
         self.ctx = reduction.StepContext.of(self.comm, self.world, self.rank, options.gradient_as_bucket_view,
                                             self.names, self._index_of, self.divisor.get,
                                             self.ready.globally_unused, self.arming.early_filled,
-                                            collaborators.pre_unpack, options.static_graph or options.find_unused_parameters)
+                                            collaborators.pre_unpack, options.static_graph or options.find_unused_parameters,
+                                            self.arming.native)
         self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
         self.tuner = autotune.Tuner(self) if options.auto_bucket_cap else None
         self.second = SecondBackward(self)
@@ -252,10 +253,11 @@ class Reducer(BucketPlans):
 
     # ---------------------------------------------------------- pack, issue
     def _pack(self, bucket: Bucket) -> None:
-        grads = [p.grad for p in bucket.params]
         with profiling.range(f"fastddp/pack[{bucket.index}]", self.comm.cuda), \
                 self.comm.pack_context(bucket.ready_event), torch.no_grad():
-            bucket.reduction.pack(self.ctx, bucket, grads)
+            mode = bucket.reduction
+            if not mode.pack_native(self.ctx, bucket):
+                mode.pack(self.ctx, bucket, [p.grad for p in bucket.params])
 
     def _launch_ready(self) -> None:
         """Issue collectives strictly in bucket order (same order on every rank)."""

@@ -97,6 +97,7 @@ class AutoPrecision(Reduction):
         self._watching = False       # settled and the layout still: windows are timed and read
         self._trigger = ""
         self._restart = False
+        self._prepared = None        # the bucket whose pack_native declined: its pack() is next
         self._pending: dict = {}     # bucket index -> residual carried from the last format
         self._spare: dict = {}       # bucket index -> a dropped residual's memory, for the next format's
         self._rank = 0
@@ -126,7 +127,20 @@ class AutoPrecision(Reduction):
         if ctx.iteration != self._it:
             self._enter(ctx)
 
+    def pack_native(self, ctx, bucket) -> bool:
+        self._before_pack(ctx, bucket)
+        if self.cur.pack_native(ctx, bucket):
+            return True
+        self._prepared = bucket.index  # pack() follows for this bucket
+        return False
+
     def pack(self, ctx, bucket, grads) -> None:
+        if self._prepared != bucket.index:  # called alone (a mode driven directly, delay_all_reduce)
+            self._before_pack(ctx, bucket)
+        self._prepared = None
+        self.cur.pack(ctx, bucket, grads)
+
+    def _before_pack(self, ctx, bucket) -> None:
         if ctx.iteration != self._it:  # a caller that runs no forward boundary (a mode driven directly)
             self._enter(ctx)
         if self._clock_due is not None:
@@ -143,7 +157,6 @@ class AutoPrecision(Reduction):
               and self.cur.residual_of(bucket.index) is None):
             # a dropped residual's memory, zeroed: the format starts from zeros without allocating
             self.cur.adopt_residual(ctx, bucket, self._spare.pop(bucket.index).zero_())
-        self.cur.pack(ctx, bucket, grads)
 
     def issue(self, ctx, bucket):
         return self.cur.issue(ctx, bucket)

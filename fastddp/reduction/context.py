@@ -24,7 +24,7 @@ class StepContext:
 
     __slots__ = ("comm", "world", "rank", "view_mode", "names", "index_of", "divisor",
                  "globally_unused", "early_filled", "pre_unpack", "iteration", "num_buckets",
-                 "layout_settled", "rebuilt", "keeps_unused", "forward_at")
+                 "layout_settled", "rebuilt", "keeps_unused", "forward_at", "native")
 
     comm: Any
     """:class:`~fastddp.comm.Comm`: collectives, streams, ``release``/``hand_over``."""
@@ -66,14 +66,17 @@ class StepContext:
     forward_at: float
     """``time.perf_counter()`` at the synced forward of :attr:`iteration`
     (a mode that times whole steps starts there)."""
+    native: Any
+    """The native countdown (``fastddp/csrc/countdown.cpp``) that also packs
+    and unpacks the CPU buckets it holds slots for, or None."""
 
     @classmethod
     def of(cls, comm, world: int, rank: int, view_mode: bool, names: Sequence[str], index_of: dict,
            divisor: Callable[[], int], globally_unused: Callable[[int], bool] = _never,
            early_filled: Callable[[Any], bytes] = lambda b: b"", pre_unpack: Callable | None = None,
-           keeps_unused: bool = False):
+           keeps_unused: bool = False, native=None):
         return cls(comm, world, rank, view_mode, names, index_of, divisor, globally_unused,
-                   early_filled, pre_unpack, 0, 0, False, False, keeps_unused, 0.0)
+                   early_filled, pre_unpack, 0, 0, False, False, keeps_unused, 0.0, native)
 
     def name(self, p) -> str:
         """The parameter's name (``module.path.weight``)."""

@@ -117,6 +117,37 @@ def fill_flat(ctx, bucket, grads, scaling: Scaling, health=None, divisor: int | 
         check_flat(bucket, health)
 
 
+def fill_native(ctx, bucket, scaling: Scaling) -> bool:
+    """:func:`fill_flat`'s common cases without the grads gathered in Python:
+    a bucket the native early copy filled whole, or one native call
+    (``Countdown.pack``: the same ATen ops as the plain-torch pack, so the
+    same bits) where the native module holds the bucket's slots.  False: the
+    caller gathers the grads and calls :func:`fill_flat` (anything unusual:
+    check_finite, a missing grad, another dtype or shape, a graph)."""
+    native = ctx.native
+    if native is None or bucket.health is not None:
+        return False
+    if bucket.prefilled:
+        if bucket.prefilled < bucket.size:
+            return False
+        bucket.prefilled = 0  # every grad is in its slot, scaled
+        return True
+    W = ctx.divisor()
+    code = native.pack(bucket.index, int(scaling), float(W), ctx.view_mode)
+    if code == NATIVE_PACKED:
+        kernels.count_served("pack")
+        return True
+    if code == NATIVE_ALL_VIEWS:  # the grads are the bucket already (torch: one flat div_)
+        if scaling is not Scaling.NONE:
+            bucket.flat.div_(W)
+        return True
+    return False
+
+
+#: ``Countdown.pack``'s answers (fastddp/csrc/countdown.cpp: PackCode)
+NATIVE_PACKED, NATIVE_PYTHON, NATIVE_ALL_VIEWS = 0, 1, 2
+
+
 def fill_flat_mixed(ctx, bucket, grads, scaling: Scaling, W: int, filled=()) -> None:
     """Some grads missing or already aliased: torch's per-parameter rules.
     ``filled``: per bucket position, the slot needs nothing (the native
@@ -169,9 +200,19 @@ def unpack_grads(ctx, bucket, src: torch.Tensor, track_unused: bool, skip=None) 
     ``skip``: per bucket position, that ``.grad`` was reduced where it is and
     holds its result already (never with bucket views)."""
     ctx.before_unpack(bucket)
+    native = ctx.native if not track_unused and skip is None else None
     if ctx.view_mode:
         if src is not bucket.flat:
             kernels.unpack(src, [bucket.flat], layout=bucket.flat_layout)  # one launch, casts back
+        if native is not None:
+            bad = native.unpack(bucket.index, True)  # a missing grad becomes its view
+            if bad == -1:
+                return
+            if bad >= 0:
+                p = bucket.params[bad]
+                raise RuntimeError(
+                    f"fastddp: the gradient of {ctx.name(p)!r} is not the expected bucket view "
+                    "with gradient_as_bucket_view=True (was .grad replaced during backward?)")
         for i, p, v in zip(bucket.indices, bucket.params, bucket.grad_views):
             if track_unused and ctx.globally_unused(i):
                 continue
@@ -182,6 +223,9 @@ def unpack_grads(ctx, bucket, src: torch.Tensor, track_unused: bool, skip=None) 
                 raise RuntimeError(
                     f"fastddp: the gradient of {ctx.name(p)!r} is not the expected bucket view "
                     "with gradient_as_bucket_view=True (was .grad replaced during backward?)")
+        return
+    if native is not None and src is bucket.flat and native.unpack(bucket.index, False) == -1:
+        kernels.count_served("unpack")  # one _foreach_copy_ into the grads
         return
     grads = [p.grad for p in bucket.params]
     unused = any(ctx.globally_unused(i) for i in bucket.indices) if track_unused else False

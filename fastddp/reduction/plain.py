@@ -25,7 +25,7 @@ import torch
 
 from .. import settings
 from ..comm import Pending
-from .datapath import (REDUCED_NONFINITE, Scaling, fill_flat, fill_flat_mixed, flag_nonfinite,
+from .datapath import (REDUCED_NONFINITE, Scaling, fill_flat, fill_flat_mixed, fill_native, flag_nonfinite,
                        sparse_zeros, take_sparse_grad, unpack_grads, unpack_sparse)
 from .kinds import Kind
 
@@ -73,6 +73,11 @@ class Reduction:
     def boundary(self, ctx) -> None:
         """The synchronising forward of ``ctx.iteration`` (the step's one
         decision point: a mode that measures decides here)."""
+
+    def pack_native(self, ctx, bucket) -> bool:
+        """The pack done by the native data path, without the grads gathered
+        in Python (True), or not taken (False: :meth:`pack` follows)."""
+        return False
 
     def pack(self, ctx, bucket, grads) -> None:
         fill_flat(ctx, bucket, grads, self.scaling, bucket.health)
@@ -168,6 +173,9 @@ class AllReduce(Reduction):
     def in_place(self, ctx, bucket) -> frozenset:
         return frozenset(pos for _, _, pos in self.segments(ctx, bucket) if pos >= 0)
 
+    def pack_native(self, ctx, bucket) -> bool:
+        return not self.segments(ctx, bucket) and fill_native(ctx, bucket, self.scaling)
+
     def pack(self, ctx, bucket, grads) -> None:
         segs = self.segments(ctx, bucket)
         if not segs:
@@ -251,6 +259,9 @@ class PythonHook(Reduction):
     def early_copy(self, world: int) -> tuple[float, float] | None:
         return 0.0, 0.0  # the bucket reaches the hook undivided: a plain copy
 
+    def pack_native(self, ctx, bucket) -> bool:
+        return not bucket.sparse and fill_native(ctx, bucket, Scaling.NONE)
+
     def pack(self, ctx, bucket, grads) -> None:
         if bucket.sparse:
             take_sparse_grad(ctx, bucket)
@@ -292,6 +303,8 @@ class PythonHook(Reduction):
                 "with the bucket's numel")
         elif result.is_complex():
             src = torch.view_as_real(result.reshape(-1)).reshape(-1)
+        elif result is bucket.flat:  # reduced in place (allreduce_hook): the native unpack takes it
+            src = result
         else:
             src = result.reshape(-1)
         unpack_grads(ctx, bucket, src, track_unused)
