@@ -129,10 +129,8 @@ class AutoPrecision(Reduction):
 
     def pack_native(self, ctx, bucket) -> bool:
         self._before_pack(ctx, bucket)
-        if self.cur.pack_native(ctx, bucket):
-            return True
-        self._prepared = bucket.index  # pack() follows for this bucket
-        return False
+        self._prepared = None if self.cur.pack_native(ctx, bucket) else bucket.index  # else pack() follows
+        return self._prepared is None
 
     def pack(self, ctx, bucket, grads) -> None:
         if self._prepared != bucket.index:  # called alone (a mode driven directly, delay_all_reduce)
