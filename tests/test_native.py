@@ -346,6 +346,33 @@ def _native_data_path_body(rank, world_size):
     return out
 
 
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_the_data_path_contract():
+    """Countdown.pack/unpack on one bucket: the grads scaled into the slots
+    (1/W), the slots back into the grads; a missing grad declined (1 / -2);
+    after remove() no slot is taken (the parameters are gone): declined,
+    never a read of a released parameter."""
+    mod = _module()
+    lin = nn.Linear(4, 3)
+    ps = list(lin.parameters())
+    cd = mod.Countdown(ps, lambda b: None, lambda i, t: None, [None, None])
+    flat = torch.zeros(sum(p.numel() for p in ps))
+    views = [flat[:12].view(3, 4), flat[12:].view(3)]
+    cd.clear_slots(1)
+    cd.set_slots(0, [0, 1], views, flat)
+    assert cd.pack(0, 1, 2.0, False) == 1 and cd.unpack(0, False) == -2  # no grads yet
+    lin(torch.randn(2, 4)).sum().backward()
+    grads = [p.grad.clone() for p in ps]
+    assert cd.pack(0, 1, 2.0, False) == 0
+    assert all(torch.equal(v, g * 0.5) for v, g in zip(views, grads))
+    flat.mul_(3)
+    assert cd.unpack(0, False) == -1
+    assert all(torch.equal(p.grad, g * 0.5 * 3) for p, g in zip(ps, grads))
+    cd.remove()
+    cd.set_slots(0, [0, 1], views, flat)
+    assert cd.pack(0, 1, 2.0, False) == 1 and cd.unpack(0, False) == -2
+
+
 def test_the_native_data_path_packs_and_unpacks_each_bucket(world2):
     if OFF:
         pytest.skip("FASTDDP_NATIVE=0")

@@ -269,7 +269,7 @@ struct Countdown {
     if (slots_.size() <= static_cast<size_t>(b)) slots_.resize(b + 1);
     Slots& s = slots_[b];
     s = Slots();
-    if (!idx || !views || !flat) return;
+    if (!idx || !views || !flat || nodes_.empty()) return;  // (removed: the parameters are gone)
     TORCH_CHECK(idx->size() == views->size(), "fastddp native: one view per parameter of the bucket");
     for (int i : *idx) TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < st_->vars.size(), "fastddp native: bad index");
     s.idx = *idx;
