@@ -292,10 +292,15 @@ def test_native_and_python_hooks_give_the_same_gradients(world2):
 
 
 class _Recorder:
-    """The native countdown with its data-path answers recorded."""
+    """The native countdown with its data-path answers recorded (the rest
+    passed through: it stands in for the reducer's countdown, which every
+    new plan hands to the step context)."""
 
     def __init__(self, native):
         self.native, self.packs, self.unpacks = native, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.native, name)
 
     def pack(self, *args, **kw):
         self.packs.append(self.native.pack(*args, **kw))
@@ -324,7 +329,7 @@ def _native_data_path_body(rank, world_size):
         if kw == "hook":
             for d in (ours, theirs):
                 d.register_comm_hook(None, default_hooks.allreduce_hook)
-        rec = ours.reducer.ctx.native = _Recorder(ours.reducer.ctx.native)
+        rec = ours.reducer.arming.native = ours.reducer.ctx.native = _Recorder(ours.reducer.arming.native)
         steps = 4 if not kw else 3
         for step in range(steps):
             graph = step == 3
@@ -371,6 +376,20 @@ def test_the_data_path_contract():
     cd.remove()
     cd.set_slots(0, [0, 1], views, flat)
     assert cd.pack(0, 1, 2.0, False) == 1 and cd.unpack(0, False) == -2
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_a_plan_the_native_data_path_cannot_serve_costs_no_call():
+    """The step context gets the countdown only where it holds some bucket's
+    slots: bf16 buckets (and GPU ones) make no native pack or unpack call."""
+    from fastddp import DistributedDataParallel as DDP
+    with single_rank_group():
+        served = DDP(nn.Linear(4, 3))
+        unserved = DDP(nn.Linear(4, 3).to(torch.bfloat16))
+        assert served.reducer.ctx.native is served.reducer.arming.native is not None
+        assert unserved.reducer.arming.native is not None and unserved.reducer.ctx.native is None
+        unserved(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+        del served, unserved
 
 
 def test_the_native_data_path_packs_and_unpacks_each_bucket(world2):

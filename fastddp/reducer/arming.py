@@ -90,17 +90,20 @@ class Arming:
         self.native = mod.Countdown(params, on_bucket, on_hook, [_ca_hook(body, i) for i in range(len(params))])
 
     # ----------------------------------------------------------- per plan
-    def set_buckets(self, bucket_of: list[int], buckets) -> None:
+    def set_buckets(self, bucket_of: list[int], buckets):
         """A new plan: parameter ``i`` counts down bucket ``bucket_of[i]``;
-        the native data path gets the slots of the buckets it can serve."""
+        the native data path gets the slots of the buckets it can serve.
+        Returns the native module where it serves one (the step context's
+        ``native``), else None: no call per bucket where it serves none (a GPU)."""
         self.forget_views()
         if self.native is None:
-            return
+            return None
         self.native.set_buckets(bucket_of)
         self.native.clear_slots(len(buckets))
-        for b in buckets:
-            if native_slots_ok(b):
-                self.native.set_slots(b.index, b.indices, b.views, b.flat)
+        served = [b for b in buckets if native_slots_ok(b)]
+        for b in served:
+            self.native.set_slots(b.index, b.indices, b.views, b.flat)
+        return self.native if served else None
 
     def forget_views(self) -> None:
         """The buckets or their mode changed: the early copy's views are found again at the next arm."""

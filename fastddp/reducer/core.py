@@ -78,8 +78,7 @@ class Reducer(BucketPlans):
         self.ctx = reduction.StepContext.of(self.comm, self.world, self.rank, options.gradient_as_bucket_view,
                                             self.names, self._index_of, self.divisor.get,
                                             self.ready.globally_unused, self.arming.early_filled,
-                                            collaborators.pre_unpack, options.static_graph or options.find_unused_parameters,
-                                            self.arming.native)
+                                            collaborators.pre_unpack, options.static_graph or options.find_unused_parameters)
         self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
         self.tuner = autotune.Tuner(self) if options.auto_bucket_cap else None
         self.second = SecondBackward(self)

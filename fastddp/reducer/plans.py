@@ -52,7 +52,7 @@ class BucketPlans:
             self.health.install(self._buckets)
         self._bucket_of = [self._buckets[plan.locate(i)[0]] for i in range(len(self.params))]
         self.ctx.num_buckets = len(self._buckets)
-        self.arming.set_buckets([b.index for b in self._bucket_of], self._buckets)
+        self.ctx.native = self.arming.set_buckets([b.index for b in self._bucket_of], self._buckets)
         if not old:
             return
         old_locate = [(old[bi], pos) for bi, pos in map(old_plan.locate, range(len(self.params)))]

@@ -67,16 +67,17 @@ class StepContext:
     """``time.perf_counter()`` at the synced forward of :attr:`iteration`
     (a mode that times whole steps starts there)."""
     native: Any
-    """The native countdown (``fastddp/csrc/countdown.cpp``) that also packs
-    and unpacks the CPU buckets it holds slots for, or None."""
+    """The native countdown (``fastddp/csrc/countdown.cpp``) where it packs
+    and unpacks some of the plan's buckets (the CPU ones it holds slots for),
+    else None (set with each plan)."""
 
     @classmethod
     def of(cls, comm, world: int, rank: int, view_mode: bool, names: Sequence[str], index_of: dict,
            divisor: Callable[[], int], globally_unused: Callable[[int], bool] = _never,
            early_filled: Callable[[Any], bytes] = lambda b: b"", pre_unpack: Callable | None = None,
-           keeps_unused: bool = False, native=None):
+           keeps_unused: bool = False):
         return cls(comm, world, rank, view_mode, names, index_of, divisor, globally_unused,
-                   early_filled, pre_unpack, 0, 0, False, False, keeps_unused, 0.0, native)
+                   early_filled, pre_unpack, 0, 0, False, False, keeps_unused, 0.0, None)
 
     def name(self, p) -> str:
         """The parameter's name (``module.path.weight``)."""

@@ -195,6 +195,11 @@ def fill_flat_mixed(ctx, bucket, grads, scaling: Scaling, W: int, filled=()) -> 
             bucket.flat.div_(W)
 
 
+def _not_its_view(ctx, p) -> RuntimeError:
+    return RuntimeError(f"fastddp: the gradient of {ctx.name(p)!r} is not the expected bucket view "
+                        "with gradient_as_bucket_view=True (was .grad replaced during backward?)")
+
+
 def unpack_grads(ctx, bucket, src: torch.Tensor, track_unused: bool, skip=None) -> None:
     """Write the reduced ``src`` back into .grad (torch's finalize_bucket_dense).
     ``skip``: per bucket position, that ``.grad`` was reduced where it is and
@@ -209,10 +214,7 @@ def unpack_grads(ctx, bucket, src: torch.Tensor, track_unused: bool, skip=None) 
             if bad == -1:
                 return
             if bad >= 0:
-                p = bucket.params[bad]
-                raise RuntimeError(
-                    f"fastddp: the gradient of {ctx.name(p)!r} is not the expected bucket view "
-                    "with gradient_as_bucket_view=True (was .grad replaced during backward?)")
+                raise _not_its_view(ctx, bucket.params[bad])
         for i, p, v in zip(bucket.indices, bucket.params, bucket.grad_views):
             if track_unused and ctx.globally_unused(i):
                 continue
@@ -220,9 +222,7 @@ def unpack_grads(ctx, bucket, src: torch.Tensor, track_unused: bool, skip=None) 
             if g is None:
                 p.grad = v
             elif g is not v:
-                raise RuntimeError(
-                    f"fastddp: the gradient of {ctx.name(p)!r} is not the expected bucket view "
-                    "with gradient_as_bucket_view=True (was .grad replaced during backward?)")
+                raise _not_its_view(ctx, p)
         return
     if native is not None and src is bucket.flat and native.unpack(bucket.index, False) == -1:
         kernels.count_served("unpack")  # one _foreach_copy_ into the grads
