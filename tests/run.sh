@@ -11,8 +11,9 @@
 #      the kernels in the loop.
 # They run side by side, the default one as two pytest processes (whole test
 # files dealt by recorded time: tests/conftest.py, FASTDDP_TESTS_SHARD): its
-# subprocess-heavy tests (torchrun, clients, builds) leave a core idle, and
-# 2 cores run the three about twice as fast as one after the other.
+# subprocess-heavy tests (torchrun, clients, builds) leave a core idle (on 2
+# cores: 5m30s-5m55s, against 6m29s with the default session whole beside
+# the interpreter one); the shards' and the interpreter's output follow.
 # FASTDDP_TESTS_SERIAL=1: one session after the other, the default one whole
 # (what --record-durations wants: times taken without a neighbour).
 # `--fast` is the fast tier (tests/conftest.py selects it): every test file's
@@ -78,9 +79,6 @@ t0=$SECONDS
 # minute each on 2 cores, then cached), not inside a test's timeout
 "$py" -c "import fastddp._native as n; n.main()"
 "$py" -c "import fastddp.kernels._fp8_native as f; f.main()"
-# The interpreter session (one process, numpy on one core) runs beside the
-# default one, whose ranks leave a core idle about half the time; its output
-# follows the default session's.  FASTDDP_TESTS_SERIAL=1: one after the other.
 default=(-m "not interpret and not gpu")
 unset FASTDDP_TESTS_SHARD  # (run.sh run by a test inside a shard: its own sessions are whole)
 if [ "${FASTDDP_TESTS_SERIAL:-0}" = "1" ]; then
