@@ -240,7 +240,7 @@ def _flag_reads(hook, view, steps=4):
 
     def counted_quantize(x, *a, health=None, **k):
         if health is not None:  # the stage's gradient values (the rest are zeros)
-            wires = [d for b in ddp.reducer.buckets for d in b.reduction.wires.values() if d.stage is x]
+            wires = [d for b in ddp.reducer.buckets for d in b.reduction.engine.wires.values() if d.stage is x]
             reads[0] += sum(wires[0].lay8.numels)
         return quantize(x, *a, health=health, **k)
 

@@ -387,9 +387,9 @@ def _rounds_order(rank, world, thread):
         ddp = DDP(_model(), bucket_cap_mb=0.0005)
         ddp.register_comm_hook(_state("fp8", 2), hierarchical_hook)
         mode = ddp.reducer.mode
-        assert (mode.phase_two is not None) == (kernels.backend() != "interpret")
+        assert (mode.engine.phase_two is not None) == (kernels.backend() != "interpret")
         if not thread:
-            mode.phase_two = None
+            mode.engine.phase_two = None
         for step in range(2):  # the second: rebuilt buckets
             events.clear()
             x, y = _batch(rank, step)

@@ -238,7 +238,7 @@ def _shard_layout(rank, world, opts):
     red = m.reducer.buckets[0].reduction
     out = []
     for b in m.reducer.buckets:
-        w = red.wires[b.index]
+        w = red.engine.wires[b.index]
         n = b.flat.numel()
         out.append((n, w.wire.numel(), list(w.bounds), bool((w.wire[n:] == 0).all())))
     return out
@@ -371,7 +371,7 @@ def test_error_feedback_needs_a_fused_hook():
     with pytest.raises(ValueError, match="bf16_fp32acc_hook"):
         reduction.choose(fh.noop_hook, fh.CompressionState(error_feedback=True), False, True)
     dense, _ = reduction.choose(fh.bf16_fp32acc_hook, fh.CompressionState(error_feedback=True), False, True)
-    assert isinstance(dense, reduction.Fp32Accumulate) and dense.error_feedback
+    assert isinstance(dense, reduction.Fp32Accumulate) and dense.book.error_feedback
 
 
 def _sparse_refused(rank, world):
@@ -428,10 +428,10 @@ def _order_of_events(rank, world, eager=False, thread=False):
         return real_pack(srcs, dst, *a, **k)
 
     m = _fused(make_model("deep"), bucket_cap_mb=0.001)
-    m.reducer.mode.eager = eager
-    assert (m.reducer.mode.phase_two is not None) == (kernels.backend() != "interpret")
+    m.reducer.mode.engine.eager = eager
+    assert (m.reducer.mode.engine.phase_two is not None) == (kernels.backend() != "interpret")
     if not thread:
-        m.reducer.mode.phase_two = None
+        m.reducer.mode.engine.phase_two = None
     for step in range(2):  # the second step runs in the rebuilt buckets
         m.zero_grad(set_to_none=True)
         x, y = make_batch("deep", rank, step)
@@ -568,7 +568,7 @@ def _eager_matches_deferred(rank, world, hook_name):
     for eager in (False, True):
         m = F(copy.deepcopy(base), bucket_cap_mb=0.001)
         m.register_comm_hook(None, hook)
-        m.reducer.mode.eager = eager
+        m.reducer.mode.engine.eager = eager
         grads = []
         for step in range(3):
             m.zero_grad(set_to_none=True)
@@ -611,7 +611,7 @@ def _chunk_counts(rank, world, chunk_bytes):
         x, y = make_batch("mlp", rank, 0)
         loss_fn(m(x), y).backward()
         red = m.reducer.buckets[0].reduction
-        return [red.pieces(b.index) for b in m.reducer.buckets]
+        return [red.engine.pieces(b.index) for b in m.reducer.buckets]
     return _with_chunk_bytes(rank, world, chunk_bytes, body)
 
 

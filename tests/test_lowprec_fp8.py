@@ -304,7 +304,7 @@ def _pipeline(rank, world, opts, block=32, steps=3, exempt="default", chunked=Fa
         local.load_state_dict(m.module.state_dict())
     if chunked:  # the phases did run in pieces
         red = m.reducer.buckets[0].reduction
-        if not any(red.pieces(b.index) > 1 for b in m.reducer.buckets):
+        if not any(red.engine.pieces(b.index) > 1 for b in m.reducer.buckets):
             bad.append("no bucket was chunked")
     return bad
 
@@ -554,7 +554,7 @@ def _calls_per_phase(rank, world):
     finally:
         G.all_to_all_single, G.all_gather_into_tensor = a2a, ag
     red = m.reducer.buckets[0].reduction
-    pieces = [red.pieces(b.index) for b in m.reducer.buckets]
+    pieces = [red.engine.pieces(b.index) for b in m.reducer.buckets]
     chunked = sum(n for n in pieces if n > 1)
     single = sum(2 for n in pieces if n == 1)  # values and scales: two calls
     return calls, chunked, single

@@ -59,10 +59,11 @@ def _wrap(name: str, module):
 
     if name.endswith("@end"):  # a two-phase row with phase 2 at the end of backward (no phase-2 thread)
         ddp = _wrap(name[:-4], module)
-        if getattr(ddp.reducer.mode, "phase_two", None) is None:
+        engine = getattr(ddp.reducer.mode, "engine", None)
+        if engine is None or engine.phase_two is None:
             raise SystemExit(f"step_phases: {name[:-4]} runs no phase-2 thread; @end applies to "
                              "fastddp-fp8 and fastddp-bf16acc")
-        ddp.reducer.mode.phase_two = None
+        engine.phase_two = None
         return ddp
     name, _, least = name.partition(":")
     if least:  # fastddp...:N -- FASTDDP_IN_PLACE_NUMEL=N for this row alone

@@ -44,11 +44,12 @@ from .fp8 import BlockFp8
 from .fp32acc import Fp32Accumulate
 from .hierarchical import Hierarchical
 from .kinds import Kind
-from .plain import IN_PLACE_MIN_NUMEL, AllReduce, NoOp, PythonHook, Reduction, SparseAllReduce, fused_state
-from .twophase import CHUNK_BYTES, MAX_CHUNKS, PhaseTwo, TwoPhase, chunk_bounds
+from .base import Reduction
+from .plain import IN_PLACE_MIN_NUMEL, AllReduce, NoOp, PythonHook, SparseAllReduce, fused_state
+from .twophase import CHUNK_BYTES, MAX_CHUNKS, PhaseTwo, TwoPhaseEngine, chunk_bounds
 
 __all__ = ["Kind", "Scaling", "StepContext", "Reduction", "AllReduce", "PythonHook", "FusedCompression",
-           "Fp32Accumulate", "BlockFp8", "Hierarchical", "NoOp", "SparseAllReduce", "TwoPhase", "ResidualBook", "choose",
+           "Fp32Accumulate", "BlockFp8", "Hierarchical", "NoOp", "SparseAllReduce", "TwoPhaseEngine", "ResidualBook", "choose",
            "fill_flat", "unpack_grads", "chunk_bounds", "CHUNK_BYTES", "MAX_CHUNKS", "REDUCED_NONFINITE",
            "IN_PLACE_MIN_NUMEL"]
 
@@ -129,7 +130,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
 def _phase_two(mode, device, pg):
     """A two-phase mode: its rounds after the first on the module group's
     phase-2 thread where waits block the host (:class:`~.twophase.PhaseTwo`)."""
-    mode.phase_two = PhaseTwo.of(pg, device, kernels.backend(device))
+    mode.engine.phase_two = PhaseTwo.of(pg, device, kernels.backend(device))
     return mode
 
 
@@ -176,6 +177,6 @@ def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, R
         kernels.prepare_fp8(device)
     inside, across = topology.subgroups(pg, topo)
     mode = _phase_two(Hierarchical(state, topo, inside, across), device, pg)
-    if mode.phase_two is not None:  # the thread runs every round after the first: the last one inside the host
+    if mode.engine.phase_two is not None:  # the thread runs every round after the first: the last one inside the host
         mode.inside_late = topology.late_inside(pg, topo)  # on a group of its own (across: the thread's alone)
     return mode, sparse

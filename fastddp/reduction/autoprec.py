@@ -49,9 +49,8 @@ import statistics
 
 from ..autotune.phase import Phase
 from ..autotune.precision import PrecisionSearch, Watch, rotation
-from .compression import ResidualBook
 from .kinds import Kind
-from .plain import Reduction
+from .base import Reduction
 from .stepclock import StepClock, decision_group, max_over_ranks, max_over_ranks_later
 
 __all__ = ["ORDER", "LOWEST_INDEX", "AutoPrecision"]
@@ -151,7 +150,7 @@ class AutoPrecision(Reduction):
             if not self.cur.adopt_residual(ctx, bucket, values):
                 self._note(ctx.iteration, f"bucket {bucket.index}'s residual dropped: {self.cur_name} keeps "
                                           "its residuals in another layout")
-        elif (bucket.index in self._spare and isinstance(self.cur, ResidualBook) and self.cur.error_feedback
+        elif (bucket.index in self._spare and self.cur.book is not None and self.cur.book.error_feedback
               and self.cur.residual_of(bucket.index) is None):
             # a dropped residual's memory, zeroed: the format starts from zeros without allocating
             self.cur.adopt_residual(ctx, bucket, self._spare.pop(bucket.index).zero_())
@@ -336,12 +335,12 @@ class AutoPrecision(Reduction):
         pack), else they are dropped; either way it is noted."""
         old, new = self.cur, self.modes[self.next_name]
         carried = dict(self._pending)
-        if isinstance(old, ResidualBook) and old.error_feedback:
-            carried.update(old.finished_residuals())
-        keeps = isinstance(new, ResidualBook) and new.error_feedback
+        if old.book is not None and old.book.error_feedback:
+            carried.update(old.book.finished_residuals())
+        keeps = new.book is not None and new.book.error_feedback
         # memory no format holds any more: the new format's own (stale, from when it was last in use),
         # or the carried ones it cannot keep; kept only while the trial switches at every step
-        unheld = new.finished_residuals() if keeps else carried
+        unheld = new.book.finished_residuals() if keeps else carried
         if self.phase == _TRIAL:
             for i, t in unheld.items():
                 self._spare.setdefault(i, t)

@@ -9,7 +9,7 @@ from .. import kernels
 from ..comm import Pending
 from .datapath import Scaling, alias_views, fill_flat, plain_grads, unpack_grads
 from .kinds import Kind
-from .plain import Reduction
+from .base import Reduction
 
 __all__ = ["ResidualBook", "FusedCompression"]
 
@@ -50,33 +50,27 @@ class ResidualBook:
     def residual_of(self, bucket_index: int) -> torch.Tensor | None:
         return self.residual.get(bucket_index)
 
-    def residual_numel(self, ctx, bucket) -> int | None:
-        """Elements of the residual this mode's pack reads for ``bucket``
-        (its first ``bucket.flat.numel()`` laid out like the bucket); None:
-        its residual has another layout (it cannot adopt another mode's)."""
-        return None
-
     def finished_residuals(self) -> dict:
         """The residuals of buckets whose last pack reached its unpack (the
         others are stale), by bucket index; the book is left empty."""
         out = {i: t for i, t in self.residual.items() if i not in self.unfinished}
-        self.residual, self.unfinished, self._carry = {}, set(), None
+        self.clear()
         return out
 
-    def adopt_residual(self, ctx, bucket, values: torch.Tensor | None) -> bool:
-        """Start ``bucket``'s residual from another mode's (its first
-        ``bucket.flat.numel()`` elements, laid out like the bucket), or from
-        zeros (``values`` None).  ``values`` is handed over, not shared (its
-        last owner emptied its book): where it is fp32, on the bucket's device
-        and large enough, it becomes the residual itself, so a change of
-        format allocates and copies nothing (on the CPU a fresh 100 MB
-        residual cost ~60 ms of page faults, ~90 with the copy: a bias
-        against every compressed format in auto precision's trial, which
-        switches at every step).  False: this mode keeps no residual of that
-        layout (nothing adopted)."""
-        numel = self.residual_numel(ctx, bucket) if self.error_feedback else None
-        if numel is None:
-            return False
+    def clear(self) -> None:
+        """Every residual dropped (a rebuild that changes their layout)."""
+        self.residual, self.unfinished, self._carry = {}, set(), None
+
+    def adopt(self, bucket, values: torch.Tensor | None, numel: int) -> torch.Tensor:
+        """Start ``bucket``'s residual of ``numel`` elements from another
+        mode's (its first ``bucket.flat.numel()`` elements, laid out like the
+        bucket), or from zeros (``values`` None); returns it.  ``values`` is
+        handed over, not shared (its last owner emptied its book): where it is
+        fp32, on the bucket's device and large enough, it becomes the residual
+        itself, so a change of format allocates and copies nothing (on the CPU
+        a fresh 100 MB residual cost ~60 ms of page faults, ~90 with the copy:
+        a bias against every compressed format in auto precision's trial,
+        which switches at every step)."""
         n = bucket.flat.numel()
         if (values is not None and values.dtype == torch.float32 and values.device == bucket.flat.device
                 and values.dim() == 1 and values.stride(0) == 1
@@ -92,7 +86,7 @@ class ResidualBook:
                 res[:k].copy_(values[:k])
         self.residual[bucket.index] = res
         self.unfinished.discard(bucket.index)
-        return True
+        return res
 
     def carry_residuals(self, old_locate, new_buckets) -> None:
         """A rebuild: the residuals worth carrying (stale ones dropped) wait
@@ -117,32 +111,44 @@ class ResidualBook:
         return res
 
 
-class FusedCompression(ResidualBook, Reduction):
+class FusedCompression(Reduction):
     """fastddp's fp16/bf16 hooks as a fused path: the pack scales by fp32(1/W)
     and casts into a 16-bit wire buffer (allocated once per bucket) in ONE
     launch, optionally with error feedback (an fp32 residual per bucket, read
-    and rewritten by the same launch); all-reduce on the wire; the unpack
-    casts back.  ``reference``: the bucket's device is served by the plain
-    torch backend (decided once, by :func:`~fastddp.reduction.choose`)."""
+    and rewritten by the same launch: the :class:`ResidualBook` it holds);
+    all-reduce on the wire; the unpack casts back.  ``reference``: the
+    bucket's device is served by the plain torch backend (decided once, by
+    :func:`~fastddp.reduction.choose`).  ``wire_numel(ctx, bucket)``: the
+    wire's elements where they are more than the bucket's (a two-phase wire
+    padded to whole shards: :class:`~fastddp.reduction.fp32acc.Fp32Accumulate`
+    holds one of these as its codec's cast)."""
 
     kind = Kind.COMPRESS
     scaling = Scaling.MUL
     fused = True
 
-    def __init__(self, dtype: torch.dtype, error_feedback: bool, reference: bool = False):
-        super().__init__(error_feedback)
+    def __init__(self, dtype: torch.dtype, error_feedback: bool, reference: bool = False, wire_numel=None):
+        self.book = ResidualBook(error_feedback)
         self.dtype = self.wire_dtype = dtype
         self.reference = reference
         self.wire: dict[int, torch.Tensor] = {}
+        self._wire_numel = wire_numel
 
     def wire_numel(self, ctx, bucket) -> int:
         """Elements of the bucket's wire buffer (its first ``flat.numel()`` are the bucket's)."""
-        return bucket.flat.numel()
+        return bucket.flat.numel() if self._wire_numel is None else self._wire_numel(ctx, bucket)
 
-    def residual_numel(self, ctx, bucket) -> int:
-        return bucket.flat.numel()
+    def residual_of(self, bucket_index: int) -> torch.Tensor | None:
+        return self.book.residual_of(bucket_index)
 
-    def _wire(self, ctx, bucket) -> torch.Tensor:
+    def adopt_residual(self, ctx, bucket, values) -> bool:
+        if not self.book.error_feedback:
+            return False
+        self.book.adopt(bucket, values, bucket.flat.numel())
+        return True
+
+    def buffer(self, ctx, bucket) -> torch.Tensor:
+        """The bucket's wire buffer, sized (zeros) the first time."""
         w = self.wire.get(bucket.index)
         numel = self.wire_numel(ctx, bucket)
         if w is None or w.numel() != numel:
@@ -151,8 +157,8 @@ class FusedCompression(ResidualBook, Reduction):
         return w
 
     def pack(self, ctx, bucket, grads) -> None:
-        wire = self._wire(ctx, bucket)
-        residual, health = self.residual_for_pack(bucket, bucket.flat.numel()), bucket.health
+        wire = self.buffer(ctx, bucket)
+        residual, health = self.book.residual_for_pack(bucket, bucket.flat.numel()), bucket.health
         if self.reference:
             # CPU (no Triton): the bucket is the scratch, scaled in place
             # (x * fp32(1/W), as the kernel) and cast into the wire: no
@@ -177,14 +183,14 @@ class FusedCompression(ResidualBook, Reduction):
         return ctx.comm.all_reduce(self.wire[bucket.index])
 
     def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
-        self.finished(bucket)
+        self.book.finished(bucket)
         unpack_grads(ctx, bucket, self.wire[bucket.index], track_unused)
 
     def shadow(self, ctx, bucket) -> Pending:
-        return ctx.comm.all_reduce(torch.zeros_like(self._wire(ctx, bucket)))
+        return ctx.comm.all_reduce(torch.zeros_like(self.buffer(ctx, bucket)))
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """Residuals follow their parameters (:class:`ResidualBook`); wire
         buffers are made anew."""
-        self.carry_residuals(old_locate, new_buckets)
+        self.book.carry_residuals(old_locate, new_buckets)
         self.wire = {}

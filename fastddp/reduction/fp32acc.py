@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from .base import Reduction
 from .compression import FusedCompression
+from .datapath import Scaling
 from .kinds import Kind
-from .twophase import ShardWire, TwoPhase
+from .twophase import ShardWire, TwoPhaseEngine
 
-__all__ = ["SHARD_ALIGN", "shard_numel", "Fp32Accumulate"]
+__all__ = ["SHARD_ALIGN", "shard_numel", "Bf16Shards", "Fp32Accumulate"]
 
 #: Elements each bf16 shard is padded to a multiple of (128 bytes): every
 #: shard, and so every rank's slice the shard sum reads and every offset the
@@ -29,7 +31,7 @@ def shard_numel(n: int, world: int) -> int:
 
 
 @dataclass(eq=False)
-class _Bf16Shards(ShardWire):
+class Bf16Shards(ShardWire):
     """A bucket's bf16 wire (W shards of ``shard`` elements, shard-major), the
     all-to-all's receive buffer and, when chunked, the chunk-major stage:
     piece ``[a, b)`` of every shard back to back in rank order at
@@ -71,7 +73,7 @@ class _Bf16Shards(ShardWire):
         self.wire.zero_()
 
 
-class Fp32Accumulate(TwoPhase, FusedCompression):
+class Fp32Accumulate(Reduction):
     """bf16 on the wire, summed in fp32 (``bf16_fp32acc_hook``)::
 
         pack      grads * fp32(1/W) -> bf16 wire of W*S elements (S: ceil(N/W)
@@ -88,32 +90,55 @@ class Fp32Accumulate(TwoPhase, FusedCompression):
     128 bytes per rank and bucket); the sum's error no longer
     grows with the world size (one rounding instead of one per ring hop).
     Chunked, the same elements meet in the same order, so the result is bit
-    for bit the unchunked one."""
+    for bit the unchunked one.
+
+    Composed of two parts: the fp16/bf16 path's cast (:class:`FusedCompression`,
+    its wire padded to whole shards, with its residual book) and the
+    two-phase engine (:class:`~.twophase.TwoPhaseEngine`) that runs the
+    wire's rounds."""
 
     kind = Kind.FP32ACC
+    scaling = Scaling.MUL
+    fused = True
+    wire_dtype = torch.bfloat16
 
     def __init__(self, error_feedback: bool, chunk_bytes: int | None = None, reference: bool = False):
-        FusedCompression.__init__(self, torch.bfloat16, error_feedback, reference)
-        TwoPhase.__init__(self, chunk_bytes)
+        self.cast = FusedCompression(torch.bfloat16, error_feedback, reference,
+                                     wire_numel=lambda ctx, bucket: ctx.world * shard_numel(bucket.flat.numel(),
+                                                                                           ctx.world))
+        self.book = self.cast.book
+        self.engine = TwoPhaseEngine(chunk_bytes)
 
-    def wire_numel(self, ctx, bucket) -> int:
-        return ctx.world * shard_numel(bucket.flat.numel(), ctx.world)
+    def residual_of(self, bucket_index: int):
+        return self.cast.residual_of(bucket_index)
 
-    def shard_wire(self, ctx, bucket) -> _Bf16Shards:
-        wire = self._wire(ctx, bucket)
-        s = self.wires.get(bucket.index)
+    def adopt_residual(self, ctx, bucket, values) -> bool:
+        return self.cast.adopt_residual(ctx, bucket, values)
+
+    def shard_wire(self, ctx, bucket) -> Bf16Shards:
+        wire = self.cast.buffer(ctx, bucket)
+        s = self.engine.wires.get(bucket.index)
         if s is None or s.wire is not wire:
             W = ctx.world
-            bounds = self._bounds(wire.numel() // W, W, wire.element_size(), SHARD_ALIGN, wire.device)
-            s = self.wires[bucket.index] = _Bf16Shards(
+            bounds = self.engine.bounds(wire.numel() // W, W, wire.element_size(), SHARD_ALIGN, wire.device)
+            s = self.engine.wires[bucket.index] = Bf16Shards(
                 W, wire, torch.empty_like(wire), bounds,
                 torch.empty_like(wire) if len(bounds) > 1 else None, wire.numel() * wire.element_size())
         return s
 
     def pack(self, ctx, bucket, grads) -> None:
         self.shard_wire(ctx, bucket)
-        FusedCompression.pack(self, ctx, bucket, grads)
+        self.cast.pack(ctx, bucket, grads)
+
+    def issue(self, ctx, bucket):
+        return self.engine.issue(ctx, bucket)
+
+    def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
+        self.cast.unpack(ctx, bucket, result, track_unused)
+
+    def shadow(self, ctx, bucket):
+        return self.engine.shadow(ctx, self.shard_wire(ctx, bucket), bucket)
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
-        FusedCompression.carry_over(self, old_buckets, old_locate, new_buckets)
-        self.reset_steps()
+        self.cast.carry_over(old_buckets, old_locate, new_buckets)
+        self.engine.reset()

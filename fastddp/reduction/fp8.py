@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from .. import groups, kernels
+from .base import Reduction
 from .compression import ResidualBook
 from .datapath import Scaling, alias_views, pack_sources, unpack_grads
 from .kinds import Kind
-from .plain import Reduction
-from .twophase import ShardWire, TwoPhase
+from .twophase import ShardWire, TwoPhaseEngine
 
 __all__ = ["BlockFp8", "Fp8Wire", "is_exempt"]
 
@@ -143,7 +143,7 @@ class Fp8Wire(ShardWire):
         self.exbuf.zero_()
 
 
-class BlockFp8(TwoPhase, ResidualBook, Reduction):
+class BlockFp8(Reduction):
     """Block-scaled fp8 (e4m3) on the wire, summed in fp32 (``fp8_compress_hook``)::
 
         pack      the bucket's non-exempt grads * fp32(1/W) into an fp32 stage
@@ -165,37 +165,42 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
 
     Bytes: 1 per element + 4 per block of scales, + 4 per exempt element.
     The residual (error feedback) keeps this rank's quantization error; the
-    re-quantization of the sum is shared by all ranks and not fed back."""
+    re-quantization of the sum is shared by all ranks and not fed back.
+
+    Composed of its codec (:class:`Fp8Wire`, one per bucket), the two-phase
+    engine that runs the wire's rounds and the residual book."""
 
     kind = Kind.FP8
     scaling = Scaling.MUL
+    fused = True
     wire_dtype = torch.float8_e4m3fn
 
     def __init__(self, state):
-        ResidualBook.__init__(self, state.error_feedback)
-        TwoPhase.__init__(self, getattr(state, "chunk_bytes", None))
+        self.book = ResidualBook(state.error_feedback)
+        self.engine = TwoPhaseEngine(getattr(state, "chunk_bytes", None))
         self.block = state.block_size
         self.exempt_rule = state.exempt
 
     def _exempt(self, p) -> bool:
         return is_exempt(self.exempt_rule, p)
 
-    def residual_numel(self, ctx, bucket) -> int:
-        return ctx.world * self.shard_wire(ctx, bucket).shard
+    def residual_of(self, bucket_index: int):
+        return self.book.residual_of(bucket_index)
 
     def adopt_residual(self, ctx, bucket, values) -> bool:
-        """As :class:`ResidualBook`'s, with the exempt parameters' slots
-        zeroed: they travel in fp32 and keep no residual here."""
-        if not ResidualBook.adopt_residual(self, ctx, bucket, values):
+        """The book's adoption (laid out like the bucket, padded to whole
+        shards), with the exempt parameters' slots zeroed: they travel in
+        fp32 and keep no residual here."""
+        if not self.book.error_feedback:
             return False
-        views = bucket.layout.views(self.residual[bucket.index])
+        views = bucket.layout.views(self.book.adopt(bucket, values, ctx.world * self.shard_wire(ctx, bucket).shard))
         for k, p in enumerate(bucket.params):
             if self._exempt(p):
                 views[k].zero_()
         return True
 
     def shard_wire(self, ctx, bucket) -> Fp8Wire:
-        d = self.wires.get(bucket.index)
+        d = self.engine.wires.get(bucket.index)
         if d is not None and d.world == ctx.world:
             return d
         if bucket.complex or bucket.flat.dtype != torch.float32:
@@ -212,7 +217,7 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
             return kernels.Layout([lay.shapes[k] for k in ks], offsets, [lay.strides[k] for k in ks])
 
         ex_numels = [lay.numels[k] for k in ex]
-        bounds = self._bounds(shard, W, 1, B, dev)
+        bounds = self.engine.bounds(shard, W, 1, B, dev)
         n = max(b - a for a, b in bounds)
         q = torch.zeros(W * shard, dtype=torch.uint8, device=dev)
         s = torch.ones(W * shard // B, dtype=torch.float32, device=dev)
@@ -229,12 +234,12 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
                     nbytes=q.numel() + 4 * s.numel() + 4 * exbuf.numel())
         if d.chunked:
             d.layout_wire()
-        self.wires[bucket.index] = d
+        self.engine.wires[bucket.index] = d
         return d
 
     def pack(self, ctx, bucket, grads) -> None:
         d = self.shard_wire(ctx, bucket)
-        res, health = self.residual_for_pack(bucket, ctx.world * d.shard), bucket.health
+        res, health = self.book.residual_for_pack(bucket, ctx.world * d.shard), bucket.health
         scale = 1.0 / ctx.divisor()
         src, plain = pack_sources(ctx, bucket, grads)
         # Each value flagged once: the exempt ones by their pack, the others by
@@ -248,9 +253,15 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
         if plain:
             alias_views(ctx, bucket, grads)
 
+    def issue(self, ctx, bucket):
+        return self.engine.issue(ctx, bucket)
+
+    def shadow(self, ctx, bucket):
+        return self.engine.shadow(ctx, self.shard_wire(ctx, bucket), bucket)
+
     def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
-        self.finished(bucket)
-        d = self.wires[bucket.index]
+        self.book.finished(bucket)
+        d = self.engine.wires[bucket.index]
         kernels.dequantize_fp8(d.q, d.s, d.stage, self.block)
         if d.ex:
             kernels.unpack(d.exbuf, d.ex_views, layout=d.lay_ex)
@@ -261,5 +272,5 @@ class BlockFp8(TwoPhase, ResidualBook, Reduction):
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """Residuals follow their parameters into the rebuilt buckets (a stale
         one is dropped); they are sized at each new bucket's first pack."""
-        self.carry_residuals(old_locate, new_buckets)
-        self.reset_steps()
+        self.book.carry_residuals(old_locate, new_buckets)
+        self.engine.reset()

@@ -38,13 +38,13 @@ from __future__ import annotations
 import torch
 
 from .. import groups, kernels
+from .base import Reduction
 from .compression import ResidualBook
 from .datapath import Scaling, alias_views, pack_sources, unpack_grads
 from .fp8 import Fp8Wire, is_exempt
-from .fp32acc import SHARD_ALIGN, _Bf16Shards
+from .fp32acc import SHARD_ALIGN, Bf16Shards
 from .kinds import Kind
-from .plain import Reduction
-from .twophase import ShardWire, TwoPhase
+from .twophase import ShardWire, TwoPhaseEngine
 
 __all__ = ["Hierarchical", "HierWire", "host_shard_numel"]
 
@@ -153,19 +153,23 @@ class HierWire(ShardWire):
         self.exbuf.zero_()
 
 
-class Hierarchical(TwoPhase, ResidualBook, Reduction):
+class Hierarchical(Reduction):
     """``hierarchical_hook``'s fused path over a resolved topology (see the
-    module docstring).  ``inside``/``across``: this rank's sub-groups."""
+    module docstring).  ``inside``/``across``: this rank's sub-groups.
+    Composed as the flat two-phase modes are: its wire (:class:`HierWire`,
+    which holds the between-hosts codec), the engine that runs the wire's
+    rounds, and the residual book of the host shards."""
 
     kind = Kind.HIER
     scaling = Scaling.MUL
+    fused = True
     #: the last round gathers the compressed shards inside the host (True),
     #: or decodes this rank's shard and gathers fp32 (False): the same bits
     gather_encoded = True
 
     def __init__(self, state, topology, inside, across):
-        ResidualBook.__init__(self, state.error_feedback)
-        TwoPhase.__init__(self, getattr(state, "chunk_bytes", None))
+        self.book = ResidualBook(state.error_feedback)
+        self.engine = TwoPhaseEngine(getattr(state, "chunk_bytes", None))
         self.fmt = state.wire
         self.wire_dtype = _WIRE_DTYPES[self.fmt]
         self.topology, self.inside, self.across = topology, inside, across
@@ -185,7 +189,7 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
         return self.fmt == "fp8" and is_exempt(self.exempt_rule, p)
 
     def shard_wire(self, ctx, bucket) -> HierWire:
-        d = self.wires.get(bucket.index)
+        d = self.engine.wires.get(bucket.index)
         if d is not None:
             return d
         if bucket.complex or not bucket.flat.is_floating_point():
@@ -216,7 +220,7 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
                                       [lay.strides[k] for k in ex])
             views = lay.views(stage)
             d.ex_views = [views[k] for k in ex]
-        self.wires[bucket.index] = d
+        self.engine.wires[bucket.index] = d
         return d
 
     def _inner(self, host, S: int, H: int, dev):
@@ -226,11 +230,11 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
         piece = S // H
         if self.fmt == "bf16":
             wire = torch.zeros(S, dtype=torch.bfloat16, device=dev)
-            bounds = self._bounds(piece, H, 2, SHARD_ALIGN, dev)
-            return _Bf16Shards(H, wire, torch.empty_like(wire), bounds,
+            bounds = self.engine.bounds(piece, H, 2, SHARD_ALIGN, dev)
+            return Bf16Shards(H, wire, torch.empty_like(wire), bounds,
                                torch.empty_like(wire) if len(bounds) > 1 else None, 2 * S)
         B = self.block
-        bounds = self._bounds(piece, H, 1, B, dev)
+        bounds = self.engine.bounds(piece, H, 1, B, dev)
         n = max(b - a for a, b in bounds)
         inner = Fp8Wire(world=H, block=B, shard=piece, ex=[], q8=[], lay8=None, lay_ex=None, stage=host,
                         q=torch.zeros(S, dtype=torch.uint8, device=dev),
@@ -245,9 +249,9 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
 
     def pack(self, ctx, bucket, grads) -> None:
         d = self.shard_wire(ctx, bucket)
-        d.residual = self.residual_for_pack(bucket, d.S) if self.fmt != "fp32" else None
+        d.residual = self.book.residual_for_pack(bucket, d.S) if self.fmt != "fp32" else None
         if d.residual is None:
-            self.unfinished.add(bucket.index)
+            self.book.unfinished.add(bucket.index)
         health, scale = bucket.health, 1.0 / ctx.divisor()
         src, plain = pack_sources(ctx, bucket, grads)
         if d.ex:
@@ -259,14 +263,17 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
             alias_views(ctx, bucket, grads)
 
     def issue(self, ctx, bucket):
-        d = self.wires[bucket.index]
+        d = self.engine.wires[bucket.index]
         self.bytes_between += d.nbytes
         self.bytes_inside += d.bytes_inside
-        return TwoPhase.issue(self, ctx, bucket)
+        return self.engine.issue(ctx, bucket)
+
+    def shadow(self, ctx, bucket):
+        return self.engine.shadow(ctx, self.shard_wire(ctx, bucket), bucket)
 
     def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
-        self.finished(bucket)
-        d = self.wires[bucket.index]
+        self.book.finished(bucket)
+        d = self.engine.wires[bucket.index]
         if d.ex:
             kernels.unpack(d.exbuf, d.ex_views, layout=d.lay_ex)
         unpack_grads(ctx, bucket, d.stage, track_unused)
@@ -279,5 +286,5 @@ class Hierarchical(TwoPhase, ResidualBook, Reduction):
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """A rebuild: the host shards change, so the residuals start again at 0."""
-        self.residual, self.unfinished, self._carry = {}, set(), None
-        self.reset_steps()
+        self.book.clear()
+        self.engine.reset()

@@ -1,32 +1,15 @@
-"""The plain bucket modes and the interface every mode answers.
-
-Every mode answers the same calls, made by the reducer with the step's
-:class:`~fastddp.reduction.context.StepContext` (never the reducer):
-
-* ``pack(ctx, bucket, grads)``  -- the bucket's grads into what goes on the
-  wire (ONE fused launch where the grads are separate tensors), scaled by the
-  mode's rule;
-* ``issue(ctx, bucket)``        -- start the collective, return its ``Pending``;
-* ``unpack(ctx, bucket, result, track_unused)`` -- the reduced values into
-  ``.grad`` (ONE launch, or none where the grads are bucket views);
-* ``shadow(ctx, bucket)``       -- join(): the same collective on zeros;
-* ``early_copy(world)``         -- whether the native hooks may copy each grad
-  into its slot as it arrives, and how it is scaled;
-* ``in_place(ctx, bucket)``     -- the bucket positions whose grads it reduces
-  where they are (never copied early);
-* ``carry_over(...)``           -- a rebuild replaced the buckets;
-* ``residual_of(b)``, ``freeze(why)`` -- bucket ``b``'s error-feedback
-  residual (None: none); join(): stop anything that needs collectives.
-"""
+"""The plain bucket modes: torch's all-reduce (and, on the CPU, large
+gradients reduced where they are), the no-op hook, a sparse bucket, and any
+Python comm hook.  The interface they answer is :mod:`.base`'s."""
 
 from __future__ import annotations
 
 import torch
 
-from .. import settings
 from ..comm import Pending
 from .datapath import (REDUCED_NONFINITE, Scaling, fill_flat, fill_flat_mixed, fill_native, flag_nonfinite,
                        sparse_zeros, take_sparse_grad, unpack_grads, unpack_sparse)
+from .base import Reduction
 from .kinds import Kind
 
 __all__ = ["Reduction", "AllReduce", "NoOp", "SparseAllReduce", "PythonHook"]
@@ -44,78 +27,6 @@ def fused_state(hook_name: str, state, cls, group_ok: bool):
         raise ValueError(f"{hook_name} runs only as fastddp's fused path: its state's process_group "
                          "must be None or the DDP module's process group")
     return state
-
-
-class Reduction:
-    """One bucket mode (see the module docstring)."""
-
-    kind: Kind
-    scaling: Scaling = Scaling.NONE
-    fused: bool = False
-    """A fastddp hook run as this fused path (not as a Python callback)."""
-    wire_dtype: torch.dtype | None = None
-    """The dtype on the wire where the mode fixes it (None: the bucket's)."""
-    measuring: bool = False
-    """The mode is timing steps to decide something (the bucket tuner waits
-    until it is done: one measured change at a time)."""
-    tunes_buckets: bool = False
-    """The mode asks for ``bucket_cap_mb="auto"`` where the user left torch's
-    default caps (after its own measuring)."""
-    layout_epoch: int = 0
-    """Bumped when the mode's wire changes after it was first chosen (a
-    re-measure picked another format): a layout tuned for the old one is
-    tuned again."""
-    views_key = None
-    """What :meth:`in_place` depends on besides the plan (a mode that changes
-    it between iterations changes this too: the early copy's views are found
-    again)."""
-
-    def boundary(self, ctx) -> None:
-        """The synchronising forward of ``ctx.iteration`` (the step's one
-        decision point: a mode that measures decides here)."""
-
-    def pack_native(self, ctx, bucket) -> bool:
-        """The pack done by the native data path, without the grads gathered
-        in Python (True), or not taken (False: :meth:`pack` follows)."""
-        return False
-
-    def pack(self, ctx, bucket, grads) -> None:
-        fill_flat(ctx, bucket, grads, self.scaling, bucket.health)
-
-    def issue(self, ctx, bucket) -> Pending:
-        return ctx.comm.all_reduce(bucket.flat)
-
-    def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
-        unpack_grads(ctx, bucket, bucket.flat, track_unused)
-
-    def check_result(self, bucket, result) -> None:
-        """check_finite, after the collective: modes whose packs set the flag need nothing."""
-
-    def shadow(self, ctx, bucket) -> Pending:
-        return ctx.comm.all_reduce(torch.zeros_like(bucket.flat))
-
-    def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
-        """A rebuild replaced the buckets: move per-parameter state along."""
-
-    def residual_of(self, bucket_index: int) -> torch.Tensor | None:
-        """Bucket ``bucket_index``'s error-feedback residual (None: the mode keeps none)."""
-        return None
-
-    def freeze(self, why: str) -> None:
-        """join() is starting (every rank at the same step): from now on the
-        mode issues no collective of its own beyond the buckets'."""
-
-    def early_copy(self, world: int) -> tuple[float, float] | None:
-        """On the CPU the native hooks may copy each grad into its bucket slot
-        as it arrives, scaled as this mode's pack would: ``(scale, divide)``
-        (scale 0: a plain copy, else multiply by it; divide > 0: divide by it
-        instead), or None where the mode's pack must see the grads itself."""
-        return None
-
-    def in_place(self, ctx, bucket) -> frozenset:
-        """Positions in ``bucket`` whose grads this mode reduces where they
-        are (the early copy leaves them alone)."""
-        return frozenset()
 
 
 IN_PLACE_MIN_NUMEL = 1 << 20
@@ -221,8 +132,14 @@ class NoOp(Reduction):
     kind = Kind.NOOP
     fused = True
 
+    def pack(self, ctx, bucket, grads) -> None:
+        fill_flat(ctx, bucket, grads, Scaling.NONE, bucket.health)
+
     def issue(self, ctx, bucket) -> Pending:
         return Pending()
+
+    def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
+        unpack_grads(ctx, bucket, bucket.flat, track_unused)
 
     def shadow(self, ctx, bucket) -> Pending:
         return Pending()

@@ -43,9 +43,8 @@ import torch.distributed as dist
 
 from .. import groups, settings
 from ..comm import Pending
-from .datapath import Scaling
 
-__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "chunk_bounds", "ShardWire", "ShardStep", "PhaseTwo", "TwoPhase"]
+__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "chunk_bounds", "ShardWire", "ShardStep", "PhaseTwo", "TwoPhaseEngine"]
 
 
 #: Bytes each way per collective call of a two-phase reduction's chunked
@@ -235,22 +234,23 @@ class PhaseTwo:
                 step.ran.set()
 
 
-class TwoPhase:
-    """The engine, mixed into a mode whose ``shard_wire(ctx, bucket)`` returns
-    the bucket's :class:`ShardWire` (sized at its pack) and whose pack fills
-    it.  Every rank packs, issues and finishes the buckets in the same order."""
+class TwoPhaseEngine:
+    """The engine a two-phase mode holds (not a base it inherits): every
+    input is an argument -- the bucket's :class:`ShardWire` (the codec's
+    buffers, built by the mode at its pack), the step's context, the health
+    flag -- and the engine keeps only what spans buckets: the wires by
+    bucket, the steps in flight, the phase-2 thread.  Every rank packs,
+    issues and finishes the buckets in the same order."""
 
-    scaling = Scaling.MUL
-    fused = True
+    __slots__ = ("chunk_bytes", "eager", "open", "wires", "phase_two")
 
-    #: phase 2 at issue (True), at the end of backward (False), or where the
-    #: device makes waits stream waits (None: CUDA)
-    eager: bool | None = None
-
-    def __init__(self, chunk_bytes: int | None = None):
+    def __init__(self, chunk_bytes: int | None = None, eager: bool | None = None):
         self.chunk_bytes = chunk_bytes
+        #: phase 2 at issue (True), at the end of backward (False), or where the
+        #: device makes waits stream waits (None: CUDA)
+        self.eager = eager
         self.open: list[ShardStep] = []  # in issue order
-        self.wires: dict[int, ShardWire] = {}
+        self.wires: dict[int, ShardWire] = {}  # by bucket index: what the mode's pack filled
         self.phase_two: PhaseTwo | None = None  # set by the mode's builder where a thread runs phase 2
 
     def pieces(self, bucket_index: int) -> int:
@@ -258,18 +258,15 @@ class TwoPhase:
         w = self.wires.get(bucket_index)
         return 0 if w is None else len(w.bounds)
 
-    def _bounds(self, shard: int, world: int, elem_bytes: int, align: int, device) -> list:
+    def bounds(self, shard: int, world: int, elem_bytes: int, align: int, device) -> list:
+        """The pieces a wire of ``shard`` elements per rank is cut into (:func:`chunk_bounds`)."""
         return chunk_bounds(shard, world, elem_bytes, align, device, self.chunk_bytes)
 
-    def issue(self, ctx, bucket) -> Pending:
-        return self._start(ctx, bucket, self.wires[bucket.index], bucket.health)
-
-    def shadow(self, ctx, bucket) -> Pending:
-        wire = self.shard_wire(ctx, bucket)
-        wire.zero()
-        return self._start(ctx, bucket, wire, None)
-
-    def _start(self, ctx, bucket, wire: ShardWire, health) -> Pending:
+    def start(self, ctx, bucket, wire: ShardWire, health) -> Pending:
+        """Issue ``wire``'s first round for ``bucket`` (its later rounds: on
+        the phase-2 thread, at once where waits are stream waits, or at the
+        end of backward); ``health``: the flag the shard sums report into
+        (None: join()'s shadow, which reports nothing)."""
         # a step left open by an abandoned iteration is dropped: its
         # all-to-all completed (every rank issued it) and nobody waits for it
         kept = [s for s in self.open if s.iteration == ctx.iteration and s.bucket.index < bucket.index]
@@ -297,6 +294,15 @@ class TwoPhase:
                     step.advance()
         return ctx.comm.hook(step, wire.nbytes)
 
+    def issue(self, ctx, bucket) -> Pending:
+        """The bucket's wire as its pack left it."""
+        return self.start(ctx, bucket, self.wires[bucket.index], bucket.health)
+
+    def shadow(self, ctx, wire: ShardWire, bucket) -> Pending:
+        """join(): ``wire`` (the bucket's, sized by the mode) on zeros."""
+        wire.zero()
+        return self.start(ctx, bucket, wire, None)
+
     def finish(self, step: ShardStep) -> None:
         """Until ``step`` has run its last round: the next round of every open
         step not done (in issue order, round by round); then wait for
@@ -320,6 +326,6 @@ class TwoPhase:
         step.wire.stage_in()
         self.open.remove(step)
 
-    def reset_steps(self) -> None:
+    def reset(self) -> None:
         """A rebuild: every bucket's wire is sized anew."""
         self.open, self.wires = [], {}
