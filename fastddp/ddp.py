@@ -317,9 +317,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
                                "precision registers a comm hook)")
         if self.reducer.num_iterations > 0:
             raise RuntimeError("fastddp: register_comm_hook must be called before the first forward/backward.")
-        if (isinstance(state, hooks.CompressionState) and state.error_feedback
+        if (isinstance(state, hooks.STATES) and getattr(state, "error_feedback", False)
                 and any(self.reducer.sparse)):
-            raise ValueError("fastddp: CompressionState(error_feedback=True) does not apply to "
+            raise ValueError(f"fastddp: {type(state).__name__}(error_feedback=True) does not apply to "
                              "modules with sparse gradients")
         group = hooks.state_group(state)
         self.reducer.register_comm_hook(hook, state, group is None or group is self.process_group)

@@ -1,11 +1,20 @@
-"""The states of fastddp's own hooks (re-exported by :mod:`fastddp.hooks`)."""
+"""The states of fastddp's own hooks (re-exported by :mod:`fastddp.hooks`).
+
+Each is a frozen dataclass of its own (none inherits from another, so an
+``isinstance`` check sees exactly one hook's state), checked when it is made:
+a bad value is a ``ValueError``/``TypeError`` that names the state and the
+field.  ``register_comm_hook(state, fastddp.hooks.X)`` takes them as torch's
+API takes any state.  :data:`STATES` is every one of them."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
 
 import torch
 
 __all__ = ["AUTO_LOWEST", "AutoPrecisionState", "CompressionState", "FP8CompressionState", "HierarchicalState",
-           "SiteState"]
+           "SiteState", "STATES"]
 
 
 def _check_chunk_bytes(value, owner: str) -> int | None:
@@ -35,6 +44,19 @@ def _check_exempt(exempt, owner: str):
     return exempt
 
 
+def _set(state, **values) -> None:
+    """A frozen state's normalised fields, set once in ``__post_init__``."""
+    for k, v in values.items():
+        object.__setattr__(state, k, v)
+
+
+def _check_bool(value, owner: str, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class CompressionState:
     """State for fastddp's fused compression hooks.
 
@@ -49,16 +71,20 @@ class CompressionState:
     call per phase).
     """
 
-    def __init__(self, process_group=None, error_feedback: bool = False, chunk_bytes: int | None = None):
-        self.process_group = process_group
-        self.error_feedback = bool(error_feedback)
-        self.chunk_bytes = _check_chunk_bytes(chunk_bytes, type(self).__name__)
+    process_group: Any = None
+    error_feedback: bool = False
+    chunk_bytes: int | None = None
+
+    def __post_init__(self):
+        _set(self, error_feedback=bool(self.error_feedback),
+             chunk_bytes=_check_chunk_bytes(self.chunk_bytes, "CompressionState"))
 
     def __repr__(self) -> str:
         return f"CompressionState(error_feedback={self.error_feedback})"
 
 
-class FP8CompressionState(CompressionState):
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class FP8CompressionState:
     """State of :func:`fp8_compress_hook`.
 
     ``block_size``: elements per fp8 scale (a power of two, 16 to 4096; 256:
@@ -70,24 +96,28 @@ class FP8CompressionState(CompressionState):
     ``param -> bool``, or a collection of parameters (empty: none).
     ``chunk_bytes``: as :class:`CompressionState`'s."""
 
-    def __init__(self, process_group=None, block_size: int = 256, error_feedback: bool = True,
-                 exempt=None, chunk_bytes: int | None = None):
-        super().__init__(process_group, error_feedback, chunk_bytes)
-        self.block_size = _check_block(block_size, "FP8CompressionState")
-        self.exempt = _check_exempt(exempt, "FP8CompressionState")
+    process_group: Any = None
+    block_size: int = 256
+    error_feedback: bool = True
+    exempt: Any = None
+    chunk_bytes: int | None = None
+
+    def __post_init__(self):
+        owner = "FP8CompressionState"
+        _set(self, error_feedback=bool(self.error_feedback), chunk_bytes=_check_chunk_bytes(self.chunk_bytes, owner),
+             block_size=_check_block(self.block_size, owner), exempt=_check_exempt(self.exempt, owner))
 
     def __repr__(self) -> str:
         return (f"FP8CompressionState(block_size={self.block_size}, error_feedback={self.error_feedback}, "
                 f"exempt={'1-D params' if self.exempt is None else self.exempt!r})")
 
 
-
-
 #: the formats the hierarchical reduction can send between hosts
 HIERARCHICAL_WIRES = ("fp32", "bf16", "fp8")
 
 
-class HierarchicalState(CompressionState):
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class HierarchicalState:
     """State of :func:`fastddp.hooks.hierarchical_hook`: a reduction that
     knows hosts from ranks.  Inside a host the gradients are reduce-scattered
     in fp32; each host's shard is reduced across the hosts in ``wire``; the
@@ -110,25 +140,26 @@ class HierarchicalState(CompressionState):
     as ``allreduce_hook``, bf16 as ``bf16_fp32acc_hook``, fp8 as
     ``fp8_compress_hook``, with one log line saying why."""
 
-    def __init__(self, process_group=None, wire: str = "fp32", ranks_per_host: int | None = None,
-                 error_feedback: bool | None = None, block_size: int = 256, exempt=None,
-                 chunk_bytes: int | None = None):
+    process_group: Any = None
+    wire: str = "fp32"
+    ranks_per_host: int | None = None
+    error_feedback: bool | None = None
+    block_size: int = 256
+    exempt: Any = None
+    chunk_bytes: int | None = None
+
+    def __post_init__(self):
+        owner, wire, L = "HierarchicalState", self.wire, self.ranks_per_host
         if wire not in HIERARCHICAL_WIRES:
-            raise ValueError(f"HierarchicalState: wire={wire!r}; choose one of {', '.join(HIERARCHICAL_WIRES)}")
-        if ranks_per_host is not None and (not isinstance(ranks_per_host, int) or isinstance(ranks_per_host, bool)
-                                           or ranks_per_host < 1):
-            raise ValueError(f"HierarchicalState: ranks_per_host={ranks_per_host!r} must be None (detect) or "
-                             "a whole number >= 1")
-        if error_feedback is None:
-            error_feedback = wire == "fp8"
-        if error_feedback and wire == "fp32":
-            raise ValueError("HierarchicalState: error_feedback applies to the compressed wires "
+            raise ValueError(f"{owner}: wire={wire!r}; choose one of {', '.join(HIERARCHICAL_WIRES)}")
+        if L is not None and (not isinstance(L, int) or isinstance(L, bool) or L < 1):
+            raise ValueError(f"{owner}: ranks_per_host={L!r} must be None (detect) or a whole number >= 1")
+        ef = wire == "fp8" if self.error_feedback is None else bool(self.error_feedback)
+        if ef and wire == "fp32":
+            raise ValueError(f"{owner}: error_feedback applies to the compressed wires "
                              "(bf16, fp8); fp32 has no compression error")
-        super().__init__(process_group, error_feedback, chunk_bytes)
-        self.wire = wire
-        self.ranks_per_host = ranks_per_host
-        self.block_size = _check_block(block_size, "HierarchicalState")
-        self.exempt = _check_exempt(exempt, "HierarchicalState")
+        _set(self, error_feedback=ef, chunk_bytes=_check_chunk_bytes(self.chunk_bytes, owner),
+             block_size=_check_block(self.block_size, owner), exempt=_check_exempt(self.exempt, owner))
 
     def __repr__(self) -> str:
         return (f"HierarchicalState(wire={self.wire!r}, ranks_per_host={self.ranks_per_host}, "
@@ -145,7 +176,8 @@ def _whole(value, owner: str, name: str, least: int) -> int:
     return value
 
 
-class AutoPrecisionState(CompressionState):
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class AutoPrecisionState:
     """State of :func:`fastddp.hooks.auto_precision_hook`: the wire format
     chosen from measurement (docs/auto-precision.md).
 
@@ -174,34 +206,39 @@ class AutoPrecisionState(CompressionState):
     ``ranks_per_host``, ``block_size``, ``chunk_bytes``: as
     :class:`HierarchicalState`'s and :class:`FP8CompressionState`'s."""
 
-    def __init__(self, process_group=None, lowest: str = "bf16", error_feedback: bool = True,
-                 min_rounds: int = 4, max_rounds: int = 8, watch: bool = True, watch_steps: int = 5,
-                 clock=None, ranks_per_host: int | None = None, block_size: int = 256,
-                 chunk_bytes: int | None = None, tune_buckets: bool = True):
-        owner = type(self).__name__
-        if lowest not in AUTO_LOWEST:
-            raise ValueError(f"{owner}: lowest={lowest!r}; choose one of {', '.join(AUTO_LOWEST)} "
+    process_group: Any = None
+    lowest: str = "bf16"
+    error_feedback: bool = True
+    min_rounds: int = 4
+    max_rounds: int = 8
+    watch: bool = True
+    watch_steps: int = 5
+    clock: Callable[[str], float] | None = None
+    ranks_per_host: int | None = None
+    block_size: int = 256
+    chunk_bytes: int | None = None
+    tune_buckets: bool = True
+
+    def __post_init__(self):
+        owner = "AutoPrecisionState"
+        if self.lowest not in AUTO_LOWEST:
+            raise ValueError(f"{owner}: lowest={self.lowest!r}; choose one of {', '.join(AUTO_LOWEST)} "
                              "(the lowest precision the reduction may use)")
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"{owner}: error_feedback must be True or False, got {error_feedback!r}")
-        self.min_rounds = _whole(min_rounds, owner, "min_rounds", 1)
-        self.max_rounds = _whole(max_rounds, owner, "max_rounds", 1)
-        if max_rounds < min_rounds:
-            raise ValueError(f"{owner}: max_rounds={max_rounds} is below min_rounds={min_rounds}")
-        if not isinstance(watch, bool):
-            raise TypeError(f"{owner}: watch must be True or False, got {watch!r}")
-        if not isinstance(tune_buckets, bool):
-            raise TypeError(f"{owner}: tune_buckets must be True or False, got {tune_buckets!r}")
-        self.watch_steps = _whole(watch_steps, owner, "watch_steps", 1)
-        if clock is not None and not callable(clock):
+        _check_bool(self.error_feedback, owner, "error_feedback")
+        _whole(self.min_rounds, owner, "min_rounds", 1)
+        _whole(self.max_rounds, owner, "max_rounds", 1)
+        if self.max_rounds < self.min_rounds:
+            raise ValueError(f"{owner}: max_rounds={self.max_rounds} is below min_rounds={self.min_rounds}")
+        _check_bool(self.watch, owner, "watch")
+        _check_bool(self.tune_buckets, owner, "tune_buckets")
+        _whole(self.watch_steps, owner, "watch_steps", 1)
+        if self.clock is not None and not callable(self.clock):
             raise TypeError(f"{owner}: clock must be None or a callable format_name -> seconds, "
-                            f"got {type(clock).__name__}")
-        if ranks_per_host is not None:
-            _whole(ranks_per_host, owner, "ranks_per_host", 1)
-        super().__init__(process_group, error_feedback, chunk_bytes)
-        self.lowest, self.watch, self.clock, self.tune_buckets = lowest, watch, clock, tune_buckets
-        self.ranks_per_host = ranks_per_host
-        self.block_size = _check_block(block_size, owner)
+                            f"got {type(self.clock).__name__}")
+        if self.ranks_per_host is not None:
+            _whole(self.ranks_per_host, owner, "ranks_per_host", 1)
+        _set(self, chunk_bytes=_check_chunk_bytes(self.chunk_bytes, owner),
+             block_size=_check_block(self.block_size, owner))
 
     def __repr__(self) -> str:
         return f"AutoPrecisionState(lowest={self.lowest!r}, error_feedback={self.error_feedback})"
@@ -216,3 +253,7 @@ class SiteState:
         self.warmup_wire = warmup_wire
         self.local = False
         self.process_group = None  # the module's own group (fastddp.hooks.state_group)
+
+
+#: every fastddp hook state (a state that names its own process group)
+STATES = (CompressionState, FP8CompressionState, HierarchicalState, AutoPrecisionState, SiteState)

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .hook_states import AutoPrecisionState, CompressionState, FP8CompressionState, HierarchicalState, SiteState
+from .hook_states import STATES, AutoPrecisionState, CompressionState, FP8CompressionState, HierarchicalState, SiteState
 from .reduction.kinds import Kind
 
 __all__ = ["GradBucket"]
@@ -85,7 +85,7 @@ class GradBucket:
 
 def state_group(state):
     """The process group a hook's ``state`` names (None: the module's)."""
-    if isinstance(state, (CompressionState, SiteState)):
+    if isinstance(state, STATES):
         return state.process_group
     return state  # torch's convention: the state is the process group (or None)
 

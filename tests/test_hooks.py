@@ -404,3 +404,31 @@ def test_hook_errors_are_clear(case, exc, words, tmp_path):
     with single_rank_group(tmp_path):
         with pytest.raises(exc, match=words):
             _errors(0, 1, case)
+
+
+def test_each_state_belongs_to_its_hook_and_is_frozen():
+    """A fastddp hook state given to another hook is a clear error naming both
+    (no state is another's subclass, so none is taken for another); states
+    are frozen: a changed field after registration cannot drift from what the
+    mode was built with."""
+    import dataclasses
+
+    import fastddp.hooks as fh
+    from fastddp import reduction
+
+    for hook, state, want in [
+            (fh.fp16_compress_hook, fh.HierarchicalState(wire="bf16"), "takes a CompressionState"),
+            (fh.bf16_fp32acc_hook, fh.AutoPrecisionState(), "takes a CompressionState"),
+            (fh.hierarchical_hook, fh.CompressionState(), "takes a HierarchicalState"),
+            (fh.auto_precision_hook, fh.FP8CompressionState(), "takes an AutoPrecisionState")]:
+        with pytest.raises(TypeError, match=want) as e:
+            reduction.choose(hook, state, False, True)
+        assert type(state).__name__ in str(e.value), e.value
+    with pytest.raises(TypeError, match="HierarchicalState is the state of fastddp.hooks.hierarchical_hook"):
+        reduction.choose(lambda s, b: None, fh.HierarchicalState(), False, True)
+    st = fh.CompressionState(error_feedback=1)
+    assert st.error_feedback is True and repr(st) == "CompressionState(error_feedback=True)"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.error_feedback = False
+    assert fh.HierarchicalState(wire="fp8").error_feedback is True  # derived where unset
+    assert fh.HierarchicalState(None, "bf16", 2).ranks_per_host == 2  # positional order kept

@@ -245,6 +245,46 @@ def test_the_import_graph_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_every_mode_has_one_base_and_states_are_their_own():
+    """The bucket modes are composed, not inherited: each has exactly one
+    base, the abstract Reduction (a part it reuses -- the two-phase engine, a
+    codec, the residual book -- it holds), and a mode missing one of the four
+    calls cannot be built (no default quietly all-reduces the flat bucket).
+    No hook state is another's subclass."""
+    import importlib
+    import pkgutil
+
+    import fastddp.cross_site
+    import fastddp.reduction
+    from fastddp import hook_states
+    from fastddp.reduction.base import Reduction
+
+    for pkg in (fastddp.reduction, fastddp.cross_site):
+        for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+            importlib.import_module(info.name)
+    modes, todo = [], [Reduction]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("fastddp."):
+                modes.append(sub)
+                todo.append(sub)
+    names = {m.__name__ for m in modes}
+    assert {"AllReduce", "FusedCompression", "Fp32Accumulate", "BlockFp8", "Hierarchical",
+            "AutoPrecision", "SiteLocal", "PythonHook"} <= names, names
+    assert [m.__name__ for m in modes if m.__bases__ != (Reduction,)] == []
+    assert sorted(Reduction.__abstractmethods__) == ["issue", "pack", "shadow", "unpack"]
+
+    class Forgot(Reduction):
+        def pack(self, ctx, bucket, grads): ...
+        def issue(self, ctx, bucket): ...
+        def unpack(self, ctx, bucket, result, track_unused): ...
+
+    with pytest.raises(TypeError, match="shadow"):
+        Forgot()
+    states = hook_states.STATES
+    assert [(a.__name__, b.__name__) for a in states for b in states if a is not b and issubclass(a, b)] == []
+
+
 def test_no_import_circles():
     graph = _import_graph()
     # The graph sees the edges that made the old circles (sanity: it reads the source).

@@ -68,17 +68,12 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     (:func:`_all_reduce`); a mode that measures its own candidates passes False."""
     if hook is None:
         return _all_reduce(Scaling.DIV if batched_grad_copy else Scaling.MUL, device, trial=trial), SparseAllReduce()
-    from ..hooks import CompressionState, FP8CompressionState
+    from ..hook_states import CompressionState, FP8CompressionState
 
     tag = getattr(hook, "_fastddp_fused", None)
-    if isinstance(state, FP8CompressionState) and (tag is None or tag[0] is not Kind.FP8):
-        raise TypeError(f"FP8CompressionState is the state of fastddp.hooks.fp8_compress_hook; "
-                        f"{getattr(hook, '__name__', hook)!r} is not it")
+    _check_state(hook, tag, state)
     error_feedback = isinstance(state, CompressionState) and state.error_feedback
     if tag is None:
-        if isinstance(state, CompressionState):
-            raise TypeError(f"CompressionState is the state of fastddp's compression hooks; "
-                            f"{getattr(hook, '__name__', hook)!r} is not one of them")
         return PythonHook(hook, state), PythonHook(hook, state)
     kind, dtype = tag
     if kind is Kind.AUTO:
@@ -125,6 +120,31 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         return _phase_two(Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference),
                           device, pg), sparse
     return FusedCompression(dtype, error_feedback, reference), sparse
+
+
+def _check_state(hook, tag, state) -> None:
+    """A fastddp hook state reaches the one hook it belongs to (each state is
+    a class of its own: :data:`~fastddp.hook_states.STATES`), else a clear
+    error naming the state, the hook and the fix."""
+    from .. import hook_states as hs
+
+    if not isinstance(state, hs.STATES):
+        return  # None, a process group (torch's convention) or a user hook's own state
+    name = getattr(hook, "__name__", hook)
+    want = {Kind.FP8: (hs.FP8CompressionState, "fastddp.hooks.fp8_compress_hook"),
+            Kind.HIER: (hs.HierarchicalState, "fastddp.hooks.hierarchical_hook"),
+            Kind.AUTO: (hs.AutoPrecisionState, "fastddp.hooks.auto_precision_hook"),
+            Kind.SITE: (hs.SiteState, "cross-site training's site_local_hook")}
+    owner = next((h for cls, h in want.values() if isinstance(state, cls)),
+                 "fastddp's compression hooks (fp16/bf16, bf16_fp32acc, allreduce, noop)")
+    if tag is None:
+        raise TypeError(f"{type(state).__name__} is the state of {owner}; {name!r} is not "
+                        f"{'one of them' if isinstance(state, hs.CompressionState) else 'it'}")
+    cls = want.get(tag[0], (hs.CompressionState, ""))[0]
+    if not isinstance(state, cls):
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise TypeError(f"{name} takes {article} {cls.__name__} (or None), got {type(state).__name__} "
+                        f"(the state of {owner})")
 
 
 def _phase_two(mode, device, pg):
