@@ -11,9 +11,10 @@ from . import kernels  # noqa: F401  (installed from the top-level kernels/ fold
 from . import hooks, settings
 from ._exit import install as install_exit_drain
 from .ddp import DistributedDataParallel
+from .options import Options
 from .settings import configure
 from .hooks import GradBucket
 from .cross_site import CrossSite
 
-__all__ = ["CrossSite", "DistributedDataParallel", "GradBucket", "configure", "hooks", "install_exit_drain", "kernels",
+__all__ = ["CrossSite", "DistributedDataParallel", "GradBucket", "Options", "configure", "hooks", "install_exit_drain", "kernels",
            "settings"]

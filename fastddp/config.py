@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import groups, settings
+from .options import Options
 from .autotune import resolve_cap
 from .health import resolve_mode
 
@@ -81,6 +82,10 @@ class DDPConfig:
     auto_bucket_cap: bool = False
     """``bucket_cap_mb="auto"`` (argument, ``fastddp.configure`` or ``FASTDDP_BUCKET_CAP_MB``): the
     reducer tunes the caps in the first steps (:mod:`fastddp.autotune`); ``bucket_cap_mb`` is then None."""
+    options: Options = Options()
+    """fastddp's options for this module: the constructor's ``options`` where
+    set, else ``fastddp.configure``'s, else the environment's
+    (:func:`fastddp.settings.effective`)."""
 
     @classmethod
     def resolve(cls, module: torch.nn.Module, *, device_ids=None, output_device=None, dim=0,
@@ -89,7 +94,7 @@ class DDPConfig:
                 static_graph=False, delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                 mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                 bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
-                check_finite=None) -> "DDPConfig":
+                check_finite=None, options: Options | None = None) -> "DDPConfig":
         """Check every argument against the module (torch's errors, torch's
         sentences) and resolve the defaults."""
         if process_group is None and device_mesh is None and (
@@ -98,7 +103,8 @@ class DDPConfig:
                 "fastddp.DistributedDataParallel: the default process group is not initialized. "
                 "Call torch.distributed.init_process_group(backend=...) first (torchrun sets the "
                 "environment it needs), then wrap the model.")
-        bucket_cap_mb, auto_cap = resolve_cap(bucket_cap_mb, bucket_cap_mb_list, settings.default("bucket_cap_mb"))
+        opts = settings.effective(options)
+        bucket_cap_mb, auto_cap = resolve_cap(bucket_cap_mb, bucket_cap_mb_list, opts.bucket_cap_mb)
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
                              "need to be set at the same time.")
@@ -206,5 +212,6 @@ class DDPConfig:
             find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph, mixed_precision=mixed_precision,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            batched_grad_copy=batched_grad_copy, check_finite=resolve_mode(check_finite),
-            auto_bucket_cap=auto_cap)
+            batched_grad_copy=batched_grad_copy,
+            check_finite=resolve_mode(check_finite if check_finite is not None else opts.check_finite),
+            auto_bucket_cap=auto_cap, options=opts)

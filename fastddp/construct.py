@@ -9,7 +9,7 @@ from .config import DDPConfig
 from .reducer import Collaborators, Reducer, ReducerOptions
 from .verify import ModuleWatch
 
-__all__ = ["bucket_config", "build_reducer"]
+__all__ = ["bucket_config", "build_reducer", "wire_hook"]
 
 _REFUSE_WITH_PARAM_DTYPE = ("with mixed_precision(param_dtype=...): the first backward's end put the "
                             "full-precision parameters back and freed the low-precision copies its graph saved")
@@ -37,6 +37,7 @@ def build_reducer(ddp, parameters, names, sparse_params, mp, static_graph: bool)
         check_finite=cfg.check_finite,
         auto_bucket_cap=cfg.auto_bucket_cap,
         default_caps=cfg.bucket_cap_mb is None and cfg.bucket_cap_mb_list is None and not cfg.auto_bucket_cap,
+        options=cfg.options,
     )
     sparse = sparse_params if len(sparse_params) == len(parameters) else None
     if sparse and any(sparse) and mp is not None:
@@ -50,11 +51,28 @@ def build_reducer(ddp, parameters, names, sparse_params, mp, static_graph: bool)
                            refuse_extra_backward=refuse, module_watch=watch)
     reducer = Reducer(parameters, names, ddp.process_group, opts, sparse=sparse,
                       debug=settings.get().debug_mode, collaborators=co)
-    lowest = settings.default("auto_precision")
-    if lowest is not None and mp is None and not (sparse and any(sparse)):
-        # configure(auto_precision=...) / FASTDDP_AUTO_PRECISION: as if the user
+    recipe = wire_hook(cfg.options)
+    if recipe is not None and mp is None and not (sparse and any(sparse)):
+        # Options.wire (constructor, configure(), FASTDDP_AUTO_PRECISION): as if the user
         # registered the hook (mixed precision and sparse modules keep their own reduction)
-        from . import hooks
-
-        reducer.register_comm_hook(hooks.auto_precision_hook, hooks.AutoPrecisionState(lowest=lowest), True)
+        reducer.register_comm_hook(*recipe, True)
     return watch, reducer
+
+
+def wire_hook(options) -> tuple | None:
+    """``(hook, state)`` of :class:`~fastddp.options.Options`' wire recipe and
+    hierarchy (None: the exact flat all-reduce, no hook)."""
+    from . import hooks
+
+    wire, cb, L = options.wire or "exact", options.chunk_bytes, options.ranks_per_host
+    if options.lowest is not None:
+        return hooks.auto_precision_hook, hooks.AutoPrecisionState(lowest=options.lowest, chunk_bytes=cb,
+                                                                   ranks_per_host=L)
+    fmt = {"exact": "fp32", "bf16": "bf16", "fp8": "fp8"}[wire]
+    if options.hierarchical:
+        return hooks.hierarchical_hook, hooks.HierarchicalState(wire=fmt, ranks_per_host=L, chunk_bytes=cb)
+    if fmt == "bf16":
+        return hooks.bf16_fp32acc_hook, hooks.CompressionState(error_feedback=True, chunk_bytes=cb)
+    if fmt == "fp8":
+        return hooks.fp8_compress_hook, hooks.FP8CompressionState(chunk_bytes=cb)
+    return None

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _exit, compile as _compile, groups, join, profiling, settings
 from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
+from .options import Options
 from .surface import TorchSurface
 from .construct import build_reducer
 
@@ -73,6 +74,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     torch.nn.parallel.DistributedDataParallel)`` holds; torch's constructor
     never runs, and every method of torch's class is fastddp's own or proven
     correct without it (:mod:`fastddp.surface`).
+
+    fastddp's own arguments are keyword-only: ``check_finite`` and
+    ``options`` (a :class:`fastddp.Options`: the wire recipe, bucket
+    auto-tuning, chunking, the in-place threshold, the hierarchy).
     """
 
     _buffer_group = None  # the forward's buffer broadcast group (None: the module's; CrossSite: the host's)
@@ -101,6 +106,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         forward_sync_buffers: bool | None = None,
         *,
         check_finite: bool | str | None = None,
+        options: Options | None = None,
     ):
         torch.nn.Module.__init__(self)  # NOT torch DDP's constructor: no C++ reducer
         Joinable.__init__(self)
@@ -113,7 +119,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
             param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
             device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             bucket_cap_mb_list=bucket_cap_mb_list, batched_grad_copy=batched_grad_copy,
-            forward_sync_buffers=forward_sync_buffers, check_finite=check_finite)
+            forward_sync_buffers=forward_sync_buffers, check_finite=check_finite, options=options)
         self.config = cfg
         self.module = module
         self.process_group, self.device_mesh = cfg.process_group, cfg.device_mesh

@@ -46,10 +46,11 @@ import os
 import threading
 from typing import Any, Callable
 
-__all__ = ["NativeMode", "Settings", "configure", "configured", "default", "get", "parse",
+__all__ = ["NativeMode", "Settings", "configure", "configured", "default", "effective", "get", "options_from_environment", "parse",
            "parse_auto_precision", "parse_bucket_cap", "parse_check_finite", "reload"]
 
 from .kernels._switch import OFF_WORDS, ON_WORDS, parse_switch  # the one truthiness rule
+from .options import Options, parse_auto_precision, parse_bucket_cap, parse_check_finite, wire_of_auto_precision
 
 
 class NativeMode(enum.Enum):
@@ -251,82 +252,69 @@ def reload() -> Settings:
 
 
 # --------------------------------------------------- the programmatic options
-_CHECK_FINITE = {False: None, None: None, True: "raise", "raise": "raise", "warn": "warn", "off": None}
 _UNSET = object()
-# configure()'s process-wide values (None: not configured)
-_configured: dict = {"check_finite": None, "bucket_cap_mb": None, "auto_precision": None}
-_AUTO_PRECISION = ("fp32", "bf16", "fp8")
+_configured = Options()  # configure()'s process-wide options (a field None: not configured)
 
 
-def parse_check_finite(value, what: str = "check_finite") -> str | None:
-    """``check_finite`` as passed (False, True, ``"raise"``, ``"warn"``,
-    ``"off"``, None) -> None, ``"raise"`` or ``"warn"``; else a clear error."""
-    try:
-        return _CHECK_FINITE[value]
-    except (KeyError, TypeError):  # TypeError: an unhashable value
-        raise ValueError(f"fastddp: {what} must be one of False, True, 'raise', 'warn', 'off' "
-                         f"or None, got {value!r}") from None
+def options_from_environment(snap: Settings | None = None) -> Options:
+    """The environment's :class:`~fastddp.options.Options` (each variable onto its field)."""
+    s = get() if snap is None else snap
+    return Options(wire=None if s.auto_precision is None else wire_of_auto_precision(s.auto_precision),
+                   ranks_per_host=s.ranks_per_host or None, bucket_cap_mb=s.bucket_cap_mb,
+                   check_finite=s.check_finite, chunk_bytes=s.chunk_bytes, in_place_numel=s.in_place_numel)
 
 
-def parse_bucket_cap(value, what: str = "bucket_cap_mb"):
-    """``"auto"`` (any case), a number of MiB >= 0 (or its text), or None; else a clear error."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value.strip().lower() == "auto":
-            return "auto"
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"{what} must be a number of MiB or 'auto', got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a number of MiB or 'auto', got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be a finite number of MiB >= 0 or 'auto', got {value!r}")
-    return value
+def effective(options: Options | None = None) -> Options:
+    """A module's options: ``options`` (the constructor's) where set, else
+    :func:`configure`'s, else the environment's; None where none sets one."""
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"fastddp: options must be a fastddp.Options, got {type(options).__name__}")
+    return (options or Options()).over(_configured).over(options_from_environment())
 
 
-def parse_auto_precision(value, what: str = "auto_precision") -> str | None:
-    """The lowest precision of ``auto_precision_hook`` set without a hook:
-    ``"fp32"``, ``"bf16"``, ``"fp8"`` (any case), or off (None, False, an
-    off word, ``"off"``); else a clear error."""
-    if value is None or value is False:
-        return None
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in _AUTO_PRECISION:
-            return low
-        if low in OFF_WORDS or low == "":
-            return None
-    raise ValueError(f"fastddp: {what}={value!r} is not a valid value; accepted (any case): "
-                     f"{_accepted(_AUTO_PRECISION)} (the lowest precision allowed), or off / unset")
-
-
-def configure(*, check_finite=_UNSET, bucket_cap_mb=_UNSET, auto_precision=_UNSET) -> None:
-    """Process-wide defaults for code that keeps torch's signature; only the
-    options passed change (``None`` restores the built-in default):
-    ``fastddp.configure(check_finite="raise")``,
+def configure(options: Options | None = None, *, check_finite=_UNSET, bucket_cap_mb=_UNSET,
+              auto_precision=_UNSET) -> None:
+    """Process-wide defaults for code that keeps torch's signature.
+    ``fastddp.configure(fastddp.Options(...))`` replaces them all (a field
+    left None: not configured); the keywords change one each (``None``
+    restores the built-in default): ``fastddp.configure(check_finite="raise")``,
     ``fastddp.configure(bucket_cap_mb="auto")`` (used where the constructor
     gets neither ``bucket_cap_mb`` nor ``bucket_cap_mb_list``),
-    ``fastddp.configure(auto_precision="fp8")`` (modules without a comm hook
-    reduce with ``auto_precision_hook``, none below that precision; a hook
-    registered later replaces it).  Each wins over its environment variable."""
+    ``fastddp.configure(auto_precision="fp8")`` (the ``auto-fp8`` wire
+    recipe: modules without a comm hook reduce with ``auto_precision_hook``,
+    none below that precision; a hook registered later replaces it).  Each
+    wins over its environment variable; the constructor's ``options`` win
+    over both."""
+    global _configured
+    if options is not None:
+        if not isinstance(options, Options):
+            raise TypeError(f"fastddp.configure: takes a fastddp.Options (or keywords), got {type(options).__name__}")
+        _configured = options
+    change = {}
     if check_finite is not _UNSET:
         parse_check_finite(check_finite, "fastddp.configure(check_finite=...)")
-        _configured["check_finite"] = check_finite
+        change["check_finite"] = check_finite
     if bucket_cap_mb is not _UNSET:
-        _configured["bucket_cap_mb"] = parse_bucket_cap(bucket_cap_mb, "fastddp.configure(bucket_cap_mb=...)")
+        change["bucket_cap_mb"] = parse_bucket_cap(bucket_cap_mb, "fastddp.configure(bucket_cap_mb=...)")
     if auto_precision is not _UNSET:
-        _configured["auto_precision"] = parse_auto_precision(auto_precision, "fastddp.configure(auto_precision=...)")
+        lowest = parse_auto_precision(auto_precision, "fastddp.configure(auto_precision=...)")
+        change["wire"] = None if lowest is None else wire_of_auto_precision(lowest)
+    if change:
+        _configured = dataclasses.replace(_configured, **change)
 
 
 def configured(option: str):
-    """:func:`configure`'s value for ``option`` (None: not configured)."""
-    return _configured[option]
+    """:func:`configure`'s value for ``option`` (None: not configured);
+    ``"auto_precision"``: the lowest precision of a configured auto recipe."""
+    if option == "auto_precision":
+        return _configured.lowest
+    return getattr(_configured, option)
 
 
 def default(option: str):
     """The value a constructor that does not pass ``option`` gets:
     :func:`configure`'s, else the environment's (None: neither)."""
-    value = _configured[option]
-    return getattr(get(), option) if value is None else value
+    eff = effective()
+    if option == "auto_precision":
+        return eff.lowest
+    return getattr(eff, option)

@@ -194,7 +194,7 @@ def _reset_between_calls(env: dict, last_module: str | None, module: str) -> Non
     _apply_environment(env)
     fastddp_settings = sys.modules.get("fastddp.settings")
     if fastddp_settings is not None:
-        fastddp_settings.configure(check_finite=None, bucket_cap_mb=None, auto_precision=None)
+        fastddp_settings.configure(sys.modules["fastddp.options"].Options())  # every option unconfigured
         fastddp_settings.reload()
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float32)

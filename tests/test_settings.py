@@ -3,6 +3,7 @@ errors for bad values, read once (reload to re-read), and configure()."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -245,7 +246,7 @@ def test_nothing_is_read_at_import():
 @pytest.fixture
 def unconfigured():
     yield
-    fastddp.configure(check_finite=None, bucket_cap_mb=None)
+    fastddp.configure(fastddp.Options())
 
 
 def test_configure_is_where_users_import_it():
@@ -288,7 +289,9 @@ def test_configure_wins_over_the_environment(env, unconfigured):
     env(FASTDDP_CHECK_FINITE="warn", FASTDDP_BUCKET_CAP_MB="5")
     assert settings.default("check_finite") == "warn" and settings.default("bucket_cap_mb") == 5.0
     fastddp.configure(check_finite=False, bucket_cap_mb="auto")
-    assert settings.default("check_finite") is False and settings.default("bucket_cap_mb") == "auto"
+    # an explicit off (normalised to "off") wins over the environment's "warn"
+    assert settings.default("check_finite") == "off" and settings.default("bucket_cap_mb") == "auto"
+    assert settings.parse_check_finite(settings.default("check_finite")) is None
     fastddp.configure(check_finite=None, bucket_cap_mb=None)
     assert settings.default("check_finite") == "warn" and settings.default("bucket_cap_mb") == 5.0
 
@@ -342,3 +345,84 @@ def test_a_bad_value_fails_the_construction(tmp_path, env, monkeypatch):
             settings.reload()
         with pytest.raises(ValueError, match="FASTDDP_NVTX='maybe'"):
             fastddp.DistributedDataParallel(_model())
+
+
+# ------------------------------------------------------------ the options object
+def test_options_check_every_field_and_name_it():
+    o = fastddp.Options(wire=" Auto-FP8 ", check_finite=True, in_place_numel="AUTO", bucket_cap_mb="10")
+    assert (o.wire, o.check_finite, o.in_place_numel, o.bucket_cap_mb) == ("auto-fp8", "raise", "auto", 10.0)
+    assert fastddp.Options(check_finite=False).check_finite == "off"  # an explicit off, kept as such
+    for kw, match in [({"wire": "fp16"}, r"Options.wire='fp16'; choose one of 'exact'"),
+                      ({"ranks_per_host": 0}, "Options.ranks_per_host=0 must be None or a whole number >= 1"),
+                      ({"chunk_bytes": -1}, "Options.chunk_bytes=-1"),
+                      ({"in_place_numel": "some"}, "Options.in_place_numel='some'"),
+                      ({"check_finite": "loud"}, "check_finite must be one of"),
+                      ({"bucket_cap_mb": -2}, "bucket_cap_mb must be a finite number")]:
+        with pytest.raises(ValueError, match=match):
+            fastddp.Options(**kw)
+    with pytest.raises(TypeError, match="Options.hierarchical must be True, False or None"):
+        fastddp.Options(hierarchical="yes")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.wire = "exact"
+    # every field has its docstring (the reference users read)
+    import ast
+    tree = ast.parse(Path(fastddp.options.__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Options")
+    documented = [a.target.id for a, d in zip(cls.body, cls.body[1:])
+                  if isinstance(a, ast.AnnAssign) and isinstance(d, ast.Expr) and isinstance(d.value, ast.Constant)]
+    assert documented == [f.name for f in dataclasses.fields(fastddp.Options)]
+
+
+def test_the_environment_maps_onto_the_options(env, unconfigured):
+    env(FASTDDP_AUTO_PRECISION="fp8", FASTDDP_CHUNK_BYTES="4096", FASTDDP_IN_PLACE_NUMEL="0",
+        FASTDDP_RANKS_PER_HOST="2", FASTDDP_BUCKET_CAP_MB="auto", FASTDDP_CHECK_FINITE="warn")
+    assert settings.effective() == fastddp.Options(wire="auto-fp8", chunk_bytes=4096, in_place_numel=0,
+                                                   ranks_per_host=2, bucket_cap_mb="auto", check_finite="warn")
+    for raw, wire in [("bf16", "auto"), ("fp32", "auto-fp32"), ("off", None)]:
+        env(FASTDDP_AUTO_PRECISION=raw)
+        assert settings.effective().wire == wire
+    # configure() over the environment, the constructor's over both, field by field
+    fastddp.configure(fastddp.Options(chunk_bytes=0, wire="bf16"))
+    eff = settings.effective(fastddp.Options(wire="fp8"))
+    assert (eff.wire, eff.chunk_bytes, eff.in_place_numel) == ("fp8", 0, 0)
+    fastddp.configure(auto_precision="fp8")  # a keyword changes its field alone
+    assert settings.effective().wire == "auto-fp8" and settings.effective().chunk_bytes == 0
+    assert settings.configured("auto_precision") == "fp8"
+    with pytest.raises(TypeError, match="fastddp.configure: takes a fastddp.Options"):
+        fastddp.configure({"wire": "fp8"})
+    with pytest.raises(TypeError, match="options must be a fastddp.Options"):
+        settings.effective({"wire": "fp8"})
+
+
+@fastddp_only
+def test_each_wire_recipe_builds_its_mode(tmp_path, env, unconfigured):
+    from fastddp import reduction
+    from fastddp.reduction.autoprec import AutoPrecision
+
+    env(FASTDDP_AUTO_PRECISION=None, FASTDDP_IN_PLACE_NUMEL=None, FASTDDP_CHUNK_BYTES=None)
+    with single_rank_group(tmp_path):
+        def mode(**kw):
+            return fastddp.DistributedDataParallel(_model(), options=fastddp.Options(**kw)).reducer.mode
+
+        assert type(mode()).__name__ in ("AllReduce", "AutoPrecision") and mode().kind is reduction.Kind.ALLREDUCE
+        assert isinstance(mode(wire="exact", in_place_numel=0), reduction.AllReduce)
+        assert mode(wire="exact", in_place_numel=7).in_place_min == 7
+        auto = mode(wire="auto-fp8")
+        assert isinstance(auto, AutoPrecision) and auto.kind is reduction.Kind.AUTO
+        assert list(auto.modes) == ["fp32", "bf16", "fp8"]
+        bf16 = mode(wire="bf16", chunk_bytes=4096)
+        assert isinstance(bf16, reduction.Fp32Accumulate) and bf16.book.error_feedback
+        assert bf16.engine.chunk_bytes == 4096
+        fp8 = mode(wire="fp8")
+        assert isinstance(fp8, reduction.BlockFp8) and fp8.engine.chunk_bytes is None
+        # one host: the hierarchical form runs flat, as the hook does
+        assert isinstance(mode(wire="bf16", hierarchical=True), reduction.Fp32Accumulate)
+        # configure()'s recipe for code that keeps torch's signature; a registered hook replaces it
+        fastddp.configure(fastddp.Options(wire="fp8", chunk_bytes=8192))
+        ddp = fastddp.DistributedDataParallel(_model())
+        assert isinstance(ddp.reducer.mode, reduction.BlockFp8) and ddp.reducer.mode.engine.chunk_bytes == 8192
+        ddp.register_comm_hook(None, fastddp.hooks.fp16_compress_hook)
+        assert isinstance(ddp.reducer.mode, reduction.FusedCompression)
+        # the constructor's options win over configure()'s
+        ddp = fastddp.DistributedDataParallel(_model(), options=fastddp.Options(wire="exact"))
+        assert ddp.reducer.mode.kind is reduction.Kind.ALLREDUCE

@@ -60,7 +60,8 @@ class Reducer(BucketPlans):
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self.comm_hook: Callable | None = None
         self.comm_hook_state: Any = None
-        self._dense, self._sparse_mode = reduction.choose(None, None, options.batched_grad_copy, True, self.device)
+        self._dense, self._sparse_mode = reduction.choose(None, None, options.batched_grad_copy, True, self.device,
+                                                          options=options.options)
         self.ready = Readiness(self.names, process_group, self.device, static=options.static_graph,
                                find_unused=options.find_unused_parameters, should_rebuild=self._should_rebuild,
                                on_first_hook=(lambda: _queue_callback(self._debug_check)) if debug else None)
@@ -109,7 +110,7 @@ class Reducer(BucketPlans):
     def register_comm_hook(self, hook: Callable, state: Any, group_ok: bool) -> None:
         """Install a comm hook; fastddp's tagged hooks run as fused paths."""
         self._dense, self._sparse_mode = reduction.choose(hook, state, self.opts.batched_grad_copy, group_ok,
-                                                          self.device, self.comm.pg)
+                                                          self.device, self.comm.pg, options=self.opts.options)
         self.arming.forget_views()  # the bucket mode changed: found again at the next arm
         self.comm_hook, self.comm_hook_state = hook, state
         for b in self._buckets:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from .. import planner
+from ..options import Options
 
 __all__ = ["ReducerOptions", "Collaborators"]
 
@@ -36,6 +37,10 @@ class ReducerOptions:
     """``"raise"`` / ``"warn"``: gradient health flags set by the packs (:mod:`fastddp.health`)."""
     auto_bucket_cap: bool = False
     """``bucket_cap_mb="auto"``: :mod:`fastddp.autotune` changes ``bucket`` in the first steps."""
+    options: Options | None = None
+    """fastddp's resolved options (:class:`fastddp.Options`): the modes read
+    the in-place threshold, the chunk bytes and the ranks per host here
+    (None: :func:`fastddp.settings.effective`'s, when a mode is chosen)."""
     default_caps: bool = False
     """No ``bucket_cap_mb`` / ``bucket_cap_mb_list`` was given or configured:
     torch's default caps, which a bucket mode that tunes them may tune

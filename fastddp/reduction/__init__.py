@@ -34,6 +34,8 @@ step's :class:`StepContext`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import kernels, settings
@@ -55,7 +57,8 @@ __all__ = ["Kind", "Scaling", "StepContext", "Reduction", "AllReduce", "PythonHo
 
 
 def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
-           device: torch.device | None = None, pg=None, trial: bool = True) -> tuple[Reduction, Reduction]:
+           device: torch.device | None = None, pg=None, trial: bool = True,
+           options=None) -> tuple[Reduction, Reduction]:
     """The bucket modes for a DDP module: ``(dense, sparse)``.
 
     ``hook``/``state``: the registered comm hook (None: none); a hook tagged
@@ -65,9 +68,15 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     the modes pack with.  ``pg``: the module's process group (the
     hierarchical hook resolves its topology on it, collectively).  ``trial``
     (no hook): the CPU's in-place rule may be decided by trial steps
-    (:func:`_all_reduce`); a mode that measures its own candidates passes False."""
+    (:func:`_all_reduce`); a mode that measures its own candidates passes False.
+    ``options``: the module's resolved :class:`~fastddp.options.Options` (the
+    in-place threshold, chunk bytes where a state sets none, ranks per host
+    where a state sets none); None: :func:`fastddp.settings.effective`'s."""
+    if options is None:
+        options = settings.effective()
     if hook is None:
-        return _all_reduce(Scaling.DIV if batched_grad_copy else Scaling.MUL, device, trial=trial), SparseAllReduce()
+        return (_all_reduce(Scaling.DIV if batched_grad_copy else Scaling.MUL, device, trial=trial,
+                            options=options), SparseAllReduce())
     from ..hook_states import CompressionState, FP8CompressionState
 
     tag = getattr(hook, "_fastddp_fused", None)
@@ -79,9 +88,10 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     if kind is Kind.AUTO:
         from .choices import build
 
-        return build(state, batched_grad_copy, group_ok, device, pg, choose)
+        return build(state, batched_grad_copy, group_ok, device, pg, functools.partial(choose, options=options),
+                     options.ranks_per_host)
     if kind is Kind.HIER:
-        return _hierarchical(hook, state, group_ok, device, pg)
+        return _hierarchical(hook, state, group_ok, device, pg, options)
     if kind is Kind.SITE:
         from .sitelocal import SiteLocal, SiteState
 
@@ -91,7 +101,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
             from ..hooks import HierarchicalState, hierarchical_hook
 
             hier = HierarchicalState(wire=state.warmup_wire, ranks_per_host=state.ranks_per_host)
-            warm = _hierarchical(hierarchical_hook, hier, True, device, pg)[0]
+            warm = _hierarchical(hierarchical_hook, hier, True, device, pg, options)[0]
         return SiteLocal(state, warm), PythonHook(hook, state)
     if kind is Kind.FP8:
         if not group_ok:
@@ -101,7 +111,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         if state is not None and not isinstance(state, FP8CompressionState):
             raise TypeError(f"fp8_compress_hook takes an FP8CompressionState (or None), got {type(state).__name__}")
         kernels.prepare_fp8(device)  # its CPU loops' one-time build: now, not in a step
-        return _phase_two(BlockFp8(fp8_state), device, pg), PythonHook(hook, state)
+        return _phase_two(BlockFp8(fp8_state), device, pg, options), PythonHook(hook, state)
     if error_feedback and kind not in (Kind.COMPRESS, Kind.FP32ACC):
         raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
                          "compression hooks and bf16_fp32acc_hook only")
@@ -112,13 +122,13 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         return PythonHook(hook, state), PythonHook(hook, state)
     sparse = PythonHook(hook, state)  # sparse buckets: the hook itself, as torch
     if kind is Kind.ALLREDUCE:
-        return _all_reduce(Scaling.DIV, device, fused=True), sparse
+        return _all_reduce(Scaling.DIV, device, fused=True, options=options), sparse
     if kind is Kind.NOOP:
         return NoOp(), sparse
     reference = kernels.backend(device) == "reference"
     if kind is Kind.FP32ACC:
         return _phase_two(Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference),
-                          device, pg), sparse
+                          device, pg, options), sparse
     return FusedCompression(dtype, error_feedback, reference), sparse
 
 
@@ -147,21 +157,25 @@ def _check_state(hook, tag, state) -> None:
                         f"(the state of {owner})")
 
 
-def _phase_two(mode, device, pg):
+def _phase_two(mode, device, pg, options):
     """A two-phase mode: its rounds after the first on the module group's
-    phase-2 thread where waits block the host (:class:`~.twophase.PhaseTwo`)."""
+    phase-2 thread where waits block the host (:class:`~.twophase.PhaseTwo`);
+    the options' chunk bytes where its state set none."""
     mode.engine.phase_two = PhaseTwo.of(pg, device, kernels.backend(device))
+    if mode.engine.chunk_bytes is None:
+        mode.engine.chunk_bytes = options.chunk_bytes
     return mode
 
 
-def _all_reduce(scaling: Scaling, device, fused: bool = False, trial: bool = True) -> Reduction:
+def _all_reduce(scaling: Scaling, device, fused: bool = False, trial: bool = True, options=None) -> Reduction:
     """The plain all-reduce.  On the CPU its large grads may be reduced where
     they are: ``FASTDDP_IN_PLACE_NUMEL`` elements or more where set (0:
     never), else (auto) where paired trial steps measure it faster than one
     collective per bucket (``trial``; without: never).  On a GPU the one fused
     pack is the point."""
     cpu = device is None or torch.device(device).type == "cpu"
-    least = settings.get().in_place_numel
+    least = (options or settings.effective()).in_place_numel
+    least = None if least == "auto" else least
     if not cpu or least == 0 or (least is None and not trial):
         return AllReduce(scaling, fused=fused)
     if least is None:
@@ -171,7 +185,7 @@ def _all_reduce(scaling: Scaling, device, fused: bool = False, trial: bool = Tru
     return AllReduce(scaling, fused=fused, in_place_min=least)
 
 
-def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, Reduction]:
+def _hierarchical(hook, state, group_ok: bool, device, pg, options) -> tuple[Reduction, Reduction]:
     """``hierarchical_hook``: the topology resolved on ``pg`` (collective),
     its sub-groups made once; where it cannot apply, the same wire flat."""
     import logging
@@ -181,22 +195,23 @@ def _hierarchical(hook, state, group_ok: bool, device, pg) -> tuple[Reduction, R
 
     state = fused_state("hierarchical_hook", state, HierarchicalState, group_ok)
     sparse = PythonHook(hook, state)
-    topo = topology.resolve(pg, state.ranks_per_host)
+    topo = topology.resolve(pg, state.ranks_per_host or options.ranks_per_host)
     if isinstance(topo, topology.Flat):
         if groups.rank(pg) == 0:
             logging.getLogger("fastddp.topology").warning(
                 "fastddp: hierarchical_hook(wire=%s) runs flat: %s", state.wire, topo.why)
         if state.wire == "fp32":
-            return _all_reduce(Scaling.MUL, device, fused=True), sparse
+            return _all_reduce(Scaling.MUL, device, fused=True, options=options), sparse
         if state.wire == "bf16":
             reference = kernels.backend(device) == "reference"
-            return _phase_two(Fp32Accumulate(state.error_feedback, state.chunk_bytes, reference), device, pg), sparse
+            return (_phase_two(Fp32Accumulate(state.error_feedback, state.chunk_bytes, reference), device, pg,
+                               options), sparse)
         kernels.prepare_fp8(device)
-        return _phase_two(BlockFp8(state), device, pg), sparse
+        return _phase_two(BlockFp8(state), device, pg, options), sparse
     if state.wire == "fp8":
         kernels.prepare_fp8(device)
     inside, across = topology.subgroups(pg, topo)
-    mode = _phase_two(Hierarchical(state, topo, inside, across), device, pg)
+    mode = _phase_two(Hierarchical(state, topo, inside, across), device, pg, options)
     if mode.engine.phase_two is not None:  # the thread runs every round after the first: the last one inside the host
         mode.inside_late = topology.late_inside(pg, topo)  # on a group of its own (across: the thread's alone)
     return mode, sparse

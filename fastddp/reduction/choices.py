@@ -11,22 +11,24 @@ from .stepclock import decision_group
 __all__ = ["build", "in_place_choice"]
 
 
-def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose):
+def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose, ranks_per_host=None):
     """``(dense, sparse)`` modes for ``auto_precision_hook``: its candidates
     built as their own hooks' fused paths by ``choose``
     (:func:`fastddp.reduction.choose`, passed in: this module sits below the
-    package); sparse buckets as without a hook."""
+    package); sparse buckets as without a hook.  ``ranks_per_host``: the
+    module options' where the state sets none."""
     from .. import topology
     from ..hooks import (AutoPrecisionState, CompressionState, FP8CompressionState, HierarchicalState,
                          bf16_fp32acc_hook, fp8_compress_hook, hierarchical_hook)
 
     state = fused_state("auto_precision_hook", state, AutoPrecisionState, group_ok)
-    topo = topology.resolve(pg, state.ranks_per_host)  # collective where nothing explicit is set
+    hosts_of = state.ranks_per_host or ranks_per_host
+    topo = topology.resolve(pg, hosts_of)  # collective where nothing explicit is set
     hosts = not isinstance(topo, topology.Flat)
     ef, cb = state.error_feedback, state.chunk_bytes
 
     def hier(wire):
-        hs = HierarchicalState(wire=wire, ranks_per_host=state.ranks_per_host, error_feedback=ef and wire != "fp32",
+        hs = HierarchicalState(wire=wire, ranks_per_host=hosts_of, error_feedback=ef and wire != "fp32",
                                block_size=state.block_size, chunk_bytes=cb)
         return choose(hierarchical_hook, hs, batched_grad_copy, True, device, pg)[0]
 
