@@ -25,6 +25,7 @@ command-line build release the lock when it is terminated.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -116,7 +117,7 @@ class Extension:
         # mode: a callable giving "on"/"off"/"require" (fastddp passes its
         # settings' reading of ``env``); default: :func:`switch`
         self.prefix, self.sources, self.env = prefix, list(sources), env
-        self._mode = mode or (lambda: switch(env))
+        self._mode = mode or functools.partial(switch, env)  # a partial: no Python frame per call
         self.what, self.fallback, self.instead, self.cflags = what, fallback, instead, list(cflags)
         self._lock = threading.Lock()
         self._module = None
@@ -129,10 +130,11 @@ class Extension:
     def module(self, stacklevel: int = 2):
         """The compiled module (built on first use, then loaded from torch's
         extension cache), or None where it is off or cannot be built."""
-        if not self.enabled():
+        mode = self._mode()  # read at each call (tests and tools flip it), inline: this is the hot path
+        if mode == "off":
             return None
         if self._module is not None or self._failed is not None:
-            if self._failed is not None and self._mode() == "require":
+            if self._failed is not None and mode == "require":
                 raise RuntimeError(self._failed)
             return self._module
         with self._lock:

@@ -232,7 +232,7 @@ def _native_fp8(*tensors) -> object | None:
     every tensor is a contiguous CPU one; else None (the torch ops below)."""
     if not all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors):
         return None
-    return _fp8_native.module()
+    return _fp8_native.EXTENSION.module()
 
 
 def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,

@@ -131,7 +131,7 @@ class Fp32Accumulate(Reduction):
         self.cast.pack(ctx, bucket, grads)
 
     def issue(self, ctx, bucket):
-        return self.engine.issue(ctx, bucket)
+        return self.engine.start(ctx, bucket, self.engine.wires[bucket.index], bucket.health)
 
     def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
         self.cast.unpack(ctx, bucket, result, track_unused)

@@ -254,7 +254,7 @@ class BlockFp8(Reduction):
             alias_views(ctx, bucket, grads)
 
     def issue(self, ctx, bucket):
-        return self.engine.issue(ctx, bucket)
+        return self.engine.start(ctx, bucket, self.engine.wires[bucket.index], bucket.health)
 
     def shadow(self, ctx, bucket):
         return self.engine.shadow(ctx, self.shard_wire(ctx, bucket), bucket)

@@ -266,7 +266,7 @@ class Hierarchical(Reduction):
         d = self.engine.wires[bucket.index]
         self.bytes_between += d.nbytes
         self.bytes_inside += d.bytes_inside
-        return self.engine.issue(ctx, bucket)
+        return self.engine.start(ctx, bucket, d, bucket.health)
 
     def shadow(self, ctx, bucket):
         return self.engine.shadow(ctx, self.shard_wire(ctx, bucket), bucket)

@@ -108,9 +108,15 @@ class ShardWire:
     def run(self, r: int, k: int, pg, health) -> list:
         """Round ``r``, piece ``k``: its collectives' Works (the pieces it
         waits for are done)."""
+        # loops, not comprehensions: a comprehension is a frame of its own before Python 3.12
+        works = []
         if r == 0:
-            return [groups.all_to_all_single(o, i, pg) for o, i in self.send_recv(k)]
-        return [groups.all_gather_into_tensor(o, i, pg) for o, i in self.reduce_piece(k, health)]
+            for o, i in self.send_recv(k):
+                works.append(groups.all_to_all_single(o, i, pg))
+        else:
+            for o, i in self.reduce_piece(k, health):
+                works.append(groups.all_gather_into_tensor(o, i, pg))
+        return works
 
     def send_recv(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Piece ``k``'s all-to-all calls: ``(output, input)`` pairs."""
@@ -293,10 +299,6 @@ class TwoPhaseEngine:
                 while not step.done:
                     step.advance()
         return ctx.comm.hook(step, wire.nbytes)
-
-    def issue(self, ctx, bucket) -> Pending:
-        """The bucket's wire as its pack left it."""
-        return self.start(ctx, bucket, self.wires[bucket.index], bucket.health)
 
     def shadow(self, ctx, wire: ShardWire, bucket) -> Pending:
         """join(): ``wire`` (the bucket's, sized by the mode) on zeros."""
