@@ -164,7 +164,7 @@ def in_place_note(stats: dict) -> str | None:
 def _buckets(e: Entry) -> list[list[int]] | None:
     """The wrapper's buckets as parameter indices (fastddp's reducer), else None."""
     r = _reducer(e)
-    return None if r is None else r.bucket_indices()
+    return None if r is None else r.plans.bucket_indices()
 
 
 def _tune_alone(ctx: RankContext, spec: ModelSpec, e: Entry) -> None:

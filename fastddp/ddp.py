@@ -362,7 +362,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         Ends ``bucket_cap_mb="auto"``'s tuning (every rank builds the context
         at the same step; a joined rank's shadow collectives have no tuner's)."""
         if self.reducer is not None:
-            self.reducer.freeze_tuning("join()")
+            self.reducer.plans.freeze_tuning("join()")
         return join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     join_device = property(lambda self: self.device)

@@ -117,7 +117,7 @@ class HealthCheck:
             live = [(p, g) for p, g in zip(bucket.params, grads) if g is not None]
             vals = [g._values() if g.is_sparse else g for _, g in live]
             i = kernels.first_nonfinite(vals) if H.SOURCE_NONFINITE in bits else None
-            name = r.name(live[i][0]) if i is not None else None
+            name = r.ctx.name(live[i][0]) if i is not None else None
             if H.SOURCE_NONFINITE in bits:
                 what = (f"the local gradient of parameter {name!r} is non-finite (NaN/Inf) on rank "
                         f"{r.rank}" if name else f"a local gradient in bucket {b} is non-finite on rank {r.rank}")

@@ -41,7 +41,7 @@ class DDPJoinHook(JoinHook):
         shadow_backward(ddp.reducer)
         if ddp.find_unused_parameters:
             shadow_used_map(ddp)
-        ddp.reducer.push_all_rebuilt_params()
+        ddp.reducer.plans.push_all_rebuilt_params()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         sync_final_model(self.ddp, is_last_joiner)

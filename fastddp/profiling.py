@@ -121,6 +121,6 @@ def ddp_logging_data(ddp) -> dict:
         "static_graph": int(ddp.static_graph),
         "can_set_static_graph": 0,
         "has_rebuilt_buckets": int(r.has_rebuilt_buckets) if r else 0,
-        "bucket_sizes": r.bucket_sizes() if r else [],
+        "bucket_sizes": r.plans.bucket_sizes() if r else [],
         "comm_hook": "" if r is None or r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),
     }

@@ -505,11 +505,11 @@ def test_runner_reads_the_buckets_and_the_tuning_through_public_methods(tmp_path
         model = torch.nn.Sequential(*[torch.nn.Linear(300, 300) for _ in range(6)])  # 0.36 MB a layer
         fixed = fastddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.5)
         x = torch.randn(2, 300)
-        assert len(fixed.reducer.bucket_indices()) == 1  # torch's rule: one bucket until the rebuild
+        assert len(fixed.reducer.plans.bucket_indices()) == 1  # torch's rule: one bucket until the rebuild
         fixed(x).sum().backward()
         fixed(x)  # the rebuild, in the order the gradients came
         buckets = rounds._buckets(SimpleNamespace(module=fixed))
-        assert buckets == fixed.reducer.bucket_indices() and len(buckets) > 1
+        assert buckets == fixed.reducer.plans.bucket_indices() and len(buckets) > 1
         assert sorted(i for b in buckets for i in b) == list(range(12))  # every parameter once
         assert rounds._tuning(SimpleNamespace(module=fixed))  # the in-place rule looks at the rebuilt plan
         for _ in range(2):
@@ -522,7 +522,7 @@ def test_runner_reads_the_buckets_and_the_tuning_through_public_methods(tmp_path
         assert big.stats()["in_place"]["state"] == "trial" and rounds._tuning(SimpleNamespace(module=big))
         auto = fastddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb="auto")
         assert auto.reducer.tuning_active and rounds._tuning(SimpleNamespace(module=auto))
-        auto.reducer.freeze_tuning("test")
+        auto.reducer.plans.freeze_tuning("test")
         assert not auto.reducer.tuning_active
         theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
         assert rounds._buckets(SimpleNamespace(module=theirs)) is None

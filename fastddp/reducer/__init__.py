@@ -1,8 +1,11 @@
 """The reducer: the bucket state machine, pack -> collective -> unpack, the
 end-of-backward finalize, rebuilds.
 
-* :mod:`.core` -- :class:`Reducer`: plan install and rebuild, in-order issue,
-  finalize, abort;
+* :mod:`.core` -- :class:`Reducer`: in-order issue, finalize, abort; it holds
+  its parts (no base class);
+* :mod:`.plans` -- :class:`~.plans.BucketPlans`: the plan, the buckets, the
+  one rebuild, the caps and the bucket tuner (whose host it is);
+* :mod:`.readiness` -- which parameters count as ready;
 * :mod:`.arming` -- which readiness hooks run in an iteration (native
   countdown or Python; :class:`HookMode`), the early copy;
 * :mod:`.rearm` -- a second backward through one forward;

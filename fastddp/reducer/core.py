@@ -1,4 +1,5 @@
-"""The reducer's core: plan install and rebuild, in-order issue, finalize, abort.
+"""The reducer's core: in-order issue, finalize, abort; the buckets and their
+plan are the :class:`~.plans.BucketPlans` object it holds.
 
 It reproduces torch 2.13's C++ ``Reducer`` (``torch/csrc/distributed/c10d/
 reducer.cpp``) rule for rule where the rules decide gradients, and replaces its
@@ -28,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import autotune, compile as _compile, groups, planner, profiling, reduction
+from .. import compile as _compile, groups, profiling, reduction
 from ..buckets import Bucket
 from ..comm import Comm
 from ..health import HealthCheck
@@ -42,7 +43,7 @@ from .rearm import SecondBackward
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
-class Reducer(BucketPlans):
+class Reducer:
     """Bucketed, overlapped gradient averaging for one DDP module (``debug``: docs/options.md)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group,
@@ -50,7 +51,8 @@ class Reducer(BucketPlans):
                  collaborators: Collaborators = Collaborators()):
         if not params:
             raise RuntimeError("fastddp: the reducer needs at least one parameter that requires grad")
-        self.params, self.names, self.opts, self.pg = list(params), list(names), options, process_group
+        self.params, self.names, self.pg = list(params), list(names), process_group
+        self.view_mode, self._skip_unused = options.gradient_as_bucket_view, options.skip_all_reduce_unused_params
         self.world, self.rank = groups.size(process_group), groups.rank(process_group)
         self.device = self.params[0].device
         self.sparse = tuple(bool(x) for x in sparse) if sparse else (False,) * len(self.params)
@@ -63,16 +65,15 @@ class Reducer(BucketPlans):
         self._dense, self._sparse_mode = reduction.choose(None, None, options.batched_grad_copy, True, self.device,
                                                           options=options.options)
         self.ready = Readiness(self.names, process_group, self.device, static=options.static_graph,
-                               find_unused=options.find_unused_parameters, should_rebuild=self._should_rebuild,
+                               find_unused=options.find_unused_parameters,
+                               should_rebuild=lambda: self.plans.should_rebuild(),
                                on_first_hook=(lambda: _queue_callback(self._debug_check)) if debug else None)
         self.num_iterations = self.steps_reduced = 0
         self.exposed_comm_s: collections.deque = collections.deque(maxlen=32)
-        self._next_bucket, self._has_rebuilt, self._t_all_issued = 0, False, 0.0
+        self._next_bucket, self._t_all_issued = 0, 0.0
         self.divisor = Divisor(self.world)
-        self._buckets: list[Bucket] = []
         self.health = HealthCheck(options.check_finite, self.device) if options.check_finite else None
-        self.rebuild_order: list[int] | None = None  # rank 0's ready order of the one rebuild
-        self._forward_syncs, self._probe = False, None
+        self._probe = None
         me = weakref.ref(self)  # the hooks hold these: no cycle back to the reducer
         self.arming = Arming(self.params, lambda i: me()._hook_body(i), lambda b: me()._native_bucket_ready(b),
                              lambda i: me()._native_marked_twice(i))
@@ -80,32 +81,27 @@ class Reducer(BucketPlans):
                                             self.names, self._index_of, self.divisor.get,
                                             self.ready.globally_unused, self.arming.early_filled,
                                             collaborators.pre_unpack, options.static_graph or options.find_unused_parameters)
-        self._install_plan(planner.initial_plan(self.params, options.bucket, self.sparse))
-        self.tuner = autotune.Tuner(self) if options.auto_bucket_cap else None
+        self.plans = BucketPlans(self.params, self.sparse, options, process_group, self.device, ctx=self.ctx,
+                                 arming=self.arming, ready=self.ready, health=self.health,
+                                 modes=lambda: (self._dense, self._sparse_mode),
+                                 quiesce=self.ensure_prior_reduction_finished, steps=lambda: self.steps_reduced)
         self.second = SecondBackward(self)
 
     # ------------------------------------------------------- public surface
-    view_mode = property(lambda self: self.opts.gradient_as_bucket_view)
+    # the buckets and their plan are the plans object's (the bucket tuner's host)
+    opts = property(lambda self: self.plans.opts, doc="The options now (the caps change with bucket_cap_mb='auto').")
+    plan, buckets = property(lambda self: self.plans.plan), property(lambda self: tuple(self.plans.buckets))
+    num_buckets = property(lambda self: len(self.plans.buckets))
+    tuner, tuning_active = property(lambda self: self.plans.tuner), property(lambda self: self.plans.tuning_active)
+    rebuild_order, has_rebuilt_buckets = (property(lambda self: self.plans.rebuild_order),
+                                          property(lambda self: self.plans.has_rebuilt_buckets))
     comm_stream = property(lambda self: self.comm.stream, doc="The CUDA side stream of packs and collectives.")
     has_comm_hook = property(lambda self: self.comm_hook is not None)
     native = property(lambda self: self.arming.native, doc="The native countdown (None: Python hooks).")
     mode = property(lambda self: self._dense, doc="The dense buckets' mode (fastddp.reduction).")
 
-    @property
-    def fused_path(self) -> tuple | None:
-        """(kind, wire dtype) of a fastddp hook run as its fused path, else None."""
-        d = self._dense
-        return (d.kind.value, d.wire_dtype) if d.fused else None
-
-    @property
-    def wire_itemsize(self) -> int | None:
-        """Bytes per element on the wire where the mode or mixed precision fixes it."""
-        dtype = self._dense.wire_dtype if self._dense.fused and self._dense.wire_dtype is not None \
-            else self.opts.reduce_dtype
-        return None if dtype is None else dtype.itemsize
-
-    def name(self, p) -> str:
-        return self.ctx.name(p)
+    fused_path = property(lambda self: (self._dense.kind.value, self._dense.wire_dtype) if self._dense.fused else None,
+                          doc="(kind, wire dtype) of a fastddp hook run as its fused path, else None.")
 
     def register_comm_hook(self, hook: Callable, state: Any, group_ok: bool) -> None:
         """Install a comm hook; fastddp's tagged hooks run as fused paths."""
@@ -113,15 +109,11 @@ class Reducer(BucketPlans):
                                                           self.device, self.comm.pg, options=self.opts.options)
         self.arming.forget_views()  # the bucket mode changed: found again at the next arm
         self.comm_hook, self.comm_hook_state = hook, state
-        for b in self._buckets:
-            b.reduction = self._sparse_mode if b.sparse else self._dense
-        self._tune_for_mode()
+        self.plans.give_modes()
+        self.plans.tune_for_mode()
 
     def error_feedback_residual(self, index: int) -> torch.Tensor | None:
-        """Parameter ``index``'s error-feedback residual (compressed modes), shaped like its bucket slot."""
-        b, pos = self.plan.locate(index)
-        res = self._dense.residual_of(b)
-        return None if res is None else self._buckets[b].layout.views(res)[pos]
+        return self.plans.error_feedback_residual(index)
 
     def stats(self) -> dict:
         return profiling.reducer_stats(self)
@@ -129,7 +121,7 @@ class Reducer(BucketPlans):
     # ----------------------------------------------------------- iteration
     def prepare_for_forward(self, sync: bool = True) -> None:
         """Every forward of the module; ``sync``: its backward will be reduced."""
-        self._forward_syncs = sync
+        self.plans.forward_syncs = sync
         if sync:
             self.num_iterations += 1
             self.ctx.iteration = self.num_iterations
@@ -157,8 +149,9 @@ class Reducer(BucketPlans):
             except RuntimeError:
                 self.abort_iteration()
                 raise
-        self._probe = self.tuner.on_ready if self.tuning_active and self.tuner.wants_ready_marks else None
-        self.arming.arm(r, self._buckets, self._dense, self.ctx, debug=self.debug, probe=self._probe is not None,
+        tuner = self.plans.tuner
+        self._probe = tuner.on_ready if self.plans.tuning_active and tuner.wants_ready_marks else None
+        self.arming.arm(r, self.plans.buckets, self._dense, self.ctx, debug=self.debug, probe=self._probe is not None,
                         join_pending=self.divisor.pending, world=self.world, view_mode=self.view_mode)
 
     def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
@@ -174,7 +167,7 @@ class Reducer(BucketPlans):
 
     def _reset_countdowns(self) -> None:
         self._next_bucket = 0
-        for b in self._buckets:
+        for b in self.plans.buckets:
             b.reset()
 
     def refresh_hooks(self) -> int:
@@ -192,7 +185,7 @@ class Reducer(BucketPlans):
 
     def _native_bucket_ready(self, b: int) -> None:
         """The native countdown: bucket ``b``'s last parameter is ready (marks stay in C++)."""
-        bucket = self._buckets[b]
+        bucket = self.plans.buckets[b]
         bucket.pending = 0
         bucket.prefilled = self.arming.filled(b)
         self._bucket_complete(bucket)
@@ -211,7 +204,7 @@ class Reducer(BucketPlans):
         self.ready.mark(index)
         if self._probe is not None:
             self._probe(index)
-        bucket = self._bucket_of[index]
+        bucket = self.plans.bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
             self._bucket_complete(bucket)
@@ -225,7 +218,7 @@ class Reducer(BucketPlans):
         except BaseException:
             self.abort_iteration()  # e.g. a hook's error: the next iteration starts clean
             raise
-        if self._next_bucket == len(self._buckets):
+        if self._next_bucket == len(self.plans.buckets):
             self._all_buckets_issued()
             # compiled autograd's engine runs no queued callbacks (every grad is in by now)
             self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
@@ -233,8 +226,8 @@ class Reducer(BucketPlans):
     def _all_buckets_issued(self) -> None:
         self._t_all_issued = time.perf_counter()
         self.comm.mark_all_issued()
-        if self.tuning_active:
-            self.tuner.on_all_issued()
+        if self.plans.tuning_active:
+            self.plans.tuner.on_all_issued()
         if self.ready.dynamic_find_unused:
             self.ready.all_reduce_used_map()
 
@@ -246,7 +239,7 @@ class Reducer(BucketPlans):
         except RuntimeError:
             self.abort_iteration()
             raise
-        if all(b.pending == 0 for b in self._buckets):
+        if all(b.pending == 0 for b in self.plans.buckets):
             self._launch_ready()
             self._all_buckets_issued()
             self._finalize()
@@ -261,10 +254,10 @@ class Reducer(BucketPlans):
 
     def _launch_ready(self) -> None:
         """Issue collectives strictly in bucket order (same order on every rank)."""
-        buckets = self._buckets
+        buckets = self.plans.buckets
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             b = buckets[self._next_bucket]
-            if self.opts.skip_all_reduce_unused_params and set(b.indices) <= set(self.ready.unused):
+            if self._skip_unused and set(b.indices) <= set(self.ready.unused):
                 b.work = None
             else:
                 with profiling.range(f"fastddp/allreduce[{b.index}]", self.comm.cuda), self.comm.comm_context():
@@ -275,7 +268,7 @@ class Reducer(BucketPlans):
     def delay_all_reduce(self) -> None:  # static_graph's first backward: learn the unused, reduce all
         with self._lock:
             self.ready.learn_static_unused()
-            for b in self._buckets:
+            for b in self.plans.buckets:
                 self._pack(b)
                 b.pending = 0
             self._launch_ready()
@@ -285,14 +278,14 @@ class Reducer(BucketPlans):
 
     def _finalize(self) -> None:
         with profiling.range("fastddp/finalize", self.comm.cuda):
-            if not self.ready.expect_hooks or self._next_bucket != len(self._buckets):
+            if not self.ready.expect_hooks or self._next_bucket != len(self.plans.buckets):
                 raise RuntimeError(f"fastddp internal error: finalize with {self._next_bucket} of "
-                                   f"{len(self._buckets)} buckets issued (armed: {self.ready.expect_hooks})")
+                                   f"{len(self.plans.buckets)} buckets issued (armed: {self.ready.expect_hooks})")
             self.divisor.forget()  # join may change the divisor
             self.arming.finished(idle=not (self.ready.static or self.ready.dynamic_find_unused or self.debug))
             track = self.ready.static or self.opts.find_unused_parameters
             self.ready.expect_hooks = False
-            live = [b for b in self._buckets if b.work is not None]  # else skipped (unused)
+            live = [b for b in self.plans.buckets if b.work is not None]  # else skipped (unused)
             with self.comm.comm_context(), torch.no_grad():
                 try:
                     results = [self._wait(b) for b in live] if self.health is not None else None
@@ -310,8 +303,8 @@ class Reducer(BucketPlans):
                 self.co.after_finalize()
             # host view of the exposed comm: last bucket issued -> all reduced (CUDA: events too)
             self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
-            if self.tuning_active:
-                self.tuner.on_finalized()
+            if self.plans.tuning_active:
+                self.plans.tuner.on_finalized()
             self.steps_reduced += 1
             self.ready.finish()
 
@@ -341,7 +334,10 @@ class Reducer(BucketPlans):
             raise err
 
     # torch's private names, which frameworks (Lightning) call on ddp.reducer
-    _rebuild_buckets = BucketPlans.rebuild_buckets
+    def rebuild_buckets(self) -> bool:
+        return self.plans.rebuild_buckets()
+
+    _rebuild_buckets = rebuild_buckets
     _delay_all_reduce = delay_all_reduce
 
     def remove_hooks(self) -> None:

@@ -1,10 +1,13 @@
-"""The bucket layout and its changes: the initial plan, torch's one rebuild
-in rank 0's ready order, and ``bucket_cap_mb="auto"``'s caps (the bucket
-tuner's host interface: ``plan_for``, ``set_bucket_config``, ...)."""
+"""The bucket layout and its changes, as an object the reducer holds: the
+initial plan, torch's one rebuild in rank 0's ready order, and
+``bucket_cap_mb="auto"``'s caps.  It is the bucket tuner's host
+(:class:`fastddp.autotune.driver.TunerHost`: ``plan_for``,
+``set_bucket_config``, ...): the tuner talks to it, not to the reducer."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -15,67 +18,47 @@ __all__ = ["BucketPlans"]
 
 
 class BucketPlans:
-    """The :class:`~fastddp.reducer.Reducer`'s buckets: its plan, the buckets
-    built from it, which bucket each parameter counts down, the one rebuild.
+    """A reducer's buckets: its plan, the buckets built from it, which bucket
+    each parameter counts down, the one rebuild, the caps (``opts``: the
+    reducer's options, replaced when the caps change) and the tuner.
     Installing a plan gives every bucket its mode and moves per-parameter
-    state (error-feedback residuals, bucket views) into the new buckets."""
+    state (error-feedback residuals, bucket views) into the new buckets.
 
-    plan: planner.BucketPlan
-    rebuild_order: list[int] | None = None  # rank 0's ready order of the one rebuild
-    _has_rebuilt = False
+    What it is handed, each explicit: the parameters and their sparsity, the
+    group and device, the step context (``ctx``), the hooks (``arming``),
+    readiness (``ready``: rank 0's ready order), the health flags, ``modes()``
+    (the dense and sparse modes now), ``quiesce()`` (the reducer's
+    ``ensure_prior_reduction_finished``) and ``steps()`` (steps reduced)."""
 
-    num_buckets = property(lambda self: len(self._buckets))
-    buckets = property(lambda self: tuple(self._buckets))
-    has_rebuilt_buckets = property(lambda self: self._has_rebuilt)
+    def __init__(self, params, sparse, opts, pg, device, *, ctx, arming, ready, health,
+                 modes: Callable[[], tuple], quiesce: Callable[[], None], steps: Callable[[], int]):
+        self.params, self.sparse, self.opts, self.pg, self.device = params, sparse, opts, pg, device
+        self.world, self.rank = groups.size(pg), groups.rank(pg)
+        self.ctx, self.arming, self.ready, self.health = ctx, arming, ready, health
+        self._modes, self._quiesce, self._steps = modes, quiesce, steps
+        self.plan: planner.BucketPlan | None = None
+        self.buckets: list[Bucket] = []
+        self.bucket_of: list[Bucket] = []  # by parameter index
+        self.rebuild_order: list[int] | None = None  # rank 0's ready order of the one rebuild
+        self.has_rebuilt_buckets = False
+        self.forward_syncs = False  # the forward before the next rebuild_buckets() synchronises
+        self._install(planner.initial_plan(params, opts.bucket, sparse))
+        self.tuner = autotune.Tuner(self) if opts.auto_bucket_cap else None
+
+    # ------------------------------------------------- the tuner's host
+    base_config = property(lambda self: self.opts.bucket, doc="The bucket caps now.")
+    steps_reduced = property(lambda self: self._steps())
+    mode_measuring = property(lambda self: self._modes()[0].measuring, doc="The mode times steps.")
+    mode_epoch = property(lambda self: self._modes()[0].layout_epoch, doc="The mode's wire changed.")
     tuning_active = property(lambda self: self.tuner is not None and self.tuner.active,
                              doc='bucket_cap_mb="auto" is still trying layouts.')
-    base_config = property(lambda self: self.opts.bucket, doc="The bucket caps now (the tuner's host).")
-    mode_measuring = property(lambda self: self._dense.measuring, doc="The tuner's host: the mode times steps.")
-    mode_epoch = property(lambda self: self._dense.layout_epoch, doc="The tuner's host: the mode's wire changed.")
 
-    def bucket_indices(self) -> list[list[int]]:
-        """Each bucket's parameter indices, in bucket order."""
-        return [list(b.param_indices) for b in self.plan.buckets]
-
-    def bucket_sizes(self) -> list[int]:  # bytes of each bucket (sparse: of its last gradient)
-        return [b.nbytes() for b in self._buckets]
-
-    # ------------------------------------------------------------------ plan
-    def _install_plan(self, plan: planner.BucketPlan) -> None:
-        old, old_plan = self._buckets, getattr(self, "plan", None)
-        self.plan = plan
-        self._buckets = [Bucket(spec, self.params, None if spec.sparse else self.opts.reduce_dtype)
-                         for spec in plan.buckets]
-        for b in self._buckets:
-            b.reduction = self._sparse_mode if b.sparse else self._dense
-        if self.health is not None:
-            self.health.install(self._buckets)
-        self._bucket_of = [self._buckets[plan.locate(i)[0]] for i in range(len(self.params))]
-        self.ctx.num_buckets = len(self._buckets)
-        self.ctx.native = self.arming.set_buckets([b.index for b in self._bucket_of], self._buckets)
-        if not old:
-            return
-        old_locate = [(old[bi], pos) for bi, pos in map(old_plan.locate, range(len(self.params)))]
-        self._dense.carry_over(old, old_locate, self._buckets)
-        if self.opts.gradient_as_bucket_view:
-            for b in self._buckets:
-                b.adopt_grads()
-
-    def _should_rebuild(self) -> bool:
-        return self.opts.bucket.should_rebuild and not self._has_rebuilt
-
-    def rebuild_buckets(self) -> bool:
-        """Before a forward: rebuild once, in rank 0's ready order (torch's
-        rule); with ``bucket_cap_mb="auto"``, the tuner's step boundary."""
-        rebuilt = self._rebuild_once()
-        syncs, self._forward_syncs = self._forward_syncs, False
-        if self.tuning_active and syncs:
-            rebuilt = self.tuner.boundary() or rebuilt
-        self.ctx.rebuilt = not self._should_rebuild()
-        self.ctx.layout_settled = self.ctx.rebuilt and not self.tuning_active
-        if syncs:
-            self._dense.boundary(self.ctx)  # the mode's decisions, after the tuner's
-        return rebuilt
+    @property
+    def wire_itemsize(self) -> int | None:
+        """Bytes per element on the wire where the mode or mixed precision fixes it."""
+        d = self._modes()[0]
+        dtype = d.wire_dtype if d.fused and d.wire_dtype is not None else self.opts.reduce_dtype
+        return None if dtype is None else dtype.itemsize
 
     def plan_for(self, config: planner.BucketConfig) -> planner.BucketPlan:
         """The plan torch's rebuild makes with ``config`` (the one ready order, else the initial plan)."""
@@ -86,22 +69,78 @@ class BucketPlans:
     def set_bucket_config(self, config: planner.BucketConfig) -> bool:
         """New caps between steps (``bucket_cap_mb="auto"``): the buckets
         torch's rebuild makes with them; False when the buckets stay the same."""
-        self.ensure_prior_reduction_finished()
-        if self.ready.expect_hooks and any(b.work is not None for b in self._buckets):
+        self._quiesce()
+        if self.ready.expect_hooks and any(b.work is not None for b in self.buckets):
             raise RuntimeError("fastddp internal error: bucket caps changed while buckets are in flight")
         plan = self.plan_for(config)
         self.opts = dataclasses.replace(self.opts, bucket=config)
         if [b.param_indices for b in plan.buckets] == [b.param_indices for b in self.plan.buckets]:
             return False
-        self._install_plan(plan)
+        self._install(plan)
         return True
 
-    def _tune_for_mode(self) -> None:
+    # ------------------------------------------------------------ plans
+    def bucket_indices(self) -> list[list[int]]:
+        """Each bucket's parameter indices, in bucket order."""
+        return [list(b.param_indices) for b in self.plan.buckets]
+
+    def bucket_sizes(self) -> list[int]:  # bytes of each bucket (sparse: of its last gradient)
+        return [b.nbytes() for b in self.buckets]
+
+    def error_feedback_residual(self, index: int) -> torch.Tensor | None:
+        """Parameter ``index``'s error-feedback residual (compressed modes), shaped like its bucket slot."""
+        b, pos = self.plan.locate(index)
+        res = self._modes()[0].residual_of(b)
+        return None if res is None else self.buckets[b].layout.views(res)[pos]
+
+    def give_modes(self) -> None:
+        """The modes changed (a comm hook): every bucket gets its new one."""
+        dense, sparse = self._modes()
+        for b in self.buckets:
+            b.reduction = sparse if b.sparse else dense
+
+    def _install(self, plan: planner.BucketPlan) -> None:
+        old, old_plan = self.buckets, self.plan
+        self.plan = plan
+        self.buckets = [Bucket(spec, self.params, None if spec.sparse else self.opts.reduce_dtype)
+                        for spec in plan.buckets]
+        self.give_modes()
+        if self.health is not None:
+            self.health.install(self.buckets)
+        self.bucket_of = [self.buckets[plan.locate(i)[0]] for i in range(len(self.params))]
+        self.ctx.num_buckets = len(self.buckets)
+        self.ctx.native = self.arming.set_buckets([b.index for b in self.bucket_of], self.buckets)
+        if not old:
+            return
+        old_locate = [(old[bi], pos) for bi, pos in map(old_plan.locate, range(len(self.params)))]
+        self._modes()[0].carry_over(old, old_locate, self.buckets)
+        if self.opts.gradient_as_bucket_view:
+            for b in self.buckets:
+                b.adopt_grads()
+
+    def should_rebuild(self) -> bool:
+        return self.opts.bucket.should_rebuild and not self.has_rebuilt_buckets
+
+    def rebuild_buckets(self) -> bool:
+        """Before a forward: rebuild once, in rank 0's ready order (torch's
+        rule); with ``bucket_cap_mb="auto"``, the tuner's step boundary; then
+        the mode's decisions (the step's one decision point)."""
+        rebuilt = self._rebuild_once()
+        syncs, self.forward_syncs = self.forward_syncs, False
+        if self.tuning_active and syncs:
+            rebuilt = self.tuner.boundary() or rebuilt
+        self.ctx.rebuilt = not self.should_rebuild()
+        self.ctx.layout_settled = self.ctx.rebuilt and not self.tuning_active
+        if syncs:
+            self._modes()[0].boundary(self.ctx)  # after the tuner's
+        return rebuilt
+
+    def tune_for_mode(self) -> None:
         """A mode that tunes buckets (auto precision) turns bucket_cap_mb="auto"
         on where the caps are torch's default; a hook that replaces it (a user's
         hook over the configured auto precision) turns that off again."""
         opts = self.opts
-        wants = self._dense.tunes_buckets and opts.default_caps
+        wants = self._modes()[0].tunes_buckets and opts.default_caps
         if wants and self.tuner is None:
             self.opts = dataclasses.replace(opts, auto_bucket_cap=True)
             self.tuner = autotune.Tuner(self)
@@ -113,12 +152,12 @@ class BucketPlans:
         """End ``bucket_cap_mb="auto"``'s tuning and the mode's own measuring now (join): no collectives."""
         if self.tuner is not None:
             self.tuner.freeze(why)
-        self._dense.freeze(why)
+        self._modes()[0].freeze(why)
 
     def _rebuild_once(self) -> bool:
-        self.ensure_prior_reduction_finished()
+        self._quiesce()
         order = self.ready.ready_order
-        if not self._should_rebuild() or not order:
+        if not self.should_rebuild() or not order:
             return False
         self.ready.ready_order = []
         if len(order) != len(self.params):
@@ -126,12 +165,11 @@ class BucketPlans:
         t = torch.tensor(order, dtype=torch.int64, device=self.device)
         groups.broadcast(t, self.pg, src=0)
         self.rebuild_order = t.tolist()
-        self._install_plan(planner.rebuilt_plan(self.params, self.rebuild_order, self.opts.bucket, self.sparse))
-        self._has_rebuilt = True
+        self._install(planner.rebuilt_plan(self.params, self.rebuild_order, self.opts.bucket, self.sparse))
+        self.has_rebuilt_buckets = True
         return True
 
     def push_all_rebuilt_params(self) -> None:
         """torch's _push_all_rebuilt_params: a joined rank takes part in the rebuild."""
-        if self._should_rebuild() and not self.ready.ready_order:
+        if self.should_rebuild() and not self.ready.ready_order:
             self.ready.ready_order = list(range(len(self.params)))
-
