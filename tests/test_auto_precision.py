@@ -291,7 +291,7 @@ def _residual_across_changes(rank, world):
     def pack(ctx, bucket, grads):
         res = fp8.residual_of(bucket.index)
         at_fp8.append((ctx.iteration, bucket.index, None if res is None else res.clone(), dict(after_bf16),
-                       list(auto.residual_events)))
+                       list(auto.residuals.events)))
         real_pack(ctx, bucket, grads)
 
     bf16.unpack, fp8.pack = unpack, pack

@@ -51,6 +51,7 @@ from ..autotune.phase import Phase
 from ..autotune.precision import PrecisionSearch, Watch, rotation
 from .kinds import Kind
 from .base import Reduction
+from .handover import ResidualHandover
 from .stepclock import StepClock, decision_group, max_over_ranks, max_over_ranks_later
 
 __all__ = ["ORDER", "LOWEST_INDEX", "AutoPrecision"]
@@ -97,12 +98,10 @@ class AutoPrecision(Reduction):
         self._trigger = ""
         self._restart = False
         self._prepared = None        # the bucket whose pack_native declined: its pack() is next
-        self._pending: dict = {}     # bucket index -> residual carried from the last format
-        self._spare: dict = {}       # bucket index -> a dropped residual's memory, for the next format's
+        self.residuals = ResidualHandover()  # error feedback across a change of format
         self._rank = 0
         self.decisions: list = []
         self.layout_epoch = 0
-        self.residual_events: list = []
         self.settled_at = None if not single else 0
         self.trial_steps = 0
         self.side, self.decided_on = decision_group(None, None)  # the host default; build() sets CUDA's
@@ -145,15 +144,7 @@ class AutoPrecision(Reduction):
             self._clock_due = None
         if self._looked == ctx.iteration and self.phase == _WAIT and not self._seen_differ:
             self._seen_differ = self._differs(ctx, bucket)
-        values = self._pending.pop(bucket.index, None) if self._pending else None
-        if values is not None:
-            if not self.cur.adopt_residual(ctx, bucket, values):
-                self._note(ctx.iteration, f"bucket {bucket.index}'s residual dropped: {self.cur_name} keeps "
-                                          "its residuals in another layout")
-        elif (bucket.index in self._spare and self.cur.book is not None and self.cur.book.error_feedback
-              and self.cur.residual_of(bucket.index) is None):
-            # a dropped residual's memory, zeroed: the format starts from zeros without allocating
-            self.cur.adopt_residual(ctx, bucket, self._spare.pop(bucket.index).zero_())
+        self.residuals.before_pack(ctx, bucket, self.cur, self.cur_name)
 
     def issue(self, ctx, bucket):
         return self.cur.issue(ctx, bucket)
@@ -179,18 +170,14 @@ class AutoPrecision(Reduction):
         return self.modes[self.next_name].in_place(ctx, bucket)  # armed before the next iteration's packs
 
     def residual_of(self, bucket_index: int):
-        v = self._pending.get(bucket_index)
-        return v if v is not None else self.cur.residual_of(bucket_index)
+        return self.residuals.residual_of(bucket_index, self.cur)
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """Every candidate moves its own state; a trial restarts (its steps
         timed other buckets), a settled watch takes a new baseline."""
         for m in self.modes.values():
             m.carry_over(old_buckets, old_locate, new_buckets)
-        if self._pending:
-            self._note(self._it, f"{len(self._pending)} carried residuals dropped: the buckets were rebuilt")
-            self._pending = {}
-        self._spare = {}  # laid out for the old buckets
+        self.residuals.rebuilt(self._it)
         self._restart = True
         self._looked, self._seen_differ = None, False  # the new plan is looked at afresh
 
@@ -329,28 +316,10 @@ class AutoPrecision(Reduction):
             self._window = None
 
     def _switch(self, it: int) -> None:
-        """Make :attr:`next_name` current.  Error-feedback residuals: the old
-        format's finished ones go to the new format where it keeps them in
-        the bucket's layout (bf16 <-> fp8: adopted at each bucket's next
-        pack), else they are dropped; either way it is noted."""
-        old, new = self.cur, self.modes[self.next_name]
-        carried = dict(self._pending)
-        if old.book is not None and old.book.error_feedback:
-            carried.update(old.book.finished_residuals())
-        keeps = new.book is not None and new.book.error_feedback
-        # memory no format holds any more: the new format's own (stale, from when it was last in use),
-        # or the carried ones it cannot keep; kept only while the trial switches at every step
-        unheld = new.book.finished_residuals() if keeps else carried
-        if self.phase == _TRIAL:
-            for i, t in unheld.items():
-                self._spare.setdefault(i, t)
-        else:
-            self._spare = {}
-        self._pending = carried if keeps else {}
-        if carried:
-            self._note(it, f"{'carried' if keeps else 'dropped'} the residuals of {len(carried)} buckets: "
-                           f"{self.cur_name} -> {self.next_name}"
-                           + ("" if keeps else f" ({self.next_name} keeps none)"))
+        """Make :attr:`next_name` current; the residuals follow as
+        :class:`~.handover.ResidualHandover` says."""
+        self.residuals.switch(it, self.cur, self.modes[self.next_name], self.cur_name, self.next_name,
+                              trial=self.phase == _TRIAL)
         self.cur_name = self.next_name
 
     def freeze(self, why: str) -> None:
@@ -369,10 +338,6 @@ class AutoPrecision(Reduction):
         self.phase = _FROZEN
 
     # ------------------------------------------------------------ report
-    def _note(self, it: int, text: str) -> None:
-        self.residual_events.append(f"step {it}: {text}")
-        del self.residual_events[:-16]
-
     def _log(self, text: str) -> None:
         if self._rank == 0:
             log.info("fastddp %s: %s", self.label.replace("_", " "), text)
@@ -386,7 +351,7 @@ class AutoPrecision(Reduction):
             "error_feedback": self.state.error_feedback, "tune_buckets": self.state.tune_buckets,
             "topology": self.where,
             "settled_at_step": self.settled_at, "trial_steps": self.trial_steps,
-            "decisions": list(self.decisions), "residual": list(self.residual_events),
+            "decisions": list(self.decisions), "residual": list(self.residuals.events),
             "watch": self.watch.report() if self.watch is not None else None,
             "decided_on": self.decided_on, "windows_not_ready": self.clock.not_ready,
             "trial": None if s is None else {"rounds": s.rounds, "costs_ms": s.costs_ms(),
