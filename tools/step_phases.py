@@ -105,7 +105,7 @@ def mix_buckets(name: str, ddp) -> None:
         return
     from fastddp import reduction
 
-    buckets = [b for b in ddp.reducer._buckets if not b.sparse]
+    buckets = [b for b in ddp.reducer.buckets if not b.sparse]
     b = buckets[0] if name == "fastddp-fp8-first32" else buckets[-1]
     if not isinstance(b.reduction, reduction.AllReduce):
         b.reduction = reduction.choose(None, None, False, True, trial=False)[0]  # plain: no trial of its own

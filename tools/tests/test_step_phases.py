@@ -83,7 +83,7 @@ def _mix_rank(rank: int, port: int, out: str) -> None:
                 ddp.zero_grad(set_to_none=True)
                 spec.loss(ddp(x), y).backward()
             grads[name] = [p.grad.clone() for p in ddp.parameters()]
-            kinds = {type(b.reduction).__name__ for b in ddp.reducer._buckets}
+            kinds = {type(b.reduction).__name__ for b in ddp.reducer.buckets}
             grads[name + ":kinds"] = sorted(kinds)
         if rank == 0:
             torch.save(grads, out)
