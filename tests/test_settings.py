@@ -282,7 +282,7 @@ def test_configure_bucket_cap_mb(unconfigured):
     fastddp.configure(bucket_cap_mb=None)
     assert settings.configured("bucket_cap_mb") is None
     with pytest.raises(TypeError):
-        fastddp.configure(10)  # keyword-only
+        fastddp.configure(10)  # an Options or keywords, nothing else
 
 
 def test_configure_wins_over_the_environment(env, unconfigured):
