@@ -314,19 +314,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         (torch's contract: once, before the first backward)."""
         from . import hooks
 
-        hooks.check_hook(hook)
-        if self._comm_hooks:  # not one set by configure(auto_precision=...): a user's hook replaces that
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        if self._mp is not None:
-            raise RuntimeError("fastddp: mixed_precision runs its own fused reduction; it cannot be "
-                               "combined with register_comm_hook (torch refuses it too: its mixed "
-                               "precision registers a comm hook)")
-        if self.reducer.num_iterations > 0:
-            raise RuntimeError("fastddp: register_comm_hook must be called before the first forward/backward.")
-        if (isinstance(state, hooks.STATES) and getattr(state, "error_feedback", False)
-                and any(self.reducer.sparse)):
-            raise ValueError(f"fastddp: {type(state).__name__}(error_feedback=True) does not apply to "
-                             "modules with sparse gradients")
+        # a hook set by the options' wire recipe is not in _comm_hooks: a user's hook replaces it
+        hooks.check_registration(hook, state, registered=bool(self._comm_hooks),
+                                 mixed_precision=self._mp is not None,
+                                 stepped=self.reducer.num_iterations > 0, sparse=any(self.reducer.sparse))
         group = hooks.state_group(state)
         self.reducer.register_comm_hook(hook, state, group is None or group is self.process_group)
         self._comm_hooks.append((hook, state))

@@ -90,6 +90,26 @@ def state_group(state):
     return state  # torch's convention: the state is the process group (or None)
 
 
+def check_registration(hook, state, *, registered: bool, mixed_precision: bool, stepped: bool,
+                       sparse: bool) -> None:
+    """``DistributedDataParallel.register_comm_hook``'s refusals, with torch's
+    sentences where torch has one: the hook's signature (:func:`check_hook`),
+    a second registration, mixed precision (its own fused reduction), a
+    module that has already stepped, error feedback with sparse gradients."""
+    check_hook(hook)
+    if registered:
+        raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+    if mixed_precision:
+        raise RuntimeError("fastddp: mixed_precision runs its own fused reduction; it cannot be "
+                           "combined with register_comm_hook (torch refuses it too: its mixed "
+                           "precision registers a comm hook)")
+    if stepped:
+        raise RuntimeError("fastddp: register_comm_hook must be called before the first forward/backward.")
+    if isinstance(state, STATES) and getattr(state, "error_feedback", False) and sparse:
+        raise ValueError(f"fastddp: {type(state).__name__}(error_feedback=True) does not apply to "
+                         "modules with sparse gradients")
+
+
 def check_hook(hook) -> None:
     """torch's checks (callable; a ``bucket`` annotation must be GradBucket; a
     return annotation must be Future[Tensor]) plus the arity, with torch's

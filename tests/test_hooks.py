@@ -432,3 +432,22 @@ def test_each_state_belongs_to_its_hook_and_is_frozen():
         st.error_feedback = False
     assert fh.HierarchicalState(wire="fp8").error_feedback is True  # derived where unset
     assert fh.HierarchicalState(None, "bf16", 2).ranks_per_host == 2  # positional order kept
+
+
+@pytest.mark.parametrize("state", ["CompressionState", "FP8CompressionState", "HierarchicalState"])
+def test_error_feedback_with_sparse_gradients_is_refused_naming_the_state(state, tmp_path):
+    """Any fastddp state with error feedback on a module with sparse
+    gradients: refused at registration, naming the state (the residuals are
+    laid out like dense buckets)."""
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as DDP
+
+    st = {"CompressionState": lambda: fh.CompressionState(error_feedback=True),
+          "FP8CompressionState": lambda: fh.FP8CompressionState(),
+          "HierarchicalState": lambda: fh.HierarchicalState(wire="fp8")}[state]()
+    with single_rank_group(tmp_path):
+        m = DDP(torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2)))
+        with pytest.raises(ValueError, match=rf"{state}\(error_feedback=True\) does not apply to modules "
+                                             "with sparse gradients"):
+            m.register_comm_hook(st, fh.fp8_compress_hook)
+        m.register_comm_hook(fh.CompressionState(), fh.fp16_compress_hook)  # no error feedback: taken
