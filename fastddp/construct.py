@@ -63,12 +63,13 @@ def wire_hook(options) -> tuple | None:
     """``(hook, state)`` of :class:`~fastddp.options.Options`' wire recipe and
     hierarchy (None: the exact flat all-reduce, no hook)."""
     from . import hooks
+    from .options import WIRES
 
-    wire, cb, L = options.wire or "exact", options.chunk_bytes, options.ranks_per_host
+    cb, L = options.chunk_bytes, options.ranks_per_host
     if options.lowest is not None:
         return hooks.auto_precision_hook, hooks.AutoPrecisionState(lowest=options.lowest, chunk_bytes=cb,
                                                                    ranks_per_host=L)
-    fmt = {"exact": "fp32", "bf16": "bf16", "fp8": "fp8"}[wire]
+    fmt = WIRES[options.wire or "exact"][2] or "fp32"  # the recipe's fixed format (exact: fp32)
     if options.hierarchical:
         return hooks.hierarchical_hook, hooks.HierarchicalState(wire=fmt, ranks_per_host=L, chunk_bytes=cb)
     if fmt == "bf16":

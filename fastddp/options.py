@@ -97,8 +97,8 @@ def parse_auto_precision(value, what: str = "auto_precision") -> str | None:
 
 
 def wire_of_auto_precision(lowest: str | None) -> str:
-    """The recipe ``FASTDDP_AUTO_PRECISION`` / ``configure(auto_precision=)`` names."""
-    return "exact" if lowest is None else {"bf16": "auto", "fp8": "auto-fp8", "fp32": "auto-fp32"}[lowest]
+    """The recipe ``FASTDDP_AUTO_PRECISION`` / ``configure(auto_precision=)`` names (:data:`WIRES`)."""
+    return "exact" if lowest is None else next(k for k, (_, low, _) in WIRES.items() if low == lowest)
 
 
 def _whole(value, what: str, least: int = 0) -> int:

@@ -75,8 +75,8 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     if options is None:
         options = settings.effective()
     if hook is None:
-        return (_all_reduce(Scaling.DIV if batched_grad_copy else Scaling.MUL, device, trial=trial,
-                            options=options), SparseAllReduce())
+        return _all_reduce(Scaling.DIV if batched_grad_copy else Scaling.MUL, device, options, trial=trial), \
+            SparseAllReduce()
     from ..hook_states import CompressionState, FP8CompressionState
 
     tag = getattr(hook, "_fastddp_fused", None)
@@ -122,7 +122,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         return PythonHook(hook, state), PythonHook(hook, state)
     sparse = PythonHook(hook, state)  # sparse buckets: the hook itself, as torch
     if kind is Kind.ALLREDUCE:
-        return _all_reduce(Scaling.DIV, device, fused=True, options=options), sparse
+        return _all_reduce(Scaling.DIV, device, options, fused=True), sparse
     if kind is Kind.NOOP:
         return NoOp(), sparse
     reference = kernels.backend(device) == "reference"
@@ -167,14 +167,14 @@ def _phase_two(mode, device, pg, options):
     return mode
 
 
-def _all_reduce(scaling: Scaling, device, fused: bool = False, trial: bool = True, options=None) -> Reduction:
+def _all_reduce(scaling: Scaling, device, options, fused: bool = False, trial: bool = True) -> Reduction:
     """The plain all-reduce.  On the CPU its large grads may be reduced where
     they are: ``FASTDDP_IN_PLACE_NUMEL`` elements or more where set (0:
     never), else (auto) where paired trial steps measure it faster than one
     collective per bucket (``trial``; without: never).  On a GPU the one fused
     pack is the point."""
     cpu = device is None or torch.device(device).type == "cpu"
-    least = (options or settings.effective()).in_place_numel
+    least = options.in_place_numel
     least = None if least == "auto" else least
     if not cpu or least == 0 or (least is None and not trial):
         return AllReduce(scaling, fused=fused)
@@ -201,7 +201,7 @@ def _hierarchical(hook, state, group_ok: bool, device, pg, options) -> tuple[Red
             logging.getLogger("fastddp.topology").warning(
                 "fastddp: hierarchical_hook(wire=%s) runs flat: %s", state.wire, topo.why)
         if state.wire == "fp32":
-            return _all_reduce(Scaling.MUL, device, fused=True, options=options), sparse
+            return _all_reduce(Scaling.MUL, device, options, fused=True), sparse
         if state.wire == "bf16":
             reference = kernels.backend(device) == "reference"
             return (_phase_two(Fp32Accumulate(state.error_feedback, state.chunk_bytes, reference), device, pg,

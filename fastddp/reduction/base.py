@@ -103,8 +103,8 @@ class Reduction(abc.ABC):
 
     def residual_of(self, bucket_index: int) -> torch.Tensor | None:
         """Bucket ``bucket_index``'s error-feedback residual laid out like the
-        bucket (None: the mode keeps none of that layout)."""
-        return None
+        bucket: its book's (None: the mode keeps none of that layout)."""
+        return None if self.book is None else self.book.residual_of(bucket_index)
 
     def adopt_residual(self, ctx, bucket, values: torch.Tensor | None) -> bool:
         """Start ``bucket``'s residual from another mode's (laid out like the

@@ -138,9 +138,6 @@ class FusedCompression(Reduction):
         """Elements of the bucket's wire buffer (its first ``flat.numel()`` are the bucket's)."""
         return bucket.flat.numel() if self._wire_numel is None else self._wire_numel(ctx, bucket)
 
-    def residual_of(self, bucket_index: int) -> torch.Tensor | None:
-        return self.book.residual_of(bucket_index)
-
     def adopt_residual(self, ctx, bucket, values) -> bool:
         if not self.book.error_feedback:
             return False

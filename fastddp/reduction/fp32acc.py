@@ -109,9 +109,6 @@ class Fp32Accumulate(Reduction):
         self.book = self.cast.book
         self.engine = TwoPhaseEngine(chunk_bytes)
 
-    def residual_of(self, bucket_index: int):
-        return self.cast.residual_of(bucket_index)
-
     def adopt_residual(self, ctx, bucket, values) -> bool:
         return self.cast.adopt_residual(ctx, bucket, values)
 

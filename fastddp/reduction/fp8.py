@@ -184,9 +184,6 @@ class BlockFp8(Reduction):
     def _exempt(self, p) -> bool:
         return is_exempt(self.exempt_rule, p)
 
-    def residual_of(self, bucket_index: int):
-        return self.book.residual_of(bucket_index)
-
     def adopt_residual(self, ctx, bucket, values) -> bool:
         """The book's adoption (laid out like the bucket, padded to whole
         shards), with the exempt parameters' slots zeroed: they travel in

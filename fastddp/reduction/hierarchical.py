@@ -249,9 +249,7 @@ class Hierarchical(Reduction):
 
     def pack(self, ctx, bucket, grads) -> None:
         d = self.shard_wire(ctx, bucket)
-        d.residual = self.book.residual_for_pack(bucket, d.S) if self.fmt != "fp32" else None
-        if d.residual is None:
-            self.book.unfinished.add(bucket.index)
+        d.residual = self.book.residual_for_pack(bucket, d.S)  # None without error feedback (fp32 has none)
         health, scale = bucket.health, 1.0 / ctx.divisor()
         src, plain = pack_sources(ctx, bucket, grads)
         if d.ex:
