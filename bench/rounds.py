@@ -141,14 +141,13 @@ def _reducer(e: Entry):
 def _tuning(e: Entry) -> bool:
     """The wrapper is fastddp with ``bucket_cap_mb="auto"`` still tuning
     (asked for, or turned on by ``auto_precision_hook`` after its choice),
-    with ``auto_precision_hook`` still measuring its formats, or with the
-    CPU's plain all-reduce still measuring whether its large gradients go in
-    place (``stats()["in_place"]``)."""
+    or with its bucket mode still measuring its candidates (``auto_precision_hook``'s
+    formats, the CPU's in-place rule, ``bf16_fp32acc_hook``'s two-rank run:
+    the mode's stats entry says ``measuring``)."""
     r = _reducer(e)
     if r is None:
         return False
-    st = r.stats()
-    return r.tuning_active or any(st.get(k, {}).get("measuring") for k in ("auto_precision", "in_place"))
+    return r.tuning_active or r.plans.mode_measuring
 
 
 def in_place_note(stats: dict) -> str | None:

@@ -66,6 +66,14 @@ def _fused(model, state=None, **opts):
     return m
 
 
+def _two_phase(m):
+    """The wrapper's two-phase mode: at two ranks one of the candidates the
+    hook's run measures (:func:`fastddp.reduction.choices.two_rank_choice`),
+    the one it starts with and its trial begins with."""
+    mode = m.reducer.mode
+    return mode.candidate("two-phase") if hasattr(mode, "candidate") else mode
+
+
 # ----------------------------------------------------------- oracle parity
 def _oracle_parity(rank, world, model_name, opts, steps=3):
     """Every grad of every step equals the numpy oracle bit for bit, and
@@ -194,6 +202,81 @@ def _error_feedback(rank, world, opts):
 def test_error_feedback_is_exactly_the_recurrence(world2, opts):
     for r in world2.run(_error_feedback, opts):
         assert all(r), r
+
+
+# ------------------------------------------- two ranks: one all-reduce or two phases
+def _two_ranks(rank, world, costs, error_feedback, steps=16):
+    """bf16_fp32acc_hook at two ranks, each rank's trial timed by a
+    synthetic clock of ``costs[rank]``: at every step (the trial's, which
+    alternates the two, included) each grad is the oracle's bit for bit and,
+    with error feedback, each residual the recurrence's.  Returns the bad
+    steps, the choice, the trial's length and the candidate of each step."""
+    import fastddp.hooks as fh
+    from tests.test_auto_precision import SyntheticClock
+
+    local = make_model("mlp")
+    m = _fused(copy.deepcopy(local), fh.CompressionState(error_feedback=error_feedback))
+    m.reducer.mode.clock.synthetic = SyntheticClock(costs[rank])
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    lp, mp_ = list(local.parameters()), list(m.parameters())
+    r = [torch.zeros_like(p) for p in lp]
+    bad, seen = [], []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        local.zero_grad(set_to_none=True)
+        x, y = make_batch("mlp", rank, step)
+        loss_fn(m(x), y).backward()
+        seen.append(m.reducer.mode.cur_name)
+        loss_fn(local(x), y).backward()
+        for i, (pl, pm) in enumerate(zip(lp, mp_)):
+            xval = pl.grad * (1.0 / world) + r[i]
+            if error_feedback:
+                r[i] = xval - xval.to(torch.bfloat16).float()
+                if not torch.equal(m.reducer.error_feedback_residual(i), r[i]):
+                    bad.append((step, i, "residual"))
+            wires = _gather(xval.to(torch.bfloat16).float(), world)
+            want = bf16_rne((wires[0] + wires[1]).astype(np.float32))
+            if not np.array_equal(pm.grad.numpy().view(np.uint32), want.view(np.uint32)):
+                bad.append((step, i, "grad"))
+        opt.step()
+        local.load_state_dict(m.module.state_dict())
+    got = m.stats()["two_ranks"]
+    return bad, got["chosen"], got["trial_steps"], seen
+
+
+@pytest.mark.parametrize("error_feedback", [False, True], ids=["plain", "error_feedback"])
+def test_two_ranks_take_one_all_reduce_where_measured_faster_same_bits(world2, error_feedback):
+    # rank 1 measures the all-reduce barely faster, rank 0 clearly: the MAX over the ranks decides
+    costs = [{"two-phase": 1.0, "all-reduce": 0.5}, {"two-phase": 1.0, "all-reduce": 0.9}]
+    for bad, chosen, trial, seen in world2.run(_two_ranks, costs, error_feedback):
+        assert bad == [] and chosen == "all-reduce" and trial > 0, (bad, chosen, trial)
+        assert seen[0] == "two-phase" and seen[-1] == "all-reduce", seen
+
+
+def test_two_ranks_keep_two_phases_where_the_trial_cannot_tell(world2):
+    costs = [{"two-phase": 1.0, "all-reduce": 1.0}, {"two-phase": 1.0, "all-reduce": 1.2}]
+    for bad, chosen, trial, seen in world2.run(_two_ranks, costs, True):
+        assert bad == [] and chosen == "two-phase" and trial > 0, (bad, chosen, trial)
+        assert "all-reduce" in seen and seen[-1] == "two-phase", seen
+
+
+def _modes_by_world(rank, world):
+    import fastddp.hooks as fh
+    from fastddp import reduction
+
+    from fastddp import DistributedDataParallel as F
+
+    m = _fused(make_model("mlp"))
+    auto = F(make_model("mlp"))  # auto precision's bf16 candidate: the two phases, not a choice of its own
+    auto.register_comm_hook(fh.AutoPrecisionState(), fh.auto_precision_hook)
+    return (type(m.reducer.mode).__name__, m.reducer.fused_path == ("fp32acc", torch.bfloat16),
+            isinstance(auto.reducer.mode.candidate("bf16"), reduction.Fp32Accumulate))
+
+
+def test_only_two_ranks_measure_one_all_reduce(world2, world3):
+    # at three ranks the all-reduce's per-hop rounding differs from the fp32 shard sum: no candidate
+    assert world2.run(_modes_by_world) == [("AutoPrecision", True, True)] * 2
+    assert world3.run(_modes_by_world) == [("Fp32Accumulate", True, True)] * 3
 
 
 # ------------------------------------------------- no_sync, join, bytes, stats
@@ -428,10 +511,11 @@ def _order_of_events(rank, world, eager=False, thread=False):
         return real_pack(srcs, dst, *a, **k)
 
     m = _fused(make_model("deep"), bucket_cap_mb=0.001)
-    m.reducer.mode.engine.eager = eager
-    assert (m.reducer.mode.engine.phase_two is not None) == (kernels.backend() != "interpret")
+    engine = _two_phase(m).engine
+    engine.eager = eager
+    assert (engine.phase_two is not None) == (kernels.backend() != "interpret")
     if not thread:
-        m.reducer.mode.engine.phase_two = None
+        engine.phase_two = None
     for step in range(2):  # the second step runs in the rebuilt buckets
         m.zero_grad(set_to_none=True)
         x, y = make_batch("deep", rank, step)
@@ -568,7 +652,7 @@ def _eager_matches_deferred(rank, world, hook_name):
     for eager in (False, True):
         m = F(copy.deepcopy(base), bucket_cap_mb=0.001)
         m.register_comm_hook(None, hook)
-        m.reducer.mode.engine.eager = eager
+        (_two_phase(m) if hook_name == "bf16_fp32acc_hook" else m.reducer.mode).engine.eager = eager
         grads = []
         for step in range(3):
             m.zero_grad(set_to_none=True)
@@ -610,8 +694,7 @@ def _chunk_counts(rank, world, chunk_bytes):
         m = _fused(make_model("mlp"))
         x, y = make_batch("mlp", rank, 0)
         loss_fn(m(x), y).backward()
-        red = m.reducer.buckets[0].reduction
-        return [red.engine.pieces(b.index) for b in m.reducer.buckets]
+        return [_two_phase(m).engine.pieces(b.index) for b in m.reducer.buckets]
     return _with_chunk_bytes(rank, world, chunk_bytes, body)
 
 

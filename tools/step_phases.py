@@ -59,7 +59,11 @@ def _wrap(name: str, module):
 
     if name.endswith("@end"):  # a two-phase row with phase 2 at the end of backward (no phase-2 thread)
         ddp = _wrap(name[:-4], module)
-        engine = getattr(ddp.reducer.mode, "engine", None)
+        mode = ddp.reducer.mode
+        if "two-phase" in getattr(mode, "formats", ()):  # bf16acc at two ranks: pinned to its two phases
+            mode.freeze("the @end row")  # nothing measured yet: its first candidate, the two phases
+            mode = mode.candidate("two-phase")
+        engine = getattr(mode, "engine", None)
         if engine is None or engine.phase_two is None:
             raise SystemExit(f"step_phases: {name[:-4]} runs no phase-2 thread; @end applies to "
                              "fastddp-fp8 and fastddp-bf16acc")
@@ -162,11 +166,13 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | 
                     samples[name][p].append(v * 1e3)
                 for q, v in zip(THREAD, (h1 - h0, h2 - h1, h3 - h2)):
                     samples[name][f"thread-{q}"].append(v * 1e3)
-    for name in rows:  # the auto setting's decisions: a re-measure inside the timed steps shows here
-        ap = wrapped[name][0].stats().get("auto_precision") if name.startswith("fastddp") else None
-        if ap:
-            samples[name]["decisions"] = [f"step {d['step']}: {d['chosen']} ({d['trigger']})"
-                                          for d in ap["decisions"]]
+    for name in rows:  # the measuring modes' decisions (auto precision, the in-place rule, bf16acc at two
+        # ranks): a trial or re-measure inside the timed steps shows here
+        st = wrapped[name][0].stats() if name.startswith("fastddp") else {}
+        made = [f"step {d['step']}: {d['chosen']} ({d['trigger']})" for v in st.values()
+                if isinstance(v, dict) for d in v.get("decisions", ())]
+        if made:
+            samples[name]["decisions"] = made
     return samples if dist.get_rank() == 0 else None
 
 

@@ -66,9 +66,11 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     state's group is the module's), else as an ordinary callback.
     ``device``: the parameters' (default CPU); it decides the kernel backend
     the modes pack with.  ``pg``: the module's process group (the
-    hierarchical hook resolves its topology on it, collectively).  ``trial``
-    (no hook): the CPU's in-place rule may be decided by trial steps
-    (:func:`_all_reduce`); a mode that measures its own candidates passes False.
+    hierarchical hook resolves its topology on it, collectively).  ``trial``:
+    the CPU's in-place rule (no hook: :func:`_all_reduce`) and
+    ``bf16_fp32acc_hook``'s run at two ranks (:func:`.choices.two_rank_choice`)
+    may be decided by trial steps; a mode that measures its own candidates
+    passes False.
     ``options``: the module's resolved :class:`~fastddp.options.Options` (the
     in-place threshold, chunk bytes where a state sets none, ranks per host
     where a state sets none); None: :func:`fastddp.settings.effective`'s."""
@@ -127,8 +129,13 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         return NoOp(), sparse
     reference = kernels.backend(device) == "reference"
     if kind is Kind.FP32ACC:
-        return _phase_two(Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference),
-                          device, pg, options), sparse
+        mode = _phase_two(Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference),
+                          device, pg, options)
+        if trial and pg is not None and pg.size() == 2:
+            from .choices import two_rank_choice
+
+            mode = two_rank_choice(mode, FusedCompression(torch.bfloat16, error_feedback, reference), error_feedback)
+        return mode, sparse
     return FusedCompression(dtype, error_feedback, reference), sparse
 
 

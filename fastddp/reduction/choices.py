@@ -1,6 +1,7 @@
-"""The two modes built from :class:`~.autoprec.AutoPrecision`'s measured
-choice: ``auto_precision_hook`` (the wire format) and the CPU's plain
-all-reduce where ``FASTDDP_IN_PLACE_NUMEL`` is unset (the in-place layout)."""
+"""The modes built from :class:`~.autoprec.AutoPrecision`'s measured
+choice: ``auto_precision_hook`` (the wire format), the CPU's plain
+all-reduce where ``FASTDDP_IN_PLACE_NUMEL`` is unset (the in-place layout)
+and ``bf16_fp32acc_hook`` at two ranks (two phases or one all-reduce)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from .autoprec import LOWEST_INDEX, ORDER, AutoPrecision
 from .plain import AllReduce, Reduction, SparseAllReduce, fused_state
 from .stepclock import decision_group
 
-__all__ = ["build", "in_place_choice"]
+__all__ = ["build", "in_place_choice", "two_rank_choice"]
 
 
 def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose, ranks_per_host=None):
@@ -36,7 +37,7 @@ def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose, ra
         "fp32": lambda: choose(None, None, batched_grad_copy, True, device, trial=False)[0],  # one trial at a time
         "hier-fp32": lambda: hier("fp32"),
         "bf16": lambda: choose(bf16_fp32acc_hook, CompressionState(error_feedback=ef, chunk_bytes=cb),
-                               batched_grad_copy, True, device, pg)[0],
+                               batched_grad_copy, True, device, pg, trial=False)[0],
         "hier-bf16": lambda: hier("bf16"),
         "fp8": lambda: choose(fp8_compress_hook, FP8CompressionState(block_size=state.block_size,
                                                                      error_feedback=ef, chunk_bytes=cb),
@@ -66,4 +67,24 @@ def in_place_choice(scaling, fused: bool, least: int) -> Reduction:
     mode = AutoPrecision(state, {"flat": flat, "in-place": split}, label="in_place",
                          differs=lambda ctx, bucket: bool(split.segments(ctx, bucket)))
     mode.kind, mode.fused = flat.kind, fused
+    return mode
+
+
+def two_rank_choice(two_phase: Reduction, one_all_reduce: Reduction, error_feedback: bool) -> Reduction:
+    """``bf16_fp32acc_hook`` on two ranks: its two-phase run (all-to-all,
+    fp32 shard sum, all-gather: two collectives a bucket) unless paired trial
+    steps measure one all-reduce of the same bf16 wire (torch's fp16/bf16
+    hook's collective) faster by more than the margin over the whole
+    interval.  At two ranks both give the same bits: each element is
+    ``a + b`` of two bf16 values, rounded once to bf16 (the fp32 add is exact
+    unless the exponents lie 16 or more apart, where both round to the
+    larger value); only at three ranks or more does the all-reduce's
+    per-hop rounding differ.  The pack, the unpack and the error-feedback
+    residual (bucket-shaped in both) are the same, so a switch carries the
+    residuals over."""
+    from ..hooks import AutoPrecisionState
+
+    state = AutoPrecisionState(lowest="bf16", error_feedback=error_feedback, watch=False, tune_buckets=False)
+    mode = AutoPrecision(state, {"two-phase": two_phase, "all-reduce": one_all_reduce}, label="two_ranks")
+    mode.kind, mode.fused = two_phase.kind, True
     return mode
