@@ -27,6 +27,12 @@ fastddp row with ``FASTDDP_IN_PLACE_NUMEL=N`` (``fastddp:0``: the in-place
 reduction off, a before/after in one run); ``ROW@end`` builds a two-phase
 row (``fastddp-fp8``, ``fastddp-bf16acc``) with phase 2 at the end of
 backward instead of on its thread (the schedule before it, in one run).
+``local`` trains the model alone (no DDP, no communication).
+
+On a netns link each fastddp row also gets its floor per step, printed as
+``ROW step / floor`` with its terms (docs/benchmarking.md, "A step's
+floor on the link"): forward + max(first bucket ready + bytes sent at the
+carried rate, the ``local`` row's backward) + optimizer.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import statistics
 import sys
 import time
 
-ROWS = ("torch", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-bf16acc", "fastddp-fp16", "fastddp-fp8",
+ROWS = ("local", "torch", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-bf16acc", "fastddp-fp16", "fastddp-fp8",
         "fastddp-fp8-first32", "fastddp-fp8-last32", "fastddp-autoprec")
 PHASES = ("fwd", "bwd", "opt", "step", "cpu")
 THREAD = ("fwd", "bwd", "opt")
@@ -81,6 +87,8 @@ def _wrap(name: str, module):
             if old is not None:
                 os.environ["FASTDDP_IN_PLACE_NUMEL"] = old
             settings.reload()
+    if name == "local":  # the model alone: no DDP, no communication (the floor's compute term)
+        return module
     if name.startswith("torch"):
         ddp = TorchDDP(module)
         if name == "torch-fp16":
@@ -129,6 +137,42 @@ def difference(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return m, m - h, m + h
 
 
+class FirstBucket:
+    """When a fastddp row's first bucket of a step is ready: its mode's
+    first ``pack_native`` / ``pack`` call after :meth:`arm` (the moment the
+    countdown reaches zero for a bucket, before its pack runs), on the
+    host clock.  Set on the mode instance, so the reducer's calls (and the
+    native countdown's, through them) go through it."""
+
+    def __init__(self, mode):
+        self.at = None
+        for name in ("pack_native", "pack"):
+            real = getattr(mode, name)
+
+            def timed(*a, _real=real, **k):
+                if self.at is None:
+                    self.at = time.perf_counter()
+                return _real(*a, **k)
+            setattr(mode, name, timed)
+
+    def arm(self) -> None:
+        self.at = None
+
+
+def tx_bytes() -> int | None:
+    """Bytes this rank's interface has sent (``GLOO_SOCKET_IFNAME``'s kernel
+    counter, frames with their headers; inside a namespace ``ip netns exec``
+    shows its own devices), or None off a netns link."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not ifname:
+        return None
+    try:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
 def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | None:
     """Run inside every rank (the process group is up); rank 0 returns the
     per-step samples, the others None."""
@@ -146,6 +190,14 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | 
         wrapped[name] = (m, torch.optim.SGD(m.parameters(), lr=1e-3))
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     samples = {n: {p: [] for p in PHASES + tuple(f"thread-{q}" for q in THREAD)} for n in rows}
+    first = {n: FirstBucket(wrapped[n][0].reducer.mode) for n in rows if n.startswith("fastddp")}
+    on_link = tx_bytes() is not None
+    if on_link:  # the rate the link carries, for the floor's wire term (the same figure on every rank)
+        from tools.netlink import probe_link
+
+        gbit = probe_link()["measured_gbit"]
+        for n in rows:
+            samples[n]["carried_gbit"] = gbit
     tt = time.thread_time
     for i in range(warmup + steps):
         x, y = spec.make_batch(gen, torch.device("cpu"))
@@ -153,6 +205,9 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | 
             ddp, opt = wrapped[name]
             mix_buckets(name, ddp)
             dist.barrier()
+            if name in first:
+                first[name].arm()
+            b0 = tx_bytes() if on_link else None
             c0, t0, h0 = time.process_time(), time.perf_counter(), tt()
             loss = spec.loss(ddp(x), y)
             t1, h1 = time.perf_counter(), tt()
@@ -161,11 +216,16 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | 
             opt.step()
             opt.zero_grad(set_to_none=True)
             t3, c3, h3 = time.perf_counter(), time.process_time(), tt()
+            b3 = tx_bytes() if on_link else None
             if i >= warmup:
                 for p, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0)):
                     samples[name][p].append(v * 1e3)
                 for q, v in zip(THREAD, (h1 - h0, h2 - h1, h3 - h2)):
                     samples[name][f"thread-{q}"].append(v * 1e3)
+                if name in first and first[name].at is not None:
+                    samples[name].setdefault("first", []).append((first[name].at - t1) * 1e3)
+                if on_link:
+                    samples[name].setdefault("sent", []).append(b3 - b0)
     for name in rows:  # the measuring modes' decisions (auto precision, the in-place rule, bf16acc at two
         # ranks): a trial or re-measure inside the timed steps shows here
         st = wrapped[name][0].stats() if name.startswith("fastddp") else {}
@@ -190,10 +250,45 @@ def summary(samples: dict) -> str:
             d, lo, hi = difference(samples[rows[0]][f"thread-{q}"], samples[n][f"thread-{q}"])
             diffs.append(f"{q} {d:+.3f} ({lo:+.3f}..{hi:+.3f})")
         lines.append(f"{n} - {rows[0]} training thread CPU ms: " + ", ".join(diffs))
+    local = samples.get("local")
+    for n in rows:
+        fl = floor(samples[n], local)
+        if fl is not None:
+            g, lo, hi = paired(fl, samples[n]["step"])
+            parts = {k: statistics.median(v) for k, v in floor_terms(samples[n]).items()}
+            if local is not None:
+                parts["local bwd"] = statistics.median(local["bwd"])
+            lines.append(f"{n} step / floor: {g:.3f} ({lo:.3f}-{hi:.3f}); floor {statistics.median(fl):.2f} ms = "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+                         + f" (medians; wire: the bytes sent at {samples[n]['carried_gbit']:.3f} Gbit/s carried"
+                         + ("; backward's term the larger of first + wire and the local backward" if local else "")
+                         + ")")
     for n in rows:
         for d in samples[n].get("decisions", []):
             lines.append(f"{n} decided at {d}")
     return "\n".join(lines)
+
+
+def floor_terms(row: dict, local: dict | None = None) -> dict:
+    """Per step, in ms, the terms of a DDP step's floor (docs/benchmarking.md):
+    forward, backward's start to the first bucket's readiness, the bytes
+    the step sent at the rate the link carries, the optimizer.  With a
+    ``local`` row (the model alone), backward's term is the larger of
+    first + wire and the local backward of the same step (a step whose
+    compute outlasts the wire is bound by its compute instead)."""
+    wire = [b * 8 / (row["carried_gbit"] * 1e9) * 1e3 for b in row["sent"]]
+    if local is None:
+        return {"fwd": row["fwd"], "first": row["first"], "wire": wire, "opt": row["opt"]}
+    return {"fwd": row["fwd"], "max(first+wire, local bwd)":
+            [max(f + w, b) for f, w, b in zip(row["first"], wire, local["bwd"])], "opt": row["opt"]}
+
+
+def floor(row: dict, local: dict | None = None) -> list[float] | None:
+    """Each step's floor (ms): the sum of :func:`floor_terms`; None for a row
+    without them (torch's, or off a netns link)."""
+    if "first" not in row or "sent" not in row or len(row["first"]) != len(row["step"]):
+        return None
+    return [sum(t) for t in zip(*floor_terms(row, local).values())]
 
 
 def _worker(args) -> None:

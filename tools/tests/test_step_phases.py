@@ -104,3 +104,32 @@ def test_per_bucket_mix_rows_reduce_their_bucket_in_fp32(tmp_path):
     for name in ("fastddp-fp8-first32", "fastddp-fp8-last32"):
         assert all(torch.equal(a, b) for a, b in zip(g["fastddp"], g[name])), name
     assert not all(torch.equal(a, b) for a, b in zip(g["fastddp"], g["fastddp-fp8"]))
+
+
+def _row(**cols):
+    return {k: list(v) for k, v in cols.items()}
+
+
+def test_floor_is_forward_first_bucket_wire_and_optimizer():
+    # 1 Gbit/s carried: 12.5 MB is 100 ms of wire
+    row = _row(fwd=[20.0, 22.0], first=[3.0, 5.0], sent=[12_500_000, 12_500_000], opt=[10.0, 10.0],
+               step=[200.0, 220.0])
+    row["carried_gbit"] = 1.0
+    assert step_phases.floor(row) == pytest.approx([133.0, 137.0])
+    # a local backward that outlasts first + wire bounds that step instead
+    local = _row(bwd=[50.0, 150.0])
+    assert step_phases.floor(row, local) == pytest.approx([133.0, 182.0])
+    assert step_phases.floor(_row(fwd=[1.0], opt=[1.0], step=[3.0])) is None  # torch's row, or off a link
+
+
+def test_a_local_row_and_the_first_bucket_on_loopback(tmp_path):
+    out = tmp_path / "s.json"
+    run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows", "fastddp,local", "--model", "tiny",
+                          "--steps", "2", "--json", str(out), "--port", "29537"],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    samples = json.loads(out.read_text())
+    fast, local = samples["fastddp"], samples["local"]
+    assert len(fast["first"]) == 2 and all(0 < f < b for f, b in zip(fast["first"], fast["bwd"]))
+    assert "first" not in local and "sent" not in fast  # loopback: no link counters, so no floor line
+    assert "step / floor" not in run.stdout
