@@ -68,9 +68,28 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _run(cmd: list[str], timeout: float, cwd: Path, env: dict[str, str] | None = None) -> tuple[str, float]:
     """Run ``cmd`` in its own session; on timeout kill the whole group (the
-    launcher and the ranks it started).  Returns (stdout, seconds)."""
+    launcher and the ranks it started).  Returns (stdout, seconds).  A
+    rendezvous port taken between :func:`_free_port` and the launcher's bind
+    (another test process, side by side: EADDRINUSE, before any rank ran) is
+    replaced by a fresh one, at most twice."""
+    env = env or _env()
+    for _ in range(2):
+        try:
+            return _run_once(cmd, timeout, cwd, env)
+        except _PortTaken:
+            cmd = [str(_free_port()) if k and cmd[k - 1] == "--master-port" else a for k, a in enumerate(cmd)]
+            if "MASTER_PORT" in env:
+                env = {**env, "MASTER_PORT": str(_free_port())}
+    return _run_once(cmd, timeout, cwd, env, retry=False)
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_once(cmd, timeout, cwd, env, retry: bool = True) -> tuple[str, float]:
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -82,6 +101,8 @@ def _run(cmd: list[str], timeout: float, cwd: Path, env: dict[str, str] | None =
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # stray ranks, if any
+    if proc.returncode != 0 and retry and "EADDRINUSE" in err:
+        raise _PortTaken
     if proc.returncode != 0:
         pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{out[-4000:]}\n"
                     f"--- stderr\n{err[-8000:]}")
@@ -139,6 +160,25 @@ def test_patch_torch_ddp_swaps_and_restores():
     with pytest.raises(KeyError):
         boom()
     assert torch.nn.parallel.DistributedDataParallel is torch_cls
+
+
+def test_a_rendezvous_port_taken_meanwhile_is_replaced(tmp_path):
+    """The launcher of a test run side by side with another may find the
+    port _free_port() gave already taken: _run retries with a fresh one."""
+    bind = ("import socket, sys\n"
+            "s = socket.socket()\n"
+            "try:\n"
+            "    s.bind(('127.0.0.1', int(sys.argv[sys.argv.index('--master-port') + 1])))\n"
+            "except OSError:\n"
+            "    sys.exit('EADDRINUSE: address already in use')\n"
+            "print('bound')\n")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        out, _ = _run([sys.executable, "-c", bind, "--master-port", str(held.getsockname()[1])], timeout=30,
+                      cwd=tmp_path)
+        assert out.strip() == "bound"
+        with pytest.raises(pytest.fail.Exception, match="exit code 1"):  # anything else fails at once
+            _run([sys.executable, "-c", "import sys; sys.exit('no')"], timeout=30, cwd=tmp_path)
 
 
 # ------------------------------------------------------------------ torchrun
