@@ -1,6 +1,7 @@
 """Shared test fixtures: isolation (seed, kernel counters, backend probe);
 the fast tier (``--fast``) and the durations it is chosen from; the shards
-tests/run.sh runs side by side (``FASTDDP_TESTS_SHARD``)."""
+tests/run.sh runs side by side (``FASTDDP_TESTS_SHARD``, whole files claimed
+as each shard gets to them: ``FASTDDP_TESTS_CLAIMS``)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def shard_files(items, table: dict, shards: int) -> list[set]:
     shard computes the same deal from the same selection."""
     by_file: dict = defaultdict(float)
     for item in items:  # an unrecorded test counts as quick
-        by_file[item.nodeid.split("::")[0]] += table.get(item.nodeid, 0.05)
+        by_file[_file_of(item)] += table.get(item.nodeid, 0.05)
     heap = [(0.0, k) for k in range(shards)]
     out = [set() for _ in range(shards)]
     for name, t in sorted(by_file.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -92,8 +93,76 @@ def _shard(items) -> None:
             raise ValueError
     except ValueError:
         raise pytest.UsageError(f"FASTDDP_TESTS_SHARD={spec!r}: expected i/n with 0 <= i < n, e.g. 0/2")
-    mine = shard_files(items, _durations(), n)[i]
-    items[:] = [item for item in items if item.nodeid.split("::")[0] in mine]
+    table = _durations()
+    deal = shard_files(items, table, n)
+    if os.environ.get("FASTDDP_TESTS_CLAIMS"):
+        items[:] = claim_order(items, table, deal, i)  # every file: the loop claims each as it gets to it
+        return
+    items[:] = [item for item in items if _file_of(item) in deal[i]]
+
+
+def claim_order(items, table: dict, deal: list, i: int) -> list:
+    """The order in which shard ``i`` of claiming shards
+    (``FASTDDP_TESTS_CLAIMS``) tries the files: its own share of the static
+    deal (:func:`shard_files`), longest first by recorded time, then the
+    others' files, shortest first, i.e. work stealing from the ends of their
+    lists: each long file stays with the shard it was dealt to, and whichever
+    shard is done first takes the other's short files while that one runs
+    its last long one.  Whole files, collection order inside each."""
+    by_file: dict = defaultdict(list)
+    for item in items:
+        by_file[_file_of(item)].append(item)
+    t = {f: sum(table.get(i.nodeid, 0.05) for i in its) for f, its in by_file.items()}
+    own = sorted((f for f in by_file if f in deal[i]), key=lambda f: (-t[f], f))
+    rest = sorted((f for f in by_file if f not in deal[i]), key=lambda f: (t[f], f))
+    return [item for f in own + rest for item in by_file[f]]
+
+
+def _file_of(item) -> str:
+    """The test file of ``item``: its node id's path, or for a file outside
+    the rootdir (whose node id starts with ``::``) its own path."""
+    return item.nodeid.split("::")[0] or str(item.path)
+
+
+def claim(folder: str, name: str) -> bool:
+    """Take test file ``name`` for this process: True for the first process
+    of the run to ask (an exclusive create in ``folder``), False after."""
+    try:
+        os.close(os.open(os.path.join(folder, name.replace("/", "__")), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def pytest_runtestloop(session):
+    """Shards that claim files (``FASTDDP_TESTS_SHARD=i/n`` with
+    ``FASTDDP_TESTS_CLAIMS=<folder>``, tests/run.sh): each shard runs the
+    next file of its :func:`claim_order` that no shard has claimed yet,
+    so the shards end together whatever the recorded times say (the static
+    deal alone left one shard 30-40 s behind the other when the times went
+    stale).  A file's tests run in one process, in order;
+    the files the other shards took are neither run nor reported here."""
+    folder = os.environ.get("FASTDDP_TESTS_CLAIMS")
+    if not folder or not os.environ.get("FASTDDP_TESTS_SHARD") or session.config.option.collectonly:
+        return None  # pytest's own loop
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted(f"{session.testsfailed} error{'s' if session.testsfailed != 1 else ''} "
+                                  "during collection")
+    items = session.items
+    start = [k for k, item in enumerate(items) if k == 0 or _file_of(items[k - 1]) != _file_of(item)]
+    for a, b in zip(start, start[1:] + [len(items)]):
+        if not claim(folder, _file_of(items[a])):
+            continue
+        for k in range(a, b):
+            # the next file's first test as nextitem: its module is set up only if this shard claims it,
+            # and what both share (the session, the folder) stays up meanwhile
+            nxt = items[k + 1] if k + 1 < len(items) else None
+            items[k].config.hook.pytest_runtest_protocol(item=items[k], nextitem=nxt)
+            if session.shouldfail:
+                raise session.Failed(session.shouldfail)
+            if session.shouldstop:
+                raise session.Interrupted(session.shouldstop)
+    return True
 
 
 _recorded: dict = defaultdict(float)

@@ -80,7 +80,7 @@ t0=$SECONDS
 "$py" -c "import fastddp._native as n; n.main()"
 "$py" -c "import fastddp.kernels._fp8_native as f; f.main()"
 default=(-m "not interpret and not gpu")
-unset FASTDDP_TESTS_SHARD  # (run.sh run by a test inside a shard: its own sessions are whole)
+unset FASTDDP_TESTS_SHARD FASTDDP_TESTS_CLAIMS  # (run.sh run by a test inside a shard: its own sessions are whole)
 if [ "${FASTDDP_TESTS_SERIAL:-0}" = "1" ]; then
     "$py" -m pytest ${TEST_PATHS:-tests} "${default[@]}" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default"
     rc1=${PIPESTATUS[0]}
@@ -90,6 +90,9 @@ if [ "${FASTDDP_TESTS_SERIAL:-0}" = "1" ]; then
 else
     TRITON_INTERPRET=1 "$py" -m pytest ${TEST_PATHS:-tests} -m "interpret" ${color[@]+"${color[@]}"} "$@" > "$logs/interpret" 2>&1 &
     ipid=$!
+    claims="$logs/claims"  # the shards take whole files as they get to them (tests/conftest.py)
+    mkdir -p "$claims"
+    export FASTDDP_TESTS_CLAIMS="$claims"
     FASTDDP_TESTS_SHARD=1/2 "$py" -m pytest ${TEST_PATHS:-tests} "${default[@]}" ${color[@]+"${color[@]}"} "$@" > "$logs/default-1" 2>&1 &
     spid=$!
     trap 'kill $ipid $spid 2>/dev/null; rm -rf "$logs"' EXIT
@@ -99,6 +102,7 @@ else
     r1=$?
     wait $ipid
     rc2=$?
+    unset FASTDDP_TESTS_CLAIMS
     trap 'rm -rf "$logs"' EXIT
     cat "$logs/default-1" "$logs/interpret"
     rc1=$(rc_of "$r0" "$r1")

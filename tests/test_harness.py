@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests._dist import shared_world, world2  # noqa: F401
+from tests._dist import REPO_ROOT, shared_world, world2  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -136,6 +138,7 @@ def test_the_shards_deal_whole_files_by_recorded_time(monkeypatch):
     table = {"tests/test_a.py::x": 50.0, "tests/test_b.py::x": 40.0, "tests/test_b.py::y": 5.0,
              "tests/test_c.py::x": 30.0, "tests/test_d.py::x": 20.0}
     monkeypatch.setattr(conftest, "_durations", lambda: table)
+    monkeypatch.delenv("FASTDDP_TESTS_CLAIMS", raising=False)  # the static deal (run.sh's shards claim)
     items = [_Item(n) for n in [*table, "tests/test_e.py::unrecorded"]]
     kept = []
     for i in range(2):
@@ -155,3 +158,55 @@ def test_the_shards_deal_whole_files_by_recorded_time(monkeypatch):
     whole = list(items)
     conftest._shard(whole)
     assert whole == items  # unset: everything
+
+
+def test_claiming_shards_work_their_deal_longest_first_then_steal_short_files(tmp_path, monkeypatch):
+    from tests import conftest
+
+    table = {"tests/test_a.py::x": 50.0, "tests/test_b.py::x": 40.0, "tests/test_b.py::y": 5.0,
+             "tests/test_c.py::x": 30.0, "tests/test_d.py::x": 20.0}
+    items = [_Item(n) for n in [*table, "tests/test_e.py::unrecorded", "tests/test_a.py::z"]]
+    deal = conftest.shard_files(items, table, 2)  # a+d+e | b+c
+    assert deal == [{"tests/test_a.py", "tests/test_d.py", "tests/test_e.py"}, {"tests/test_b.py", "tests/test_c.py"}]
+    files = [list(dict.fromkeys(i.nodeid.split("::")[0] for i in conftest.claim_order(items, table, deal, k)))
+             for k in range(2)]
+    # its own share longest first (a 50.05, d 20, e 0.05), then the other's shortest first (c 30, b 45)
+    assert files[0] == ["tests/test_a.py", "tests/test_d.py", "tests/test_e.py", "tests/test_c.py", "tests/test_b.py"]
+    assert files[1] == ["tests/test_b.py", "tests/test_c.py", "tests/test_e.py", "tests/test_d.py", "tests/test_a.py"]
+    mine = [i.nodeid for i in conftest.claim_order(items, table, deal, 0)]
+    assert mine[:2] == ["tests/test_a.py::x", "tests/test_a.py::z"]  # a file's tests together
+    assert sorted(mine) == sorted(i.nodeid for i in items)  # every test, once
+    assert conftest.claim(str(tmp_path), "tests/test_b.py") and not conftest.claim(str(tmp_path), "tests/test_b.py")
+    monkeypatch.setattr(conftest, "_durations", lambda: table)
+    monkeypatch.setenv("FASTDDP_TESTS_SHARD", "1/2")
+    monkeypatch.setenv("FASTDDP_TESTS_CLAIMS", str(tmp_path))
+    kept = list(items)
+    conftest._shard(kept)
+    assert [i.nodeid for i in kept] == [i.nodeid for i in conftest.claim_order(items, table, deal, 1)]  # all: the loop claims
+
+
+@pytest.mark.slow
+def test_two_claiming_shards_run_every_test_once(tmp_path):
+    """tests/run.sh's default session: two pytest processes claiming whole
+    files from one folder run each selected test exactly once between them."""
+    files = ["tests/test_planner.py", "tests/test_compare.py", "tests/test_kernels_tables.py",
+             "tests/test_settings.py"]
+    env = {k: v for k, v in os.environ.items() if k not in ("FASTDDP_TESTS_SHARD", "TRITON_INTERPRET")}
+    claims, ran = tmp_path / "claims", [tmp_path / "ran-0.json", tmp_path / "ran-1.json"]
+    claims.mkdir()
+    env["FASTDDP_TESTS_CLAIMS"] = str(claims)
+    sel = ["-q", "-p", "no:randomly", "-m", "not interpret and not gpu", *files]
+    procs = [subprocess.Popen([sys.executable, "-m", "pytest", *sel, "--record-durations", str(ran[i])],
+                              cwd=REPO_ROOT, env={**env, "FASTDDP_TESTS_SHARD": f"{i}/2"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+    ran = [set(json.loads(r.read_text())) if r.exists() else set() for r in ran]  # the test ids each one ran
+    assert not ran[0] & ran[1], ran[0] & ran[1]  # no test twice
+    assert {n.split("::")[0] for n in ran[0]}.isdisjoint({n.split("::")[0] for n in ran[1]})  # whole files
+    whole = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", *sel], cwd=REPO_ROOT,
+                           env={k: v for k, v in env.items() if k != "FASTDDP_TESTS_CLAIMS"},
+                           capture_output=True, text=True, timeout=120).stdout
+    want = {line for line in whole.splitlines() if "::" in line}
+    assert len(want) > 50 and ran[0] | ran[1] == want, (want - (ran[0] | ran[1]), (ran[0] | ran[1]) - want)
+    assert sorted(os.listdir(claims)) == sorted({n.split("::")[0].replace("/", "__") for n in want})
