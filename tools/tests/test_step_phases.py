@@ -19,15 +19,20 @@ def test_paired_ratio_is_the_geometric_mean_with_an_interval():
     assert g == pytest.approx((0.9 * 1.1) ** 0.5)
 
 
-def test_two_rows_on_loopback(tmp_path):
+def _loopback(tmp_path, rows: str, steps: int, port: int):
+    """``step_phases`` on loopback, the tiny model: (the finished run, rank 0's samples)."""
     out = tmp_path / "s.json"
-    run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows", "torch,fastddp", "--model", "tiny",
-                          "--steps", "3", "--json", str(out), "--port", "29531"],
+    run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows", rows, "--model", "tiny",
+                          "--steps", str(steps), "--json", str(out), "--port", str(port)],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
+    return run, json.loads(out.read_text())
+
+
+def test_two_rows_on_loopback(tmp_path):
+    run, samples = _loopback(tmp_path, "torch,fastddp", 3, 29531)
     assert "fastddp / torch step:" in run.stdout and "fastddp / torch cpu:" in run.stdout
     assert "fastddp - torch training thread CPU ms: fwd " in run.stdout
-    samples = json.loads(out.read_text())
     assert set(samples) == {"torch", "fastddp"}
     assert all(len(samples[r][p]) == 3 and min(samples[r][p]) > 0 for r in samples for p in step_phases.PHASES
                if p != "cpu")
@@ -123,12 +128,7 @@ def test_floor_is_forward_first_bucket_wire_and_optimizer():
 
 
 def test_a_local_row_and_the_first_bucket_on_loopback(tmp_path):
-    out = tmp_path / "s.json"
-    run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows", "fastddp,local", "--model", "tiny",
-                          "--steps", "2", "--json", str(out), "--port", "29537"],
-                         capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-2000:]
-    samples = json.loads(out.read_text())
+    run, samples = _loopback(tmp_path, "fastddp,local", 2, 29537)
     fast, local = samples["fastddp"], samples["local"]
     assert len(fast["first"]) == 2 and all(0 < f < b for f, b in zip(fast["first"], fast["bwd"]))
     assert "first" not in local and "sent" not in fast  # loopback: no link counters, so no floor line
