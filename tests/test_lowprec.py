@@ -260,6 +260,19 @@ def test_two_ranks_keep_two_phases_where_the_trial_cannot_tell(world2):
         assert "all-reduce" in seen and seen[-1] == "two-phase", seen
 
 
+def test_the_two_rank_choice_times_a_cuda_device_with_its_events():
+    # built for a CUDA module (nothing launched here): its trial reads CUDA events, not the host clock
+    from fastddp import reduction
+    from fastddp.reduction.choices import two_rank_choice
+
+    dev = torch.device("cuda")
+    mode = two_rank_choice(reduction.Fp32Accumulate(False), reduction.FusedCompression(torch.bfloat16, False),
+                           False, dev, None)
+    assert mode.clock.cuda and mode.kind is reduction.Kind.FP32ACC and mode.formats == ["two-phase", "all-reduce"]
+    assert not two_rank_choice(reduction.Fp32Accumulate(False), reduction.FusedCompression(torch.bfloat16, False),
+                               False).clock.cuda
+
+
 def _modes_by_world(rank, world):
     import fastddp.hooks as fh
     from fastddp import reduction

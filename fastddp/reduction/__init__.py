@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from .. import kernels, settings
+from .. import groups, kernels, settings
 from .compression import FusedCompression, ResidualBook
 from .context import StepContext
 from .datapath import REDUCED_NONFINITE, Scaling, fill_flat, unpack_grads
@@ -131,10 +131,11 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     if kind is Kind.FP32ACC:
         mode = _phase_two(Fp32Accumulate(error_feedback, getattr(state, "chunk_bytes", None), reference),
                           device, pg, options)
-        if trial and pg is not None and pg.size() == 2:
+        if trial and pg is not None and groups.size(pg) == 2:
             from .choices import two_rank_choice
 
-            mode = two_rank_choice(mode, FusedCompression(torch.bfloat16, error_feedback, reference), error_feedback)
+            mode = two_rank_choice(mode, FusedCompression(torch.bfloat16, error_feedback, reference),
+                                   error_feedback, device, pg)
         return mode, sparse
     return FusedCompression(dtype, error_feedback, reference), sparse
 
@@ -197,7 +198,7 @@ def _hierarchical(hook, state, group_ok: bool, device, pg, options) -> tuple[Red
     its sub-groups made once; where it cannot apply, the same wire flat."""
     import logging
 
-    from .. import groups, topology
+    from .. import topology
     from ..hooks import HierarchicalState
 
     state = fused_state("hierarchical_hook", state, HierarchicalState, group_ok)

@@ -70,7 +70,8 @@ def in_place_choice(scaling, fused: bool, least: int) -> Reduction:
     return mode
 
 
-def two_rank_choice(two_phase: Reduction, one_all_reduce: Reduction, error_feedback: bool) -> Reduction:
+def two_rank_choice(two_phase: Reduction, one_all_reduce: Reduction, error_feedback: bool, device=None,
+                    pg=None) -> Reduction:
     """``bf16_fp32acc_hook`` on two ranks: its two-phase run (all-to-all,
     fp32 shard sum, all-gather: two collectives a bucket) unless paired trial
     steps measure one all-reduce of the same bf16 wire (torch's fp16/bf16
@@ -81,10 +82,12 @@ def two_rank_choice(two_phase: Reduction, one_all_reduce: Reduction, error_feedb
     larger value); only at three ranks or more does the all-reduce's
     per-hop rounding differ.  The pack, the unpack and the error-feedback
     residual (bucket-shaped in both) are the same, so a switch carries the
-    residuals over."""
+    residuals over.  ``device``, ``pg``: as for auto precision, its clock
+    (CUDA events on CUDA) and the group its decisions are reduced on."""
     from ..hooks import AutoPrecisionState
 
     state = AutoPrecisionState(lowest="bf16", error_feedback=error_feedback, watch=False, tune_buckets=False)
-    mode = AutoPrecision(state, {"two-phase": two_phase, "all-reduce": one_all_reduce}, label="two_ranks")
+    mode = AutoPrecision(state, {"two-phase": two_phase, "all-reduce": one_all_reduce}, device, label="two_ranks")
     mode.kind, mode.fused = two_phase.kind, True
+    mode.side, mode.decided_on = decision_group(pg, device)
     return mode
