@@ -52,7 +52,7 @@ def _fast_tier(config, items) -> None:
     by_file = defaultdict(list)
     for item in items:
         if "slow" not in item.keywords and "rig" not in item.keywords:
-            by_file[item.nodeid.split("::")[0]].append(item)
+            by_file[_file_of(item)].append(item)
     keep = set()
     for file_items in by_file.values():
         quick = [i for i in file_items if table.get(i.nodeid, 0.0) <= FAST_TEST_S]
@@ -139,7 +139,7 @@ def pytest_runtestloop(session):
     ``FASTDDP_TESTS_CLAIMS=<folder>``, tests/run.sh): each shard runs the
     next file of its :func:`claim_order` that no shard has claimed yet,
     so the shards end together whatever the recorded times say (the static
-    deal alone left one shard 30-40 s behind the other when the times went
+    deal alone left one shard 17-37 s behind the other when the times went
     stale).  A file's tests run in one process, in order;
     the files the other shards took are neither run nor reported here."""
     folder = os.environ.get("FASTDDP_TESTS_CLAIMS")

@@ -10,7 +10,8 @@
 #      kernel source, bit-exact against the reference, and the reducer with
 #      the kernels in the loop.
 # They run side by side, the default one as two pytest processes (whole test
-# files dealt by recorded time: tests/conftest.py, FASTDDP_TESTS_SHARD): its
+# files dealt by recorded time, then claimed as each process gets to them:
+# tests/conftest.py, FASTDDP_TESTS_SHARD, FASTDDP_TESTS_CLAIMS): its
 # subprocess-heavy tests (torchrun, clients, builds) leave a core idle (on 2
 # cores: 5m30s-5m55s, against 6m29s with the default session whole beside
 # the interpreter one); the shards' and the interpreter's output follow.
@@ -92,17 +93,15 @@ else
     ipid=$!
     claims="$logs/claims"  # the shards take whole files as they get to them (tests/conftest.py)
     mkdir -p "$claims"
-    export FASTDDP_TESTS_CLAIMS="$claims"
-    FASTDDP_TESTS_SHARD=1/2 "$py" -m pytest ${TEST_PATHS:-tests} "${default[@]}" ${color[@]+"${color[@]}"} "$@" > "$logs/default-1" 2>&1 &
+    FASTDDP_TESTS_CLAIMS="$claims" FASTDDP_TESTS_SHARD=1/2 "$py" -m pytest ${TEST_PATHS:-tests} "${default[@]}" ${color[@]+"${color[@]}"} "$@" > "$logs/default-1" 2>&1 &
     spid=$!
     trap 'kill $ipid $spid 2>/dev/null; rm -rf "$logs"' EXIT
-    FASTDDP_TESTS_SHARD=0/2 "$py" -m pytest ${TEST_PATHS:-tests} "${default[@]}" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default-0"
+    FASTDDP_TESTS_CLAIMS="$claims" FASTDDP_TESTS_SHARD=0/2 "$py" -m pytest ${TEST_PATHS:-tests} "${default[@]}" ${color[@]+"${color[@]}"} "$@" 2>&1 | tee "$logs/default-0"
     r0=${PIPESTATUS[0]}
     wait $spid
     r1=$?
     wait $ipid
     rc2=$?
-    unset FASTDDP_TESTS_CLAIMS
     trap 'rm -rf "$logs"' EXIT
     cat "$logs/default-1" "$logs/interpret"
     rc1=$(rc_of "$r0" "$r1")

@@ -161,15 +161,15 @@ class FirstBucket:
 
 def tx_bytes() -> int | None:
     """Bytes this rank's interface has sent (``GLOO_SOCKET_IFNAME``'s kernel
-    counter, frames with their headers; inside a namespace ``ip netns exec``
-    shows its own devices), or None off a netns link."""
+    counter, :func:`tools.netlink.read_counters`), or None off a netns link."""
+    from tools.netlink import LinkError, read_counters
+
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     if not ifname:
         return None
     try:
-        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
-            return int(f.read())
-    except OSError:
+        return read_counters(ifname)[0]
+    except LinkError:
         return None
 
 

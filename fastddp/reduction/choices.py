@@ -88,6 +88,6 @@ def two_rank_choice(two_phase: Reduction, one_all_reduce: Reduction, error_feedb
 
     state = AutoPrecisionState(lowest="bf16", error_feedback=error_feedback, watch=False, tune_buckets=False)
     mode = AutoPrecision(state, {"two-phase": two_phase, "all-reduce": one_all_reduce}, device, label="two_ranks")
-    mode.kind, mode.fused = two_phase.kind, True
+    mode.kind = two_phase.kind  # fused already, as every AutoPrecision
     mode.side, mode.decided_on = decision_group(pg, device)
     return mode
