@@ -117,6 +117,11 @@ class Comm:
             return _NULL
         return torch.cuda.stream(self.phase2)
 
+    def phase2_mark(self, event: "torch.cuda.Event") -> None:
+        """Record ``event`` on the second-phase stream: what a bucket's rounds
+        queued there so far (:meth:`phase2_context`)."""
+        event.record(self.phase2)
+
     def hand_over(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor allocated on the comm stream that the compute stream will
         own (a new ``.grad``): tell the caching allocator, so its memory is

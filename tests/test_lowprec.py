@@ -665,7 +665,9 @@ def _eager_matches_deferred(rank, world, hook_name):
     for eager in (False, True):
         m = F(copy.deepcopy(base), bucket_cap_mb=0.001)
         m.register_comm_hook(None, hook)
-        (_two_phase(m) if hook_name == "bf16_fp32acc_hook" else m.reducer.mode).engine.eager = eager
+        for mode in getattr(m.reducer.mode, "modes", {None: m.reducer.mode}).values():  # fp8's: both candidates
+            if hasattr(mode, "engine"):
+                mode.engine.eager = eager
         grads = []
         for step in range(3):
             m.zero_grad(set_to_none=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import fastddp.kernels as K
 from fastddp.kernels import reference as R
-from tests._dist import STAND_IN, world2  # noqa: F401
+from tests._dist import STAND_IN, world2, world3  # noqa: F401
 from tests._models import loss_fn, make_batch, make_model
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -233,11 +233,20 @@ def test_reduce_kernel_matches_reference(world):
 
 
 # ------------------------------------------------------ the fused reduction
-def _pipeline(rank, world, opts, block=32, steps=3, exempt="default", chunked=False):
+def _candidates(m) -> list:
+    """The fp8 modes of a wrapper: at two ranks both candidates of the
+    two-rank choice (the two phases first), else the one mode."""
+    mode = m.reducer.mode
+    return list(mode.modes.values()) if hasattr(mode, "modes") else [mode]
+
+
+def _pipeline(rank, world, opts, block=32, steps=3, exempt="default", chunked=False, costs=None):
     """Every grad equals the reference pipeline recomputed from all ranks'
     local gradients and the buckets' layout: non-exempt params quantized
     (residual per rank), dequantized, summed in fp32 in rank order,
-    re-quantized; exempt (1-D) params as the fp32 sum of g * fp32(1/W)."""
+    re-quantized; exempt (1-D) params as the fp32 sum of g * fp32(1/W).
+    ``costs``: the two-rank choice's trial timed by a synthetic clock of
+    ``costs[rank]``; returns (bad, chosen, trial steps, candidate per step)."""
     import fastddp
     import fastddp.hooks as fh
 
@@ -245,6 +254,11 @@ def _pipeline(rank, world, opts, block=32, steps=3, exempt="default", chunked=Fa
     m = fastddp.DistributedDataParallel(copy.deepcopy(local), **opts)
     rule = {"default": None, "none": (), "weights": lambda p: p.dim() > 1}[exempt]
     m.register_comm_hook(fh.FP8CompressionState(block_size=block, exempt=rule), fh.fp8_compress_hook)
+    if costs is not None:
+        from tests.test_auto_precision import SyntheticClock
+
+        m.reducer.mode.clock.synthetic = SyntheticClock(costs[rank])
+    seen = []
     params = list(local.parameters())
     quant = [{"default": p.dim() > 1, "none": True, "weights": p.dim() <= 1}[exempt] for p in params]
     res = [[torch.zeros_like(p) for p in params] for _ in range(world)]  # every rank's residual
@@ -255,6 +269,7 @@ def _pipeline(rank, world, opts, block=32, steps=3, exempt="default", chunked=Fa
         x, y = make_batch("deep", rank, step)
         buckets = [(list(b.indices), list(b.layout.offsets), b.flat.numel()) for b in m.reducer.buckets]
         loss_fn(m(x), y).backward()
+        seen.append(getattr(m.reducer.mode, "cur_name", None))
         loss_fn(local(x), y).backward()
         gs = []
         for p in params:
@@ -303,10 +318,12 @@ def _pipeline(rank, world, opts, block=32, steps=3, exempt="default", chunked=Fa
                 bad.append((step, i, "residual"))
         local.load_state_dict(m.module.state_dict())
     if chunked:  # the phases did run in pieces
-        red = m.reducer.buckets[0].reduction
-        if not any(red.engine.pieces(b.index) > 1 for b in m.reducer.buckets):
+        if not any(c.engine.pieces(b.index) > 1 for c in _candidates(m) for b in m.reducer.buckets):
             bad.append("no bucket was chunked")
-    return bad
+    if costs is None:
+        return bad
+    got = m.stats()["two_ranks"]
+    return bad, got["chosen"], got["trial_steps"], seen
 
 
 @pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
@@ -530,15 +547,17 @@ def test_chunked_phases_match_reference_pipeline(world2, chunk_bytes):
     assert world2.run(_with_chunk_bytes, chunk_bytes, _pipeline, {}, 32, 3, "default", True) == [[], []]
 
 
-def _calls_per_phase(rank, world):
-    """One fp8 step with the buckets chunked: the collective calls each phase
-    issued, and what the buckets' chunking predicts for one call per chunk."""
+def _calls_per_phase(rank, world, candidate="two-phase"):
+    """One fp8 step with the buckets chunked, run by the two-rank choice's
+    ``candidate``: the collective calls each phase issued, and what the
+    buckets' chunking predicts for one call per chunk."""
     import fastddp
     import fastddp.groups as G
     import fastddp.hooks as fh
 
     m = fastddp.DistributedDataParallel(make_model("deep"), bucket_cap_mb=0.001)
     m.register_comm_hook(fh.FP8CompressionState(block_size=32), fh.fp8_compress_hook)
+    m.reducer.mode.cur_name = m.reducer.mode.next_name = candidate  # step 0 runs it (the trial starts later)
     calls = {"a2a": 0, "ag": 0}
     a2a, ag = G.all_to_all_single, G.all_gather_into_tensor
 
@@ -553,8 +572,7 @@ def _calls_per_phase(rank, world):
         loss_fn(m(x), y).backward()
     finally:
         G.all_to_all_single, G.all_gather_into_tensor = a2a, ag
-    red = m.reducer.buckets[0].reduction
-    pieces = [red.engine.pieces(b.index) for b in m.reducer.buckets]
+    pieces = [m.reducer.mode.candidate(candidate).engine.pieces(b.index) for b in m.reducer.buckets]
     chunked = sum(n for n in pieces if n > 1)
     single = sum(2 for n in pieces if n == 1)  # values and scales: two calls
     return calls, chunked, single
@@ -572,3 +590,130 @@ def test_chunked_phases_send_values_and_scales_in_one_call(world2):
     for calls, chunked, single in world2.run(_with_chunk_bytes, 100, _calls_per_phase):
         assert chunked > 0, "no bucket was chunked"
         assert calls == {"a2a": chunked + single, "ag": chunked + single}, (calls, chunked, single)
+
+
+# ---------------------------------------- two ranks: the two phases or one all-gather
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+def test_the_all_gather_sends_one_call_per_piece_and_no_all_to_all(world2):
+    """At two ranks the one-collective candidate all-gathers the whole fp8
+    bucket: one call per piece (values and scales side by side; two for a
+    one-piece bucket), no all-to-all, pieces cut from the whole bucket."""
+    from tests.test_lowprec import _with_chunk_bytes
+
+    for calls, chunked, single in world2.run(_with_chunk_bytes, 100, _calls_per_phase, "all-gather"):
+        assert chunked > 0, "no bucket was chunked"
+        assert calls == {"a2a": 0, "ag": chunked + single}, (calls, chunked, single)
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+@pytest.mark.parametrize("chunk_bytes", [0, 100], ids=["whole", "chunked"])
+def test_two_ranks_take_the_all_gather_where_measured_faster_same_bits(world2, chunk_bytes):
+    """Every step's grads (the trial's, which alternates the two candidates,
+    included) and every residual are the reference pipeline's bit for bit;
+    the all-gather is taken where the trial measures it faster (rank 0
+    clearly, rank 1 barely: the MAX over the ranks decides)."""
+    from tests.test_lowprec import _with_chunk_bytes
+
+    costs = [{"two-phase": 1.0, "all-gather": 0.5}, {"two-phase": 1.0, "all-gather": 0.9}]
+    for bad, chosen, trial, seen in world2.run(_with_chunk_bytes, chunk_bytes, _pipeline, {"bucket_cap_mb": 0.001},
+                                               32, 16, "default", chunk_bytes > 0, costs):
+        assert bad == [] and chosen == "all-gather" and trial > 0, (bad, chosen, trial)
+        assert seen[0] == "two-phase" and seen[-1] == "all-gather", seen
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+def test_two_ranks_keep_the_two_phases_where_the_trial_cannot_tell(world2):
+    costs = [{"two-phase": 1.0, "all-gather": 1.0}, {"two-phase": 1.0, "all-gather": 1.2}]
+    for bad, chosen, trial, seen in world2.run(_pipeline, {}, 32, 16, "default", False, costs):
+        assert bad == [] and chosen == "two-phase" and trial > 0, (bad, chosen, trial)
+        assert "all-gather" in seen and seen[-1] == "two-phase", seen
+
+
+def _fp8_modes(rank, world):
+    """The fp8 hook's mode by world size, auto precision's fp8 candidate, and
+    whether the all-gather shares the two phases' buffers."""
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as F
+    from fastddp import reduction
+
+    m = F(make_model("mlp"))
+    m.register_comm_hook(None, fh.fp8_compress_hook)
+    x, y = make_batch("mlp", rank, 0)
+    loss_fn(m(x), y).backward()
+    shared = None
+    if world == 2:
+        mode, b = m.reducer.mode, m.reducer.buckets[0]
+        two, one = mode.candidate("two-phase"), mode.candidate("all-gather")
+        ctx = m.reducer.ctx
+        a, g = two.shard_wire(ctx, b), one.shard_wire(ctx, b)
+        shared = (g.stage is a.stage and g.q is a.q and g.s is a.s, mode.stats()["two_ranks"]["lowest"])
+    auto = F(make_model("mlp"))
+    auto.register_comm_hook(fh.AutoPrecisionState(lowest="fp8"), fh.auto_precision_hook)
+    return (type(m.reducer.mode).__name__, shared,
+            isinstance(auto.reducer.mode.candidate("fp8"), reduction.BlockFp8))
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+def test_only_two_ranks_measure_one_all_gather(world2, world3):
+    # at three ranks the all-gather sends (W - 1) / 2 times the two phases' bytes: no candidate
+    assert world2.run(_fp8_modes) == [("AutoPrecision", (True, "fp8"), True)] * 2
+    assert world3.run(_fp8_modes) == [("BlockFp8", None, True)] * 3
+
+
+def test_a_cuda_bucket_waits_for_its_local_round(monkeypatch):
+    """CUDA (no GPU needed: the streams and events are stand-ins): the
+    all-gather's sum is a round with no collective, queued on the
+    second-phase stream, so no Work orders it before the unpack; finish makes
+    the waiting stream wait for an event recorded after the bucket's last
+    round, one event per bucket, made once and reused every step."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from fastddp.reduction import twophase
+
+    log = []
+
+    class Event:
+        def __init__(self):
+            log.append("event made")
+
+    class Work:
+        def wait(self, timeout=None):
+            log.append("collective waited")
+
+    class LocalLastRound(twophase.ShardWire):
+        world, bounds, nbytes = 2, [(0, 1)], 0
+
+        def run(self, r, k, pg, health):
+            log.append(f"round {r}")
+            return [Work()] if r == 0 else []
+
+        def zero(self):
+            pass
+
+    class Comm:
+        cuda, pg = True, None
+
+        def phase2_context(self):
+            log.append("phase-2 stream")
+            return contextlib.nullcontext()
+
+        def phase2_mark(self, event):
+            log.append(("marked", event))
+
+        def hook(self, step, nbytes):
+            return step
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda *a: SimpleNamespace(wait_event=lambda e: log.append(("waited", e))))
+    engine, ctx = twophase.TwoPhaseEngine(eager=True), SimpleNamespace(iteration=0, comm=Comm())
+    steps = []
+    for it in range(2):
+        ctx.iteration = it
+        steps.append(engine.start(ctx, SimpleNamespace(index=0), LocalLastRound(), None))
+        steps[-1].wait()
+    ev = steps[0].queued
+    assert steps[1].queued is ev and isinstance(ev, Event), "one event per bucket, reused"
+    rounds = ["round 0", "phase-2 stream", "collective waited", "round 1"]
+    assert log == rounds + ["event made", ("marked", ev), ("waited", ev)] + rounds + [("marked", ev), ("waited", ev)], log

@@ -66,7 +66,7 @@ def _wrap(name: str, module):
     if name.endswith("@end"):  # a two-phase row with phase 2 at the end of backward (no phase-2 thread)
         ddp = _wrap(name[:-4], module)
         mode = ddp.reducer.mode
-        if "two-phase" in getattr(mode, "formats", ()):  # bf16acc at two ranks: pinned to its two phases
+        if "two-phase" in getattr(mode, "formats", ()):  # a two-phase hook at two ranks: pinned to its two phases
             mode.freeze("the @end row")  # nothing measured yet: its first candidate, the two phases
             mode = mode.candidate("two-phase")
         engine = getattr(mode, "engine", None)
@@ -229,7 +229,7 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | 
     for name in rows:  # the measuring modes' decisions (auto precision, the in-place rule, bf16acc at two
         # ranks): a trial or re-measure inside the timed steps shows here
         st = wrapped[name][0].stats() if name.startswith("fastddp") else {}
-        made = [f"step {d['step']}: {d['chosen']} ({d['trigger']})" for v in st.values()
+        made = [f"step {d['step']}: {d['chosen']} ({d['trigger']}; {d.get('reason', '')})" for v in st.values()
                 if isinstance(v, dict) for d in v.get("decisions", ())]
         if made:
             samples[name]["decisions"] = made

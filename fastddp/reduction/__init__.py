@@ -67,9 +67,9 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     ``device``: the parameters' (default CPU); it decides the kernel backend
     the modes pack with.  ``pg``: the module's process group (the
     hierarchical hook resolves its topology on it, collectively).  ``trial``:
-    the CPU's in-place rule (no hook: :func:`_all_reduce`) and
-    ``bf16_fp32acc_hook``'s run at two ranks (:func:`.choices.two_rank_choice`)
-    may be decided by trial steps; a mode that measures its own candidates
+    the CPU's in-place rule (no hook: :func:`_all_reduce`) and the run of
+    ``bf16_fp32acc_hook`` and ``fp8_compress_hook`` at two ranks
+    (:func:`.choices.two_rank_choice`) may be decided by trial steps; a mode that measures its own candidates
     passes False.
     ``options``: the module's resolved :class:`~fastddp.options.Options` (the
     in-place threshold, chunk bytes where a state sets none, ranks per host
@@ -113,7 +113,13 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
         if state is not None and not isinstance(state, FP8CompressionState):
             raise TypeError(f"fp8_compress_hook takes an FP8CompressionState (or None), got {type(state).__name__}")
         kernels.prepare_fp8(device)  # its CPU loops' one-time build: now, not in a step
-        return _phase_two(BlockFp8(fp8_state), device, pg, options), PythonHook(hook, state)
+        mode = _phase_two(BlockFp8(fp8_state), device, pg, options)
+        if trial and pg is not None and groups.size(pg) == 2:
+            from .choices import two_rank_choice
+
+            mode = two_rank_choice(mode, _phase_two(BlockFp8(fp8_state, gather=mode), device, pg, options),
+                                   fp8_state.error_feedback, device, pg, one="all-gather")
+        return mode, PythonHook(hook, state)
     if error_feedback and kind not in (Kind.COMPRESS, Kind.FP32ACC):
         raise ValueError("CompressionState(error_feedback=True) applies to the fp16/bf16 "
                          "compression hooks and bf16_fp32acc_hook only")
@@ -135,7 +141,7 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
             from .choices import two_rank_choice
 
             mode = two_rank_choice(mode, FusedCompression(torch.bfloat16, error_feedback, reference),
-                                   error_feedback, device, pg)
+                                   error_feedback, device, pg, one="all-reduce")
         return mode, sparse
     return FusedCompression(dtype, error_feedback, reference), sparse
 

@@ -1,9 +1,11 @@
 """The modes built from :class:`~.autoprec.AutoPrecision`'s measured
 choice: ``auto_precision_hook`` (the wire format), the CPU's plain
 all-reduce where ``FASTDDP_IN_PLACE_NUMEL`` is unset (the in-place layout)
-and ``bf16_fp32acc_hook`` at two ranks (two phases or one all-reduce)."""
+and the two-phase hooks at two ranks (two phases or one collective)."""
 
 from __future__ import annotations
+
+import torch
 
 from .autoprec import LOWEST_INDEX, ORDER, AutoPrecision
 from .plain import AllReduce, Reduction, SparseAllReduce, fused_state
@@ -41,7 +43,7 @@ def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose, ra
         "hier-bf16": lambda: hier("bf16"),
         "fp8": lambda: choose(fp8_compress_hook, FP8CompressionState(block_size=state.block_size,
                                                                      error_feedback=ef, chunk_bytes=cb),
-                              batched_grad_copy, True, device, pg)[0],
+                              batched_grad_copy, True, device, pg, trial=False)[0],
         "hier-fp8": lambda: hier("fp8"),
     }
     names = [n for n in ORDER[:LOWEST_INDEX[state.lowest]] if hosts or not n.startswith("hier-")]
@@ -70,24 +72,35 @@ def in_place_choice(scaling, fused: bool, least: int) -> Reduction:
     return mode
 
 
-def two_rank_choice(two_phase: Reduction, one_all_reduce: Reduction, error_feedback: bool, device=None,
-                    pg=None) -> Reduction:
-    """``bf16_fp32acc_hook`` on two ranks: its two-phase run (all-to-all,
-    fp32 shard sum, all-gather: two collectives a bucket) unless paired trial
-    steps measure one all-reduce of the same bf16 wire (torch's fp16/bf16
-    hook's collective) faster by more than the margin over the whole
-    interval.  At two ranks both give the same bits: each element is
-    ``a + b`` of two bf16 values, rounded once to bf16 (the fp32 add is exact
-    unless the exponents lie 16 or more apart, where both round to the
-    larger value); only at three ranks or more does the all-reduce's
-    per-hop rounding differ.  The pack, the unpack and the error-feedback
-    residual (bucket-shaped in both) are the same, so a switch carries the
-    residuals over.  ``device``, ``pg``: as for auto precision, its clock
-    (CUDA events on CUDA) and the group its decisions are reduced on."""
+def two_rank_choice(two_phase: Reduction, one_call: Reduction, error_feedback: bool, device=None,
+                    pg=None, one: str = "all-reduce") -> Reduction:
+    """A two-phase hook at two ranks: its two phases (all-to-all, fp32 shard
+    sum, all-gather: two collectives a bucket) unless paired trial steps
+    measure ``one_call`` (one collective a bucket, candidate ``one``) faster
+    by more than the margin over the whole interval.  Both give the same
+    bits at two ranks:
+
+    * ``bf16_fp32acc_hook`` / ``one="all-reduce"`` (torch's fp16/bf16 hook's
+      collective on the same bf16 wire): each element is ``a + b`` of two
+      bf16 values rounded once to bf16 (the fp32 add is exact unless the
+      exponents lie 16 or more apart, where both round to the larger value);
+      only at three ranks or more does the all-reduce's per-hop rounding
+      differ.
+    * ``fp8_compress_hook`` / ``one="all-gather"`` (:class:`~.fp8.Fp8Gather`):
+      the whole fp8 bucket all-gathered, then summed and quantized again by
+      the shard sum's own kernel over the whole bucket (the same bytes each
+      way at two ranks, more CPU or GPU time for the sum: a trade only a
+      measurement settles).
+
+    The pack, the unpack and the error-feedback residual (bucket-shaped in
+    both) are the same, so a switch carries the residuals over.
+    ``device``, ``pg``: as for auto precision, its clock (CUDA events on
+    CUDA) and the group its decisions are reduced on."""
     from ..hooks import AutoPrecisionState
 
-    state = AutoPrecisionState(lowest="bf16", error_feedback=error_feedback, watch=False, tune_buckets=False)
-    mode = AutoPrecision(state, {"two-phase": two_phase, "all-reduce": one_all_reduce}, device, label="two_ranks")
+    lowest = "fp8" if two_phase.wire_dtype == torch.float8_e4m3fn else "bf16"  # stats: the wire both send
+    state = AutoPrecisionState(lowest=lowest, error_feedback=error_feedback, watch=False, tune_buckets=False)
+    mode = AutoPrecision(state, {"two-phase": two_phase, one: one_call}, device, label="two_ranks")
     mode.kind = two_phase.kind  # fused already, as every AutoPrecision
     mode.side, mode.decided_on = decision_group(pg, device)
     return mode

@@ -14,7 +14,7 @@ from .datapath import Scaling, alias_views, pack_sources, unpack_grads
 from .kinds import Kind
 from .twophase import ShardWire, TwoPhaseEngine
 
-__all__ = ["BlockFp8", "Fp8Wire", "is_exempt"]
+__all__ = ["BlockFp8", "Fp8Gather", "Fp8Wire", "is_exempt"]
 
 
 def is_exempt(rule, p) -> bool:
@@ -143,6 +143,65 @@ class Fp8Wire(ShardWire):
         self.exbuf.zero_()
 
 
+@dataclass(eq=False)
+class Fp8Gather(Fp8Wire):
+    """Two ranks: the whole fp8 bucket all-gathered, then summed where it
+    lands.  Round 0: ONE all-gather per piece of every rank's fp8 values and
+    scales (at W = 2 the same bytes each way as the two phases' all-to-all
+    plus all-gather, in one collective instead of two, all on the module's
+    group at the bucket's issue); round 1, local: ONE launch per piece
+    dequantizes the W copies, adds them in fp32 in rank order and quantizes
+    the sum again into ``q``/``s``, over the whole bucket.  The two phases'
+    shards are whole blocks of the same bucket, so every element meets the
+    same addends in the same order and every block the same quantization:
+    the bits are the two phases', with one collective per piece fewer and
+    the sum as a round of its own (the phase-2 thread's, during backward).
+    Pieces (``bounds``) cut the whole bucket, not a shard; chunked, each
+    piece's ``n`` fp8 bytes then its scales' ``4 nb`` bytes travel side by
+    side in ``wire`` (this rank's pieces) and ``recv`` (every rank's, piece
+    by piece)."""
+
+    def layout_wire(self) -> None:
+        off, piece, o = [], [], 0
+        for (a, b), (sa, sb) in zip(self.bounds, self.s_bounds):
+            off.append(o)
+            piece.append((b - a) + 4 * (sb - sa))
+            o += piece[-1]
+        self.w_off, self.w_piece = off, piece
+        self.wire = torch.empty(o, dtype=torch.uint8, device=self.q.device)
+        self.recv = torch.empty(self.world * o, dtype=torch.uint8, device=self.q.device)
+
+    def stage_out(self):
+        if self.chunked:
+            s = self.s.view(torch.uint8)
+            for ((a, b), (sa, sb)), o, p in zip(zip(self.bounds, self.s_bounds), self.w_off, self.w_piece):
+                self.wire[o:o + b - a].copy_(self.q[a:b])
+                self.wire[o + b - a:o + p].copy_(s[4 * sa:4 * sb])
+
+    def stage_in(self):
+        """Round 1 wrote the sums into ``q``/``s`` themselves."""
+
+    def run(self, r, k, pg, health):
+        W, B = self.world, self.block
+        if not self.chunked:
+            if r == 0:
+                return [groups.all_gather_into_tensor(self.rq, self.q, pg),
+                        groups.all_gather_into_tensor(self.rs, self.s, pg)]
+            kernels.reduce_fp8_shards(self.rq, self.rs, self.q, self.s, W, B, health=health)
+            return []
+        o, p = self.w_off[k], self.w_piece[k]
+        got = self.recv[W * o:W * (o + p)]
+        if r == 0:
+            return [groups.all_gather_into_tensor(got, self.wire[o:o + p], pg)]
+        (a, b), (sa, sb) = self.bounds[k], self.s_bounds[k]
+        n, nb = b - a, sb - sa
+        rq, rs = self.rq[:W * n], self.rs[:W * nb]
+        rq.view(W, n).copy_(got.view(W, p)[:, :n])
+        rs.view(torch.uint8).view(W, 4 * nb).copy_(got.view(W, p)[:, n:])
+        kernels.reduce_fp8_shards(rq, rs, self.q[a:b], self.s[sa:sb], W, B, health=health)
+        return []
+
+
 class BlockFp8(Reduction):
     """Block-scaled fp8 (e4m3) on the wire, summed in fp32 (``fp8_compress_hook``)::
 
@@ -167,15 +226,25 @@ class BlockFp8(Reduction):
     The residual (error feedback) keeps this rank's quantization error; the
     re-quantization of the sum is shared by all ranks and not fed back.
 
-    Composed of its codec (:class:`Fp8Wire`, one per bucket), the two-phase
-    engine that runs the wire's rounds and the residual book."""
+    ``gather`` (two ranks, :func:`fastddp.reduction.choose`): the two-phase
+    mode this one is the twin of; the codec is :class:`Fp8Gather` (over the
+    twin's buffers), one all-gather per piece and the sum where it lands:
+    the same bytes and bits, one collective instead of two.
+
+    Composed of its codec (:class:`Fp8Wire` or :class:`Fp8Gather`, one per
+    bucket), the two-phase engine that runs the wire's rounds and the
+    residual book."""
 
     kind = Kind.FP8
     scaling = Scaling.MUL
     fused = True
     wire_dtype = torch.float8_e4m3fn
 
-    def __init__(self, state):
+    def __init__(self, state, gather: "BlockFp8 | None" = None):
+        #: the two-phase mode this one is the one-collective twin of (two
+        #: ranks): the gather wire shares its stage and fp8 buffers (one of
+        #: the two runs a step), so the twin costs only its receive buffers
+        self.gather = gather
         self.book = ResidualBook(state.error_feedback)
         self.engine = TwoPhaseEngine(getattr(state, "chunk_bytes", None))
         self.block = state.block_size
@@ -198,6 +267,9 @@ class BlockFp8(Reduction):
 
     def shard_wire(self, ctx, bucket) -> Fp8Wire:
         d = self.engine.wires.get(bucket.index)
+        if self.gather is not None:
+            base = self.gather.shard_wire(ctx, bucket)
+            return d if d is not None and d.q is base.q else self._gather_wire(bucket, base)
         if d is not None and d.world == ctx.world:
             return d
         if bucket.complex or bucket.flat.dtype != torch.float32:
@@ -229,6 +301,22 @@ class BlockFp8(Reduction):
                     rq=torch.empty(W * n, dtype=torch.uint8, device=dev),
                     rs=torch.empty(W * n // B, dtype=torch.float32, device=dev),
                     nbytes=q.numel() + 4 * s.numel() + 4 * exbuf.numel())
+        if d.chunked:
+            d.layout_wire()
+        self.engine.wires[bucket.index] = d
+        return d
+
+    def _gather_wire(self, bucket, base: Fp8Wire) -> Fp8Gather:
+        """The one-collective wire over ``base``'s buffers (the two-phase
+        twin's), with pieces of the whole bucket and receive buffers of its own."""
+        W, B, L, dev = base.world, base.block, base.q.numel(), base.q.device
+        bounds = self.engine.bounds(L, W, 1, B, dev)
+        n = max(b - a for a, b in bounds)
+        d = Fp8Gather(world=W, block=B, shard=base.shard, ex=base.ex, q8=base.q8, lay8=base.lay8,
+                      lay_ex=base.lay_ex, stage=base.stage, q=base.q, s=base.s, exbuf=base.exbuf,
+                      ex_views=base.ex_views, bounds=bounds, s_bounds=[(a // B, b // B) for a, b in bounds],
+                      rq=torch.empty(W * n, dtype=torch.uint8, device=dev),
+                      rs=torch.empty(W * n // B, dtype=torch.float32, device=dev), nbytes=base.nbytes)
         if d.chunked:
             d.layout_wire()
         self.engine.wires[bucket.index] = d

@@ -147,14 +147,17 @@ class ShardStep:
     :meth:`~fastddp.comm.Comm.wait` completes: ``wait()`` finishes it on the
     calling thread (the end-of-backward callback)."""
 
-    __slots__ = ("engine", "wire", "bucket", "pg", "works", "iteration", "health", "extra", "ran", "error")
+    __slots__ = ("engine", "wire", "bucket", "pg", "works", "iteration", "health", "extra", "ran", "error",
+                 "queued")
     # works: per round run so far, per piece, its Works; ran: set once the
-    # phase-2 thread has run every round (None: no thread); error: what it raised
+    # phase-2 thread has run every round (None: no thread); error: what it
+    # raised; queued: CUDA, the event after its rounds on the second-phase
+    # stream (a round with no collective, a local sum, is ordered by it alone)
 
     def __init__(self, engine, wire, bucket, pg, iteration, health):
         self.engine, self.wire, self.bucket, self.pg = engine, wire, bucket, pg
         self.works, self.iteration, self.health, self.extra = [], iteration, health, []
-        self.ran, self.error = None, None
+        self.ran, self.error, self.queued = None, None, None
 
     @property
     def done(self) -> bool:
@@ -248,7 +251,7 @@ class TwoPhaseEngine:
     bucket, the steps in flight, the phase-2 thread.  Every rank packs,
     issues and finishes the buckets in the same order."""
 
-    __slots__ = ("chunk_bytes", "eager", "open", "wires", "phase_two")
+    __slots__ = ("chunk_bytes", "eager", "open", "wires", "phase_two", "events")
 
     def __init__(self, chunk_bytes: int | None = None, eager: bool | None = None):
         self.chunk_bytes = chunk_bytes
@@ -258,6 +261,7 @@ class TwoPhaseEngine:
         self.open: list[ShardStep] = []  # in issue order
         self.wires: dict[int, ShardWire] = {}  # by bucket index: what the mode's pack filled
         self.phase_two: PhaseTwo | None = None  # set by the mode's builder where a thread runs phase 2
+        self.events: dict = {}  # CUDA: by bucket index, the event after its rounds (made once, reused)
 
     def pieces(self, bucket_index: int) -> int:
         """How many pieces bucket ``bucket_index``'s phases run in (0: not sized yet)."""
@@ -298,6 +302,11 @@ class TwoPhaseEngine:
             with ctx.comm.phase2_context():
                 while not step.done:
                     step.advance()
+            if ctx.comm.cuda:  # finish orders the unpack after ALL of its rounds, not only its collectives
+                step.queued = self.events.get(bucket.index)
+                if step.queued is None:
+                    step.queued = self.events[bucket.index] = torch.cuda.Event()
+                ctx.comm.phase2_mark(step.queued)
         return ctx.comm.hook(step, wire.nbytes)
 
     def shadow(self, ctx, wire: ShardWire, bucket) -> Pending:
@@ -325,9 +334,11 @@ class TwoPhaseEngine:
                         s.advance()
         for w in [w for ws in step.works[-1] for w in ws] + list(step.extra):
             groups.wait(w)
+        if step.queued is not None:  # the waiting (comm) stream after the rounds' kernels too
+            torch.cuda.current_stream().wait_event(step.queued)
         step.wire.stage_in()
         self.open.remove(step)
 
     def reset(self) -> None:
         """A rebuild: every bucket's wire is sized anew."""
-        self.open, self.wires = [], {}
+        self.open, self.wires, self.events = [], {}, {}
