@@ -239,9 +239,13 @@ def _flag_reads(hook, view, steps=4):
         return pack(srcs, dst, *a, health=health, **k)
 
     def counted_quantize(x, *a, health=None, **k):
-        if health is not None:  # the stage's gradient values (the rest are zeros)
-            wires = [d for b in ddp.reducer.buckets for d in b.reduction.engine.wires.values() if d.stage is x]
-            reads[0] += sum(wires[0].lay8.numels)
+        if health is not None:  # the stage's gradient values in the range quantized (the rest are zeros)
+            wires = [d for b in ddp.reducer.buckets for d in b.reduction.engine.wires.values()
+                     if d.stage.data_ptr() <= x.data_ptr() < d.stage.data_ptr() + 4 * d.stage.numel()]
+            lo = x.storage_offset() - wires[0].stage.storage_offset()
+            hi = lo + x.numel()
+            lay = wires[0].lay8
+            reads[0] += sum(max(0, min(hi, o + n) - max(lo, o)) for o, n in zip(lay.offsets, lay.numels))
         return quantize(x, *a, health=health, **k)
 
     def counted_flag(health, t, bit):

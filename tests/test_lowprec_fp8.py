@@ -717,3 +717,45 @@ def test_a_cuda_bucket_waits_for_its_local_round(monkeypatch):
     assert steps[1].queued is ev and isinstance(ev, Event), "one event per bucket, reused"
     rounds = ["round 0", "phase-2 stream", "collective waited", "round 1"]
     assert log == rounds + ["event made", ("marked", ev), ("waited", ev)] + rounds + [("marked", ev), ("waited", ev)], log
+
+
+def _fp8_autocap(rank, world, caps):
+    """Trains with the fp8 hook over ``caps`` ("default": nothing given;
+    "fixed": a cap the user set; "off": the default caps and
+    ``tune_buckets=False``), the two-rank choice timed by a synthetic clock;
+    per step the candidate and the bucket tuner's state."""
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as F
+    from tests.test_auto_precision import SyntheticClock, _net, _train
+
+    m = F(_net(), **({"bucket_cap_mb": 0.05} if caps == "fixed" else {}))
+    m.register_comm_hook(fh.FP8CompressionState(tune_buckets=caps != "off"), fh.fp8_compress_hook)
+    m.reducer.mode.clock.synthetic = SyntheticClock({"two-phase": 1.0, "all-gather": 0.6})
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    seen = []
+    for k in range(60):
+        _train(m, 1, rank + 2 * k, opt=opt)
+        st = m.stats()
+        seen.append((st["two_ranks"]["current"], st.get("autotune", {}).get("state")))
+    st = m.stats()
+    return seen, st["two_ranks"], st.get("autotune")
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+def test_default_caps_are_tuned_for_the_fp8_wire_after_the_two_rank_choice(world2):
+    """torch's caps are sized for an fp32 all-reduce: with them the fp8 hook
+    tunes the layout (as bucket_cap_mb="auto"), once its two-rank choice is
+    made, every layout tried with the chosen candidate."""
+    (s0, two0, tune0), (s1, two1, _) = world2.run(_fp8_autocap, "default")
+    assert s0 == s1 and two0["decisions"] == two1["decisions"] and two0["chosen"] == "all-gather"
+    assert tune0 is not None and tune0["state"] != "waiting", tune0
+    started = next(k for k, (_, t) in enumerate(s0) if t != "waiting")  # step k is iteration k + 1
+    assert started + 1 >= two0["settled_at_step"], "the bucket tuner tried layouts during the two-rank trial"
+    assert {c for c, _ in s0[started:]} == {"all-gather"}, "a layout was tried with the other candidate"
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+@pytest.mark.parametrize("caps", ["fixed", "off"])
+def test_caps_the_user_set_or_tune_buckets_false_are_kept_by_fp8(world2, caps):
+    (s0, two0, tune0), _ = world2.run(_fp8_autocap, caps)
+    assert tune0 is None and two0["chosen"] == "all-gather" and {t for _, t in s0} == {None}

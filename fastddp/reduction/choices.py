@@ -42,7 +42,8 @@ def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose, ra
                                batched_grad_copy, True, device, pg, trial=False)[0],
         "hier-bf16": lambda: hier("bf16"),
         "fp8": lambda: choose(fp8_compress_hook, FP8CompressionState(block_size=state.block_size,
-                                                                     error_feedback=ef, chunk_bytes=cb),
+                                                                     error_feedback=ef, chunk_bytes=cb,
+                                                                     tune_buckets=False),  # auto's own ask
                               batched_grad_copy, True, device, pg, trial=False)[0],
         "hier-fp8": lambda: hier("fp8"),
     }
@@ -99,7 +100,8 @@ def two_rank_choice(two_phase: Reduction, one_call: Reduction, error_feedback: b
     from ..hooks import AutoPrecisionState
 
     lowest = "fp8" if two_phase.wire_dtype == torch.float8_e4m3fn else "bf16"  # stats: the wire both send
-    state = AutoPrecisionState(lowest=lowest, error_feedback=error_feedback, watch=False, tune_buckets=False)
+    state = AutoPrecisionState(lowest=lowest, error_feedback=error_feedback, watch=False,
+                               tune_buckets=two_phase.tunes_buckets)  # the hook's ask, after this choice
     mode = AutoPrecision(state, {"two-phase": two_phase, one: one_call}, device, label="two_ranks")
     mode.kind = two_phase.kind  # fused already, as every AutoPrecision
     mode.side, mode.decided_on = decision_group(pg, device)

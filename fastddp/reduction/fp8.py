@@ -60,10 +60,33 @@ class Fp8Wire(ShardWire):
     w_piece: list = None
     wire: torch.Tensor | None = None
     recv: torch.Tensor | None = None
+    encode: tuple | None = None  # (residual, health): the pack's quantize, due piece by piece at the issue
+    decode: bool = False  # the flat mode's: each piece decoded into ``stage`` as it lands (finish_piece)
 
     @property
     def chunked(self) -> bool:
         return len(self.bounds) > 1
+
+    def _ranges(self, k: int) -> list:
+        """The ``stage`` ranges piece ``k``'s first collective sends: its slice
+        ``[a, b)`` of every rank's shard."""
+        (a, b), S = self.bounds[k], self.shard
+        return [(j * S + a, j * S + b) for j in range(self.world)]
+
+    def encode_piece(self, k: int) -> None:
+        """The pack's quantize (error feedback read and rewritten there) of
+        what piece ``k`` sends, just before its first collective: a chunked
+        bucket's first piece goes on the wire while the next is quantized
+        (one launch for a bucket in one piece).  Blocks are quantized
+        independently, so the bits are the whole bucket's at once."""
+        if self.encode is None:
+            return
+        (res, health), B = self.encode, self.block
+        for lo, hi in self._ranges(k) if self.chunked else [(0, self.q.numel())]:
+            kernels.quantize_fp8(self.stage[lo:hi], self.q[lo:hi], self.s[lo // B:hi // B], B,
+                                 residual=None if res is None else res[lo:hi], health=health)
+        if k == len(self.bounds) - 1:
+            self.encode = None
 
     def layout_wire(self) -> None:
         """A chunked bucket's wire: per chunk ``[a, b)`` (``n`` fp8 values,
@@ -86,31 +109,48 @@ class Fp8Wire(ShardWire):
         self.wire = torch.empty(o, dtype=torch.uint8, device=self.q.device)
         self.recv = torch.empty_like(self.wire)
 
-    def _wire_pairs(self):
-        """(piece of the wire, piece of the shard-major buffer) for every chunk
-        and rank row: its fp8 bytes, then its scales' bytes; the two
-        directions of staging copy along these pairs."""
+    def _wire_pairs(self, chunks):
+        """(piece of the wire, piece of the shard-major buffer) for each of
+        ``chunks`` and every rank row: its fp8 bytes, then its scales' bytes;
+        the two directions of staging copy along these pairs."""
         W = self.world
         q = self.q.view(W, -1)
         s = self.s.view(torch.uint8).view(W, -1)
-        for ((a, b), (sa, sb)), o, p in zip(zip(self.bounds, self.s_bounds), self.w_off, self.w_piece):
+        for k in chunks:
+            (a, b), (sa, sb), o, p = self.bounds[k], self.s_bounds[k], self.w_off[k], self.w_piece[k]
             v = self.wire[o:o + W * p].view(W, p)
             yield v[:, :b - a], q[:, a:b]
             yield v[:, b - a:], s[:, 4 * sa:4 * sb]
 
-    def stage_out(self):
-        if self.chunked:
-            for wire, buf in self._wire_pairs():
-                wire.copy_(buf)
-
     def stage_in(self):
-        if self.chunked:
-            for wire, buf in self._wire_pairs():
+        if self.chunked and not self.decode:
+            for wire, buf in self._wire_pairs(range(len(self.bounds))):
                 buf.copy_(wire)
 
+    def finish_piece(self, k):
+        """``decode``: piece ``k``'s all-gather is in: its fp8 sums unstaged
+        and dequantized into ``stage`` (ONE launch for a bucket in one piece),
+        while the later pieces are still on the wire."""
+        if not self.decode:
+            return
+        if self.chunked:
+            for wire, buf in self._wire_pairs([k]):
+                buf.copy_(wire)
+        self._decode(self._ranges(k) if self.chunked else [(0, self.q.numel())])
+
+    def _decode(self, ranges) -> None:
+        B = self.block
+        for lo, hi in ranges:
+            kernels.dequantize_fp8(self.q[lo:hi], self.s[lo // B:hi // B], self.stage[lo:hi], B)
+
     def send_recv(self, k):
+        """Piece ``k`` quantized (:meth:`encode_piece`) and, chunked, staged
+        (a piece at a time: no :meth:`stage_out`)."""
+        self.encode_piece(k)
         if not self.chunked:  # the buffers themselves, values and scales in two calls
             return [(self.rq, self.q), (self.rs, self.s)]
+        for wire, buf in self._wire_pairs([k]):
+            wire.copy_(buf)
         o, p, W = self.w_off[k], self.w_piece[k], self.world
         return [(self.recv[o:o + W * p], self.wire[o:o + W * p])]
 
@@ -138,6 +178,7 @@ class Fp8Wire(ShardWire):
         return [groups.all_reduce(self.exbuf, pg, async_op=True)] if self.ex else []
 
     def zero(self):
+        self.encode = None  # what a joined rank sends stands for zeros: nothing of a stale stage
         self.q.zero_()
         self.s.fill_(1.0)
         self.exbuf.zero_()
@@ -171,27 +212,33 @@ class Fp8Gather(Fp8Wire):
         self.wire = torch.empty(o, dtype=torch.uint8, device=self.q.device)
         self.recv = torch.empty(self.world * o, dtype=torch.uint8, device=self.q.device)
 
-    def stage_out(self):
-        if self.chunked:
-            s = self.s.view(torch.uint8)
-            for ((a, b), (sa, sb)), o, p in zip(zip(self.bounds, self.s_bounds), self.w_off, self.w_piece):
-                self.wire[o:o + b - a].copy_(self.q[a:b])
-                self.wire[o + b - a:o + p].copy_(s[4 * sa:4 * sb])
+    def _ranges(self, k: int) -> list:
+        return [self.bounds[k]]
 
     def stage_in(self):
         """Round 1 wrote the sums into ``q``/``s`` themselves."""
 
+    def finish_piece(self, k):
+        """Round 1 decoded them too."""
+
     def run(self, r, k, pg, health):
         W, B = self.world, self.block
+        if r == 0:
+            self.encode_piece(k)
         if not self.chunked:
             if r == 0:
                 return [groups.all_gather_into_tensor(self.rq, self.q, pg),
                         groups.all_gather_into_tensor(self.rs, self.s, pg)]
             kernels.reduce_fp8_shards(self.rq, self.rs, self.q, self.s, W, B, health=health)
+            if self.decode:
+                self._decode([(0, self.q.numel())])
             return []
         o, p = self.w_off[k], self.w_piece[k]
         got = self.recv[W * o:W * (o + p)]
         if r == 0:
+            (a, b), (sa, sb) = self.bounds[k], self.s_bounds[k]
+            self.wire[o:o + b - a].copy_(self.q[a:b])
+            self.wire[o + b - a:o + p].copy_(self.s.view(torch.uint8)[4 * sa:4 * sb])
             return [groups.all_gather_into_tensor(got, self.wire[o:o + p], pg)]
         (a, b), (sa, sb) = self.bounds[k], self.s_bounds[k]
         n, nb = b - a, sb - sa
@@ -199,6 +246,8 @@ class Fp8Gather(Fp8Wire):
         rq.view(W, n).copy_(got.view(W, p)[:, :n])
         rs.view(torch.uint8).view(W, 4 * nb).copy_(got.view(W, p)[:, n:])
         kernels.reduce_fp8_shards(rq, rs, self.q[a:b], self.s[sa:sb], W, B, health=health)
+        if self.decode:
+            self._decode([(a, b)])
         return []
 
 
@@ -209,18 +258,23 @@ class BlockFp8(Reduction):
                   laid out like the bucket, padded to W shards of whole blocks
                   (ONE launch; exempt slots stay 0); the exempt grads (default:
                   1-D params) * fp32(1/W) into a compact fp32 buffer (one
-                  launch); the stage -> fp8 bits + one power-of-two scale per
-                  block, error feedback read and rewritten there (ONE launch)
-        issue     all-to-all of the fp8 shards and of their scales; the exempt
-                  buffer's fp32 all-reduce (the engine); a big bucket in chunks
-                  of whole blocks, each chunk's fp8 bytes and its scales' bytes
-                  side by side in ONE call per phase (:meth:`Fp8Wire.layout_wire`)
+                  launch)
+        issue     the stage -> fp8 bits + one power-of-two scale per block,
+                  error feedback read and rewritten there (ONE launch; a big
+                  bucket's a piece at a time, each piece's all-to-all issued
+                  before the next is quantized); all-to-all of the fp8 shards
+                  and of their scales; the exempt buffer's fp32 all-reduce (the
+                  engine); a big bucket in chunks of whole blocks, each chunk's
+                  fp8 bytes and its scales' bytes side by side in ONE call per
+                  phase (:meth:`Fp8Wire.layout_wire`)
         finish    ONE launch per piece dequantizes the W slices of this rank's
                   shard, adds them in fp32 in rank order and quantizes the sum
                   again; all-gather fp8 + scales (the engine)
-        unpack    dequantize into the stage (ONE launch), the exempt values
-                  into their slots (one launch), the stage -> .grad (ONE launch),
-                  the exempt slots back to 0 (one call)
+        finish    as each piece's all-gather lands, dequantize it into the
+                  stage (ONE launch for a bucket in one piece; CPU: while the
+                  later pieces are still on the wire)
+        unpack    the exempt values into their slots (one launch), the stage
+                  -> .grad (ONE launch), the exempt slots back to 0 (one call)
 
     Bytes: 1 per element + 4 per block of scales, + 4 per exempt element.
     The residual (error feedback) keeps this rank's quantization error; the
@@ -245,6 +299,7 @@ class BlockFp8(Reduction):
         #: ranks): the gather wire shares its stage and fp8 buffers (one of
         #: the two runs a step), so the twin costs only its receive buffers
         self.gather = gather
+        self.tunes_buckets = bool(getattr(state, "tune_buckets", False))  # FP8CompressionState's; not hierarchical's
         self.book = ResidualBook(state.error_feedback)
         self.engine = TwoPhaseEngine(getattr(state, "chunk_bytes", None))
         self.block = state.block_size
@@ -300,7 +355,7 @@ class BlockFp8(Reduction):
                     bounds=bounds, s_bounds=[(a // B, b // B) for a, b in bounds],
                     rq=torch.empty(W * n, dtype=torch.uint8, device=dev),
                     rs=torch.empty(W * n // B, dtype=torch.float32, device=dev),
-                    nbytes=q.numel() + 4 * s.numel() + 4 * exbuf.numel())
+                    nbytes=q.numel() + 4 * s.numel() + 4 * exbuf.numel(), decode=True)
         if d.chunked:
             d.layout_wire()
         self.engine.wires[bucket.index] = d
@@ -316,7 +371,8 @@ class BlockFp8(Reduction):
                       lay_ex=base.lay_ex, stage=base.stage, q=base.q, s=base.s, exbuf=base.exbuf,
                       ex_views=base.ex_views, bounds=bounds, s_bounds=[(a // B, b // B) for a, b in bounds],
                       rq=torch.empty(W * n, dtype=torch.uint8, device=dev),
-                      rs=torch.empty(W * n // B, dtype=torch.float32, device=dev), nbytes=base.nbytes)
+                      rs=torch.empty(W * n // B, dtype=torch.float32, device=dev), nbytes=base.nbytes,
+                      decode=True)
         if d.chunked:
             d.layout_wire()
         self.engine.wires[bucket.index] = d
@@ -334,7 +390,7 @@ class BlockFp8(Reduction):
             kernels.pack([src[k] for k in d.q8], d.stage, layout=d.lay8, scale=scale)
         if d.ex:
             kernels.pack([src[k] for k in d.ex], d.exbuf, layout=d.lay_ex, scale=scale, health=health)
-        kernels.quantize_fp8(d.stage, d.q, d.s, self.block, residual=res, health=health)
+        d.encode = (res, health)  # the quantize: piece by piece at the issue (Fp8Wire.encode_piece)
         if plain:
             alias_views(ctx, bucket, grads)
 
@@ -346,8 +402,7 @@ class BlockFp8(Reduction):
 
     def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
         self.book.finished(bucket)
-        d = self.engine.wires[bucket.index]
-        kernels.dequantize_fp8(d.q, d.s, d.stage, self.block)
+        d = self.engine.wires[bucket.index]  # its sums already decoded into the stage (Fp8Wire.finish_piece)
         if d.ex:
             kernels.unpack(d.exbuf, d.ex_views, layout=d.lay_ex)
         unpack_grads(ctx, bucket, d.stage, track_unused)

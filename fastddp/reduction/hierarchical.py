@@ -132,9 +132,8 @@ class HierWire(ShardWire):
             self.stage.copy_(self.gathered[0])
 
     def _encode(self, health) -> None:
-        if self.fmt == "fp8":
-            kernels.quantize_fp8(self.host, self.inner.q, self.inner.s, self.block, residual=self.residual,
-                                 health=health)
+        if self.fmt == "fp8":  # quantized a piece at a time as its all-to-all is issued (Fp8Wire.encode_piece)
+            self.inner.encode = (self.residual, health)
         else:
             kernels.pack([self.host], self.inner.wire, layout=self.host_layout, residual=self.residual,
                          health=health)

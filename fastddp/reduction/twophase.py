@@ -23,7 +23,8 @@ staging) plus the mode's pack and unpack::
               twin (a group that is not the whole world) or under the Triton
               interpreter (not thread-safe) it runs at the end of backward,
               for every bucket in flight, in bucket order.
-    finish    wait this bucket's all-gathers and extras and unstage
+    finish    wait this bucket's all-gathers piece by piece (each handed to
+              the codec as it lands), its extras, and unstage
 
 A step's collectives are never issued from a collective's callback thread
 (collectives issued from callbacks could reach the ranks in different
@@ -132,6 +133,10 @@ class ShardWire:
 
     def stage_in(self) -> None:
         """After the all-gathers (chunked wires: chunk-major -> shard-major)."""
+
+    def finish_piece(self, k: int) -> None:
+        """Piece ``k``'s last round is complete (its Works waited for), the
+        later pieces' maybe not: what the codec can do with it now."""
 
     def start_extra(self, pg) -> list:
         """Collectives issued beside the all-to-alls (their Works)."""
@@ -332,10 +337,14 @@ class TwoPhaseEngine:
                 for s in self.open:
                     if not s.done:
                         s.advance()
-        for w in [w for ws in step.works[-1] for w in ws] + list(step.extra):
-            groups.wait(w)
         if step.queued is not None:  # the waiting (comm) stream after the rounds' kernels too
             torch.cuda.current_stream().wait_event(step.queued)
+        for k, ws in enumerate(step.works[-1]):  # piece by piece: each handed to the codec as it lands
+            for w in ws:
+                groups.wait(w)
+            step.wire.finish_piece(k)
+        for w in step.extra:
+            groups.wait(w)
         step.wire.stage_in()
         self.open.remove(step)
 
