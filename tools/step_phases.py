@@ -45,6 +45,8 @@ import statistics
 import sys
 import time
 
+from tools.timeline import Timeline
+
 ROWS = ("local", "torch", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-bf16acc", "fastddp-fp16", "fastddp-fp8",
         "fastddp-fp8-first32", "fastddp-fp8-last32", "fastddp-autoprec")
 PHASES = ("fwd", "bwd", "opt", "step", "cpu")
@@ -173,9 +175,26 @@ def tx_bytes() -> int | None:
         return None
 
 
-def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | None:
+class _NoTimeline:
+    """No ``--timeline``: nothing wrapped, nothing recorded."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def mark(self):
+        pass
+
+    def note(self, what):
+        pass
+
+
+def measure(rows: list[str], model: str, steps: int, warmup: int = 3, timeline: str | None = None) -> dict | None:
     """Run inside every rank (the process group is up); rank 0 returns the
-    per-step samples, the others None."""
+    per-step samples, the others None.  ``timeline``: a row whose last timed
+    step is recorded event by event (:class:`tools.timeline.Timeline`)."""
     import torch
     import torch.distributed as dist
 
@@ -199,33 +218,42 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3) -> dict | 
         for n in rows:
             samples[n]["carried_gbit"] = gbit
     tt = time.thread_time
-    for i in range(warmup + steps):
-        x, y = spec.make_batch(gen, torch.device("cpu"))
-        for name in (rows if i % 2 == 0 else rows[::-1]):
-            ddp, opt = wrapped[name]
-            mix_buckets(name, ddp)
-            dist.barrier()
-            if name in first:
-                first[name].arm()
-            b0 = tx_bytes() if on_link else None
-            c0, t0, h0 = time.process_time(), time.perf_counter(), tt()
-            loss = spec.loss(ddp(x), y)
-            t1, h1 = time.perf_counter(), tt()
-            loss.backward()
-            t2, h2 = time.perf_counter(), tt()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t3, c3, h3 = time.perf_counter(), time.process_time(), tt()
-            b3 = tx_bytes() if on_link else None
-            if i >= warmup:
-                for p, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0)):
-                    samples[name][p].append(v * 1e3)
-                for q, v in zip(THREAD, (h1 - h0, h2 - h1, h3 - h2)):
-                    samples[name][f"thread-{q}"].append(v * 1e3)
-                if name in first and first[name].at is not None:
-                    samples[name].setdefault("first", []).append((first[name].at - t1) * 1e3)
-                if on_link:
-                    samples[name].setdefault("sent", []).append(b3 - b0)
+    probe = Timeline() if timeline else _NoTimeline()
+    with probe:
+        for i in range(warmup + steps):
+            x, y = spec.make_batch(gen, torch.device("cpu"))
+            for name in (rows if i % 2 == 0 else rows[::-1]):
+                ddp, opt = wrapped[name]
+                mix_buckets(name, ddp)
+                dist.barrier()
+                if name in first:
+                    first[name].arm()
+                b0 = tx_bytes() if on_link else None
+                if name == timeline:
+                    probe.mark()
+                c0, t0, h0 = time.process_time(), time.perf_counter(), tt()
+                loss = spec.loss(ddp(x), y)
+                t1, h1 = time.perf_counter(), tt()
+                probe.note("forward end")
+                loss.backward()
+                t2, h2 = time.perf_counter(), tt()
+                probe.note("backward end")
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                t3, c3, h3 = time.perf_counter(), time.process_time(), tt()
+                probe.note("optimizer end")
+                if name == timeline and i >= warmup:
+                    samples[name]["timeline"] = list(probe.events)  # the last timed step's
+                b3 = tx_bytes() if on_link else None
+                if i >= warmup:
+                    for p, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0)):
+                        samples[name][p].append(v * 1e3)
+                    for q, v in zip(THREAD, (h1 - h0, h2 - h1, h3 - h2)):
+                        samples[name][f"thread-{q}"].append(v * 1e3)
+                    if name in first and first[name].at is not None:
+                        samples[name].setdefault("first", []).append((first[name].at - t1) * 1e3)
+                    if on_link:
+                        samples[name].setdefault("sent", []).append(b3 - b0)
     for name in rows:  # the measuring modes' decisions (auto precision, the in-place rule, bf16acc at two
         # ranks): a trial or re-measure inside the timed steps shows here
         st = wrapped[name][0].stats() if name.startswith("fastddp") else {}
@@ -266,6 +294,10 @@ def summary(samples: dict) -> str:
     for n in rows:
         for d in samples[n].get("decisions", []):
             lines.append(f"{n} decided at {d}")
+    for n in rows:
+        if samples[n].get("timeline"):
+            lines.append(f"{n}: its last timed step on rank 0, event by event (ms from the step's start)")
+            lines += [f"{t * 1e3:9.2f}  {th[:18]:<18} {what}" for t, th, what in samples[n]["timeline"]]
     return "\n".join(lines)
 
 
@@ -298,7 +330,7 @@ def _worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        out = measure(args.rows.split(","), args.model, args.steps, args.warmup)
+        out = measure(args.rows.split(","), args.model, args.steps, args.warmup, args.timeline)
         if out is not None:
             print(summary(out), flush=True)
             if args.json:
@@ -325,6 +357,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="steps per row before the timed ones (fastddp-autoprec: "
                    "30, past its trial)")
     p.add_argument("--json", help="write rank 0's per-step samples here")
+    p.add_argument("--timeline", help="a fastddp row whose last timed step rank 0 prints event by event: the "
+                   "two-phase modes' pack, issue, rounds (on each thread), finish and unpack")
     p.add_argument("--port", type=int, default=29517)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -332,6 +366,8 @@ def main(argv=None) -> int:
            or (r.partition(":")[2] and (r.startswith("torch") or not r.partition(":")[2].isdigit()))]
     if bad:
         p.error(f"--rows: unknown {bad}; choose from {', '.join(ROWS)}")
+    if args.timeline is not None and args.timeline not in args.rows.split(","):
+        p.error(f"--timeline {args.timeline}: not one of --rows ({args.rows})")
     if args.steps < 2:
         p.error("--steps must be at least 2 (an interval needs two samples)")
     if args.worker:
@@ -340,6 +376,7 @@ def main(argv=None) -> int:
     me = [sys.executable, "-m", "tools.step_phases", "--worker", "--rows", args.rows, "--model", args.model,
           "--steps", str(args.steps), "--warmup", str(args.warmup)]
     me += ["--json", os.path.abspath(args.json)] if args.json else []
+    me += ["--timeline", args.timeline] if args.timeline else []
     if args.link == "local":
         import torch.multiprocessing as mp
 

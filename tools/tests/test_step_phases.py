@@ -21,8 +21,12 @@ def test_paired_ratio_is_the_geometric_mean_with_an_interval():
 
 def _loopback(tmp_path, rows: str, steps: int, port: int):
     """``step_phases`` on loopback, the tiny model: (the finished run, rank 0's samples)."""
+    return _loopback_args(tmp_path, ["--rows", rows], steps, port)
+
+
+def _loopback_args(tmp_path, args: list, steps: int, port: int):
     out = tmp_path / "s.json"
-    run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows", rows, "--model", "tiny",
+    run = subprocess.run([sys.executable, "-m", "tools.step_phases", *args, "--model", "tiny",
                           "--steps", str(steps), "--json", str(out), "--port", str(port)],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -134,3 +138,36 @@ def test_a_local_row_and_the_first_bucket_on_loopback(tmp_path):
     assert len(fast["first"]) == 2 and all(0 < f < b for f, b in zip(fast["first"], fast["bwd"]))
     assert "first" not in local and "sent" not in fast  # loopback: no link counters, so no floor line
     assert "step / floor" not in run.stdout
+
+
+def test_timeline_of_a_two_phase_row(tmp_path):
+    """``--timeline ROW``: rank 0's last timed step of ROW, event by event:
+    the pack, the issue and round 0 on the backward thread, round 1 on the
+    phase-2 thread, the finish and the unpack, in the order they ran."""
+    run, samples = _loopback_args(tmp_path, ["--rows", "torch,fastddp-fp8", "--timeline", "fastddp-fp8"], 2, 29537)
+    events = samples["fastddp-fp8"]["timeline"]
+    whats = [w for _, _, w in events]
+    order = ["forward end", "pack of bucket 0 start", "issue of bucket 0 start", "round 0 of bucket 0 start",
+             "finish of bucket 0 end", "unpack of bucket 0 start", "backward end", "optimizer end"]
+    assert [w for w in whats if w in order] == order, whats
+    assert any(th == "fastddp-phase2" and w == "round 1 of bucket 0 start" for _, th, w in events), events
+    assert [t for t, _, _ in events] == sorted(t for t, _, _ in events)
+    assert "its last timed step on rank 0" in run.stdout and "timeline" not in samples["torch"]
+
+
+def test_timeline_restores_what_it_wraps():
+    from fastddp.reduction import fp8, twophase
+    from tools.timeline import Timeline
+
+    before = (fp8.BlockFp8.pack, twophase.ShardStep.advance, twophase.TwoPhaseEngine.finish)
+    with Timeline() as t:
+        assert fp8.BlockFp8.pack is not before[0]
+        t.note("x")
+    assert (fp8.BlockFp8.pack, twophase.ShardStep.advance, twophase.TwoPhaseEngine.finish) == before
+    assert [w for _, _, w in t.events] == ["x"]
+
+
+def test_timeline_row_must_be_a_row():
+    run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows", "torch,fastddp", "--timeline",
+                          "fastddp-fp8"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--timeline fastddp-fp8: not one of --rows" in run.stderr
