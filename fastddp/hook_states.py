@@ -101,7 +101,7 @@ class FP8CompressionState:
     any) is made: torch's caps are sized for an fp32 all-reduce, and a wire
     a quarter of its bytes long pipelines best with other buckets (measured:
     the bench transformer at 1 Gbit/s, 0.72 instead of 0.79 x torch's fp16
-    hook).  Caps the user set are kept."""
+    hook).  Caps the user set are kept; one rank has no wire to tune for."""
 
     process_group: Any = None
     block_size: int = 256

@@ -759,3 +759,15 @@ def test_default_caps_are_tuned_for_the_fp8_wire_after_the_two_rank_choice(world
 def test_caps_the_user_set_or_tune_buckets_false_are_kept_by_fp8(world2, caps):
     (s0, two0, tune0), _ = world2.run(_fp8_autocap, caps)
     assert tune0 is None and two0["chosen"] == "all-gather" and {t for _, t in s0} == {None}
+
+
+def test_one_rank_keeps_torchs_caps_for_fp8():
+    """World 1: no wire to tune the buckets for, so no tuner (and no probe)."""
+    import fastddp.hooks as fh
+    from fastddp import DistributedDataParallel as F
+    from tests._dist import single_rank_group
+
+    with single_rank_group():
+        m = F(make_model("mlp"))
+        m.register_comm_hook(None, fh.fp8_compress_hook)
+        assert not m.reducer.mode.tunes_buckets and "autotune" not in m.stats()

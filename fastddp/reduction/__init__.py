@@ -114,6 +114,8 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
             raise TypeError(f"fp8_compress_hook takes an FP8CompressionState (or None), got {type(state).__name__}")
         kernels.prepare_fp8(device)  # its CPU loops' one-time build: now, not in a step
         mode = _phase_two(BlockFp8(fp8_state), device, pg, options)
+        if pg is None or groups.size(pg) < 2:
+            mode.tunes_buckets = False  # one rank: no wire to tune the buckets for
         if trial and pg is not None and groups.size(pg) == 2:
             from .choices import two_rank_choice
 
