@@ -69,8 +69,8 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     hierarchical hook resolves its topology on it, collectively).  ``trial``:
     the CPU's in-place rule (no hook: :func:`_all_reduce`) and the run of
     ``bf16_fp32acc_hook`` and ``fp8_compress_hook`` at two ranks
-    (:func:`.choices.two_rank_choice`) may be decided by trial steps; a mode that measures its own candidates
-    passes False.
+    (:func:`.choices.two_rank_choice`) may be decided by trial steps; a mode
+    that measures its own candidates passes False.
     ``options``: the module's resolved :class:`~fastddp.options.Options` (the
     in-place threshold, chunk bytes where a state sets none, ranks per host
     where a state sets none); None: :func:`fastddp.settings.effective`'s."""
@@ -114,9 +114,10 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
             raise TypeError(f"fp8_compress_hook takes an FP8CompressionState (or None), got {type(state).__name__}")
         kernels.prepare_fp8(device)  # its CPU loops' one-time build: now, not in a step
         mode = _phase_two(BlockFp8(fp8_state), device, pg, options)
-        if pg is None or groups.size(pg) < 2:
+        world = 1 if pg is None else groups.size(pg)
+        if world < 2:
             mode.tunes_buckets = False  # one rank: no wire to tune the buckets for
-        if trial and pg is not None and groups.size(pg) == 2:
+        if trial and world == 2:
             from .choices import two_rank_choice
 
             mode = two_rank_choice(mode, _phase_two(BlockFp8(fp8_state, gather=mode), device, pg, options),

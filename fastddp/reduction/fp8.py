@@ -196,7 +196,8 @@ class Fp8Gather(Fp8Wire):
     shards are whole blocks of the same bucket, so every element meets the
     same addends in the same order and every block the same quantization:
     the bits are the two phases', with one collective per piece fewer and
-    the sum as a round of its own (the phase-2 thread's, during backward).
+    the sum (and its decoding into ``stage``) as a round of its own (the
+    phase-2 thread's, during backward).
     Pieces (``bounds``) cut the whole bucket, not a shard; chunked, each
     piece's ``n`` fp8 bytes then its scales' ``4 nb`` bytes travel side by
     side in ``wire`` (this rank's pieces) and ``recv`` (every rank's, piece
@@ -230,24 +231,20 @@ class Fp8Gather(Fp8Wire):
                 return [groups.all_gather_into_tensor(self.rq, self.q, pg),
                         groups.all_gather_into_tensor(self.rs, self.s, pg)]
             kernels.reduce_fp8_shards(self.rq, self.rs, self.q, self.s, W, B, health=health)
-            if self.decode:
-                self._decode([(0, self.q.numel())])
+            self._decode([(0, self.q.numel())])
             return []
-        o, p = self.w_off[k], self.w_piece[k]
+        (a, b), (sa, sb), o, p = self.bounds[k], self.s_bounds[k], self.w_off[k], self.w_piece[k]
+        n, nb = b - a, sb - sa
         got = self.recv[W * o:W * (o + p)]
         if r == 0:
-            (a, b), (sa, sb) = self.bounds[k], self.s_bounds[k]
-            self.wire[o:o + b - a].copy_(self.q[a:b])
-            self.wire[o + b - a:o + p].copy_(self.s.view(torch.uint8)[4 * sa:4 * sb])
+            self.wire[o:o + n].copy_(self.q[a:b])
+            self.wire[o + n:o + p].copy_(self.s.view(torch.uint8)[4 * sa:4 * sb])
             return [groups.all_gather_into_tensor(got, self.wire[o:o + p], pg)]
-        (a, b), (sa, sb) = self.bounds[k], self.s_bounds[k]
-        n, nb = b - a, sb - sa
         rq, rs = self.rq[:W * n], self.rs[:W * nb]
         rq.view(W, n).copy_(got.view(W, p)[:, :n])
         rs.view(torch.uint8).view(W, 4 * nb).copy_(got.view(W, p)[:, n:])
         kernels.reduce_fp8_shards(rq, rs, self.q[a:b], self.s[sa:sb], W, B, health=health)
-        if self.decode:
-            self._decode([(a, b)])
+        self._decode([(a, b)])  # the twin's stage, as the two phases' finish would
         return []
 
 
@@ -267,7 +264,7 @@ class BlockFp8(Reduction):
                   engine); a big bucket in chunks of whole blocks, each chunk's
                   fp8 bytes and its scales' bytes side by side in ONE call per
                   phase (:meth:`Fp8Wire.layout_wire`)
-        finish    ONE launch per piece dequantizes the W slices of this rank's
+        phase 2   ONE launch per piece dequantizes the W slices of this rank's
                   shard, adds them in fp32 in rank order and quantizes the sum
                   again; all-gather fp8 + scales (the engine)
         finish    as each piece's all-gather lands, dequantize it into the
@@ -371,8 +368,7 @@ class BlockFp8(Reduction):
                       lay_ex=base.lay_ex, stage=base.stage, q=base.q, s=base.s, exbuf=base.exbuf,
                       ex_views=base.ex_views, bounds=bounds, s_bounds=[(a // B, b // B) for a, b in bounds],
                       rq=torch.empty(W * n, dtype=torch.uint8, device=dev),
-                      rs=torch.empty(W * n // B, dtype=torch.float32, device=dev), nbytes=base.nbytes,
-                      decode=True)
+                      rs=torch.empty(W * n // B, dtype=torch.float32, device=dev), nbytes=base.nbytes)
         if d.chunked:
             d.layout_wire()
         self.engine.wires[bucket.index] = d
