@@ -87,7 +87,7 @@ def two_rank_choice(two_phase: Reduction, one_call: Reduction, error_feedback: b
       exponents lie 16 or more apart, where both round to the larger value);
       only at three ranks or more does the all-reduce's per-hop rounding
       differ.
-    * ``fp8_compress_hook`` / ``one="all-gather"`` (:class:`~.fp8.Fp8Gather`):
+    * ``fp8_compress_hook`` / ``one="all-gather"`` (:class:`~.fp8wire.Fp8Gather`):
       the whole fp8 bucket all-gathered, then summed and quantized again by
       the shard sum's own kernel over the whole bucket (the same bytes each
       way at two ranks, more CPU or GPU time for the sum: a trade only a

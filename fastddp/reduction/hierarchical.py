@@ -41,7 +41,8 @@ from .. import groups, kernels
 from .base import Reduction
 from .compression import ResidualBook
 from .datapath import Scaling, alias_views, pack_sources, unpack_grads
-from .fp8 import Fp8Wire, is_exempt
+from .fp8 import is_exempt
+from .fp8wire import Fp8Wire
 from .fp32acc import SHARD_ALIGN, Bf16Shards
 from .kinds import Kind
 from .twophase import ShardWire, TwoPhaseEngine
