@@ -693,6 +693,7 @@ def test_a_cuda_bucket_waits_for_its_local_round(monkeypatch):
 
     class Comm:
         cuda, pg = True, None
+        stream = SimpleNamespace(wait_event=lambda e: log.append(("waited", e)))
 
         def phase2_context(self):
             log.append("phase-2 stream")
@@ -705,16 +706,15 @@ def test_a_cuda_bucket_waits_for_its_local_round(monkeypatch):
             return step
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda *a: SimpleNamespace(wait_event=lambda e: log.append(("waited", e))))
     engine, ctx = twophase.TwoPhaseEngine(eager=True), SimpleNamespace(iteration=0, comm=Comm())
     steps = []
     for it in range(2):
         ctx.iteration = it
         steps.append(engine.start(ctx, SimpleNamespace(index=0), LocalLastRound(), None))
         steps[-1].wait()
-    ev = steps[0].queued
-    assert steps[1].queued is ev and isinstance(ev, Event), "one event per bucket, reused"
+    (stream, ev), (stream1, ev1) = steps[0].queued, steps[1].queued
+    assert ev1 is ev and isinstance(ev, Event), "one event per bucket, reused"
+    assert stream is stream1 is Comm.stream, "waited for on the comm stream, where the unpack runs"
     rounds = ["round 0", "phase-2 stream", "collective waited", "round 1"]
     assert log == rounds + ["event made", ("marked", ev), ("waited", ev)] + rounds + [("marked", ev), ("waited", ev)], log
 

@@ -59,7 +59,10 @@ class Fp8Wire(ShardWire):
 
     def _ranges(self, k: int) -> list:
         """The ``stage`` ranges piece ``k``'s first collective sends: its slice
-        ``[a, b)`` of every rank's shard."""
+        ``[a, b)`` of every rank's shard; a bucket in one piece is one range
+        (one launch each way)."""
+        if not self.chunked:
+            return [(0, self.q.numel())]
         (a, b), S = self.bounds[k], self.shard
         return [(j * S + a, j * S + b) for j in range(self.world)]
 
@@ -72,7 +75,7 @@ class Fp8Wire(ShardWire):
         if self.encode is None:
             return
         (res, health), B = self.encode, self.block
-        for lo, hi in self._ranges(k) if self.chunked else [(0, self.q.numel())]:
+        for lo, hi in self._ranges(k):
             kernels.quantize_fp8(self.stage[lo:hi], self.q[lo:hi], self.s[lo // B:hi // B], B,
                                  residual=None if res is None else res[lo:hi], health=health)
         if k == len(self.bounds) - 1:
@@ -126,7 +129,7 @@ class Fp8Wire(ShardWire):
         if self.chunked:
             for wire, buf in self._wire_pairs([k]):
                 buf.copy_(wire)
-        self._decode(self._ranges(k) if self.chunked else [(0, self.q.numel())])
+        self._decode(self._ranges(k))
 
     def _decode(self, ranges) -> None:
         B = self.block
@@ -204,7 +207,7 @@ class Fp8Gather(Fp8Wire):
         self.recv = torch.empty(self.world * o, dtype=torch.uint8, device=self.q.device)
 
     def _ranges(self, k: int) -> list:
-        return [self.bounds[k]]
+        return [self.bounds[k]]  # pieces of the whole bucket (one piece: all of it)
 
     def stage_in(self):
         """Round 1 wrote the sums into ``q``/``s`` themselves."""
@@ -221,7 +224,7 @@ class Fp8Gather(Fp8Wire):
                 return [groups.all_gather_into_tensor(self.rq, self.q, pg),
                         groups.all_gather_into_tensor(self.rs, self.s, pg)]
             kernels.reduce_fp8_shards(self.rq, self.rs, self.q, self.s, W, B, health=health)
-            self._decode([(0, self.q.numel())])
+            self._decode(self._ranges(k))
             return []
         (a, b), (sa, sb), o, p = self.bounds[k], self.s_bounds[k], self.w_off[k], self.w_piece[k]
         n, nb = b - a, sb - sa

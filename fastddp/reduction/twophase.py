@@ -156,8 +156,9 @@ class ShardStep:
                  "queued")
     # works: per round run so far, per piece, its Works; ran: set once the
     # phase-2 thread has run every round (None: no thread); error: what it
-    # raised; queued: CUDA, the event after its rounds on the second-phase
-    # stream (a round with no collective, a local sum, is ordered by it alone)
+    # raised; queued: CUDA, (the comm stream, the event after its rounds on
+    # the second-phase stream): a round with no collective, a local sum, is
+    # ordered by it alone
 
     def __init__(self, engine, wire, bucket, pg, iteration, health):
         self.engine, self.wire, self.bucket, self.pg = engine, wire, bucket, pg
@@ -308,10 +309,11 @@ class TwoPhaseEngine:
                 while not step.done:
                     step.advance()
             if ctx.comm.cuda:  # finish orders the unpack after ALL of its rounds, not only its collectives
-                step.queued = self.events.get(bucket.index)
-                if step.queued is None:
-                    step.queued = self.events[bucket.index] = torch.cuda.Event()
-                ctx.comm.phase2_mark(step.queued)
+                ev = self.events.get(bucket.index)
+                if ev is None:
+                    ev = self.events[bucket.index] = torch.cuda.Event()
+                ctx.comm.phase2_mark(ev)
+                step.queued = (ctx.comm.stream, ev)  # the stream finish (and the unpack) runs on
         return ctx.comm.hook(step, wire.nbytes)
 
     def shadow(self, ctx, wire: ShardWire, bucket) -> Pending:
@@ -337,8 +339,9 @@ class TwoPhaseEngine:
                 for s in self.open:
                     if not s.done:
                         s.advance()
-        if step.queued is not None:  # the waiting (comm) stream after the rounds' kernels too
-            torch.cuda.current_stream().wait_event(step.queued)
+        if step.queued is not None:  # the comm stream after the rounds' kernels too (not the current
+            stream, ev = step.queued  # device's current stream: the module's device may be another)
+            stream.wait_event(ev)
         for k, ws in enumerate(step.works[-1]):  # piece by piece: each handed to the codec as it lands
             for w in ws:
                 groups.wait(w)
