@@ -75,11 +75,23 @@ rc_of() {
 }
 
 t0=$SECONDS
+# Bytecode caches are written even where the environment turns them off
+# (PYTHONDONTWRITEBYTECODE): without them each of the sessions, and each
+# pytest and script run inside a test, compiles the repository's sources again
+# and rewrites every test module's asserts (pytest caches that rewrite as
+# bytecode), ~3 s of a core per pytest session. They go to __pycache__/,
+# which git ignores.
+unset PYTHONDONTWRITEBYTECODE
 # the native modules (fastddp/_native.py: the readiness hooks;
 # kernels/_fp8_native.py: the fp8 CPU loops): built once here (about a
-# minute each on 2 cores, then cached), not inside a test's timeout
-"$py" -c "import fastddp._native as n; n.main()"
-"$py" -c "import fastddp.kernels._fp8_native as f; f.main()"
+# minute each on 2 cores, then cached), not inside a test's timeout; one
+# interpreter for both (an interpreter with torch costs ~2 s of a core).
+# FASTDDP_TESTS_NATIVE_READY: set below for what runs inside, so that run.sh
+# run by a test (the run.sh self-tests) does not load them again
+if [ "${FASTDDP_TESTS_NATIVE_READY:-0}" != "1" ]; then
+    "$py" -c "import fastddp._native as n, fastddp.kernels._fp8_native as f; n.main(); f.main()"
+    export FASTDDP_TESTS_NATIVE_READY=1
+fi
 default=(-m "not interpret and not gpu")
 unset FASTDDP_TESTS_SHARD FASTDDP_TESTS_CLAIMS  # (run.sh run by a test inside a shard: its own sessions are whole)
 if [ "${FASTDDP_TESTS_SERIAL:-0}" = "1" ]; then
