@@ -266,7 +266,8 @@ def _auto(rank, world, costs, least, steps=24):
         from fastddp import DistributedDataParallel as F
 
         ddp = F(module, **opts)
-        ddp.reducer.mode.clock.synthetic = SyntheticClock(costs[rank])
+        if costs is not None:
+            ddp.reducer.mode.clock.synthetic = SyntheticClock(costs[rank])
         return ddp
 
     def step_fn(ddp, x, y, step, is_ref):
@@ -285,6 +286,8 @@ def _auto(rank, world, costs, least, steps=24):
     finally:
         reduction.IN_PLACE_MIN_NUMEL = saved
     r = out.test.reducer
+    if costs is None:  # no choice was built: the mode itself, and what it did
+        return r.mode, r.stats(), seen, len(r.buckets), out.checks
     got = r.stats()["in_place"]
     whole = len(r.buckets)
     split = sum(len(r.mode.candidate("in-place").segments(r.ctx, b)) or 1 for b in r.buckets)
@@ -308,9 +311,21 @@ def test_auto_keeps_one_collective_per_bucket_where_the_trial_cannot_tell(world2
         assert seen[-1] == whole < split
 
 
-def test_auto_measures_nothing_where_no_gradient_is_large(world2):
-    # every tensor below the threshold: the candidates reduce alike, no trial, no collective of its own
-    costs = [{"flat": 1.0, "in-place": 0.5}] * 2
-    for chosen, trial, seen, whole, split, checks in world2.run(_auto, costs, 10 ** 9):
-        assert chosen == "flat" and trial == 0 and checks > 0
-        assert split == whole and set(seen) == {whole}
+def test_auto_builds_no_choice_where_no_gradient_is_large(world2):
+    # every tensor below the threshold: no plan can cut a bucket, so the reducer
+    # runs the flat all-reduce itself (no trial, no choice to delegate through)
+    for mode, stats, seen, whole, checks in world2.run(_auto, None, 10 ** 9):
+        assert type(mode).__name__ == "AllReduce" and mode.in_place_min is None, mode
+        assert "in_place" not in stats and checks > 0  # torch's bits at every step
+        assert set(seen) == {whole}  # one collective per bucket
+
+
+def test_the_choice_is_dropped_only_where_no_dense_parameter_reaches_the_threshold():
+    from fastddp import reduction
+    from fastddp.reduction.choices import in_place_choice, without_idle_choice
+
+    choice = in_place_choice(reduction.Scaling.MUL, False, 100)
+    assert without_idle_choice(choice, 99) is choice.modes["flat"]
+    assert without_idle_choice(choice, 100) is choice  # one parameter of 100 elements: a bucket may be cut
+    plain = reduction.AllReduce(reduction.Scaling.MUL)
+    assert without_idle_choice(plain, 0) is plain  # any other mode stays

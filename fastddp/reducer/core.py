@@ -60,20 +60,19 @@ class Reducer:
         self.comm = Comm(process_group, self.device)
         self._lock = threading.Lock()
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
-        self.comm_hook: Callable | None = None
-        self.comm_hook_state: Any = None
+        self.comm_hook, self.comm_hook_state = None, None  # register_comm_hook's (a callable, its state)
+        self._largest = max((p.numel() for p, s in zip(self.params, self.sparse) if not s), default=0)
         self._dense, self._sparse_mode = reduction.choose(None, None, options.batched_grad_copy, True, self.device,
-                                                          options=options.options)
+                                                          options=options.options, largest=self._largest)
         self.ready = Readiness(self.names, process_group, self.device, static=options.static_graph,
                                find_unused=options.find_unused_parameters,
                                should_rebuild=lambda: self.plans.should_rebuild(),
                                on_first_hook=(lambda: _queue_callback(self._debug_check)) if debug else None)
         self.num_iterations = self.steps_reduced = 0
         self.exposed_comm_s: collections.deque = collections.deque(maxlen=32)
-        self._next_bucket, self._t_all_issued = 0, 0.0
+        self._next_bucket, self._t_all_issued, self._probe = 0, 0.0, None
         self.divisor = Divisor(self.world)
         self.health = HealthCheck(options.check_finite, self.device) if options.check_finite else None
-        self._probe = None
         me = weakref.ref(self)  # the hooks hold these: no cycle back to the reducer
         self.arming = Arming(self.params, lambda i: me()._hook_body(i), lambda b: me()._native_bucket_ready(b),
                              lambda i: me()._native_marked_twice(i))
@@ -106,7 +105,8 @@ class Reducer:
     def register_comm_hook(self, hook: Callable, state: Any, group_ok: bool) -> None:
         """Install a comm hook; fastddp's tagged hooks run as fused paths."""
         self._dense, self._sparse_mode = reduction.choose(hook, state, self.opts.batched_grad_copy, group_ok,
-                                                          self.device, self.comm.pg, options=self.opts.options)
+                                                          self.device, self.comm.pg, options=self.opts.options,
+                                                          largest=self._largest)
         self.arming.forget_views()  # the bucket mode changed: found again at the next arm
         self.comm_hook, self.comm_hook_state = hook, state
         self.plans.give_modes()

@@ -58,7 +58,7 @@ __all__ = ["Kind", "Scaling", "StepContext", "Reduction", "AllReduce", "PythonHo
 
 def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
            device: torch.device | None = None, pg=None, trial: bool = True,
-           options=None) -> tuple[Reduction, Reduction]:
+           options=None, largest: int | None = None) -> tuple[Reduction, Reduction]:
     """The bucket modes for a DDP module: ``(dense, sparse)``.
 
     ``hook``/``state``: the registered comm hook (None: none); a hook tagged
@@ -73,9 +73,20 @@ def choose(hook, state, batched_grad_copy: bool, group_ok: bool,
     that measures its own candidates passes False.
     ``options``: the module's resolved :class:`~fastddp.options.Options` (the
     in-place threshold, chunk bytes where a state sets none, ranks per host
-    where a state sets none); None: :func:`fastddp.settings.effective`'s."""
-    if options is None:
-        options = settings.effective()
+    where a state sets none); None: :func:`fastddp.settings.effective`'s.
+    ``largest``: the most elements of any dense parameter of the module (None:
+    unknown); the in-place choice is not built where no gradient can use it
+    (:func:`.choices.without_idle_choice`)."""
+    dense, sparse = _choose(hook, state, batched_grad_copy, group_ok, device, pg, trial,
+                            settings.effective() if options is None else options)
+    if largest is not None:
+        from .choices import without_idle_choice
+
+        dense = without_idle_choice(dense, largest)
+    return dense, sparse
+
+
+def _choose(hook, state, batched_grad_copy, group_ok, device, pg, trial, options) -> tuple[Reduction, Reduction]:
     if hook is None:
         return _all_reduce(Scaling.DIV if batched_grad_copy else Scaling.MUL, device, options, trial=trial), \
             SparseAllReduce()

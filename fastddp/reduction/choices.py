@@ -11,7 +11,7 @@ from .autoprec import LOWEST_INDEX, ORDER, AutoPrecision
 from .plain import AllReduce, Reduction, SparseAllReduce, fused_state
 from .stepclock import decision_group
 
-__all__ = ["build", "in_place_choice", "two_rank_choice"]
+__all__ = ["build", "in_place_choice", "two_rank_choice", "without_idle_choice"]
 
 
 def build(state, batched_grad_copy: bool, group_ok: bool, device, pg, choose, ranks_per_host=None):
@@ -70,6 +70,20 @@ def in_place_choice(scaling, fused: bool, least: int) -> Reduction:
     mode = AutoPrecision(state, {"flat": flat, "in-place": split}, label="in_place",
                          differs=lambda ctx, bucket: bool(split.segments(ctx, bucket)))
     mode.kind, mode.fused = flat.kind, fused
+    return mode
+
+
+def without_idle_choice(mode: Reduction, largest: int) -> Reduction:
+    """``mode``, or the flat candidate of an in-place choice (see
+    :func:`in_place_choice`) where no dense parameter has its threshold's
+    elements (``largest``: the most any has): no bucket of any plan can then
+    be cut (:meth:`~fastddp.buckets.Bucket.segments` depends on the
+    parameters' sizes alone), so the choice would settle on flat at its first
+    look, and its delegation would cost each bucket of every step a dozen
+    Python calls for nothing (a model of many mid-sized tensors: the
+    transformer's 262,144-element weights, the convnet's)."""
+    if isinstance(mode, AutoPrecision) and mode.label == "in_place" and largest < mode.modes["in-place"].in_place_min:
+        return mode.modes["flat"]
     return mode
 
 
