@@ -145,6 +145,35 @@ def test_reducer_modes_follow_the_iteration():
 
 
 @pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_no_sync_before_the_first_synced_step_costs_no_python_per_gradient():
+    """A new reducer's hooks are idle as between steps: no_sync() from the
+    first step calls no Python per gradient, and the grads stay local
+    (torch's); static_graph, find_unused_parameters and the debug check
+    track every hook from the start."""
+    from fastddp import DistributedDataParallel as DDP, _native
+    with single_rank_group():
+        ddp = DDP(_model())
+        r = ddp.reducer
+        assert r.native.mode() == _native.IDLE
+        calls = []
+        body = r._hook_body
+        r._hook_body = lambda i: (calls.append(i), body(i))
+        x = torch.randn(4, 8)
+        with ddp.no_sync():
+            for _ in range(2):
+                ddp(x).sum().backward()
+        assert calls == [] and r.steps_reduced == 0
+        ref = _model()
+        for _ in range(2):
+            ref(x).sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.module.parameters(), ref.parameters()))
+        ddp(x).sum().backward()  # the first synced step after them is reduced as usual
+        assert r.steps_reduced == 1
+        for kwargs in ({"static_graph": True}, {"find_unused_parameters": True}):
+            assert DDP(_model(), **kwargs).reducer.native.mode() == _native.PY, kwargs
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
 def test_reducer_is_freed():
     """The C++ hooks hold the reducer weakly: the cycle collector cannot see
     references held in C++, so a strong one would keep every wrapped model

@@ -159,8 +159,11 @@ class Arming:
             self.native.set_mode(HookMode.PY)
 
     def finished(self, idle: bool) -> None:
-        """The iteration is reduced: until the next armed forward, hooks that
-        track nothing (``idle``) skip Python."""
+        """The iteration is reduced (or none has run yet: the reducer is
+        new): until the next armed forward, hooks that track nothing
+        (``idle``) skip Python, so no_sync() steps before the first synced
+        one cost no Python call per gradient either (torch's hook returns at
+        once there too)."""
         self.fast = False
         if self.native is not None:
             self.native.set_mode(HookMode.IDLE if idle else HookMode.PY)

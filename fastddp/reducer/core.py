@@ -85,6 +85,7 @@ class Reducer:
                                  modes=lambda: (self._dense, self._sparse_mode),
                                  quiesce=self.ensure_prior_reduction_finished, steps=lambda: self.steps_reduced)
         self.second = SecondBackward(self)
+        self.arming.finished(idle=not (options.static_graph or options.find_unused_parameters or debug))
 
     # ------------------------------------------------------- public surface
     # the buckets and their plan are the plans object's (the bucket tuner's host)
@@ -98,7 +99,6 @@ class Reducer:
     has_comm_hook = property(lambda self: self.comm_hook is not None)
     native = property(lambda self: self.arming.native, doc="The native countdown (None: Python hooks).")
     mode = property(lambda self: self._dense, doc="The dense buckets' mode (fastddp.reduction).")
-
     fused_path = property(lambda self: (self._dense.kind.value, self._dense.wire_dtype) if self._dense.fused else None,
                           doc="(kind, wire dtype) of a fastddp hook run as its fused path, else None.")
 
