@@ -26,7 +26,7 @@ INTERPRET = interpreter_requested()
 DURATIONS = Path(__file__).with_name("durations.json")
 #: the fast tier keeps a test whose recorded time is at most this (a test
 #: not recorded yet counts as quick), and each file's quickest test
-FAST_TEST_S = 0.3
+FAST_TEST_S = 0.2
 
 
 def pytest_addoption(parser):
