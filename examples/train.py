@@ -114,26 +114,35 @@ def checksum(module: torch.nn.Module) -> float:
         return sum(p.detach().double().sum().item() for p in module.parameters())
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-
-    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+def pick_device() -> tuple[torch.device, str]:
+    """This rank's device and the backend for it (torchrun sets LOCAL_RANK)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend=backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    device, backend = pick_device()
+    dist.init_process_group(backend=backend)
+    if args.impl == "torch":
+        import fastddp  # torch's DDP has the same exit race that fastddp's DDP guards against itself
+        fastddp.install_exit_drain()  # (docs/options.md, "A clean exit"): the comparison row gets the same clean exit
+    train(args, device)
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    """One training run in the process group that exists (``main``'s body:
+    tests run several, one after the other, in one group)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     if args.impl == "fastddp":
         from fastddp import DistributedDataParallel as DDP
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
-
-        import fastddp  # torch's DDP has the same exit race that fastddp's DDP guards against itself
-        fastddp.install_exit_drain()  # (docs/options.md, "A clean exit"): the comparison row gets the same clean exit
 
     torch.manual_seed(args.seed)
     model = make_model().to(device)
@@ -153,7 +162,7 @@ def main(argv=None) -> None:
         if rank == 0:
             print(f"resumed from {args.ckpt} at epoch {start_epoch}", flush=True)
 
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     register_hook(model, args.impl, args.hook)
 
     dataset = make_dataset(args.samples, args.seed)
@@ -192,7 +201,6 @@ def main(argv=None) -> None:
         if args.save:
             torch.save({"model": model.module.state_dict(), "loss": mean_loss, "impl": args.impl,
                         "world": world, "hook": args.hook, "step_losses": step_losses}, args.save)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

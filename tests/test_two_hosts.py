@@ -23,6 +23,7 @@ otherwise, saying so.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -38,6 +39,7 @@ from tools.netlink import NetnsLink, parse_link
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
+RANK_SCRIPT = REPO / "tests" / "_two_hosts_rank.py"
 RDZV_PORT = 29400  # inside namespaces this test creates: nothing else listens there
 RUN_TIMEOUT_S = 120
 
@@ -96,32 +98,36 @@ def _host_env(link: NetnsLink, side: int) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                         "MASTER_ADDR", "MASTER_PORT")}
-    env.update(GLOO_SOCKET_IFNAME=link.ifnames[side], OMP_NUM_THREADS="1",
+    env.update(GLOO_SOCKET_IFNAME=link.ifnames[side], OMP_NUM_THREADS="1", FASTDDP_TEST_HOST=str(side),
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     return env
 
 
-def _train_on_two_hosts(link: NetnsLink, run: Run, out: Path, logs: Path) -> list[str]:
-    """torchrun once per namespace; returns the two hosts' logs."""
+def _train_on_two_hosts(link: NetnsLink, runs: list[Run], tmp: Path) -> tuple[list[str], dict[str, tuple[int, int]]]:
+    """One torchrun per namespace for ``runs`` (one shape); returns the two
+    hosts' logs and each run's bytes out of host 0 and host 1."""
+    L = runs[0].per_host
+    assert all(r.per_host == L for r in runs), runs
+    plan = json.dumps([[r.key, ["--impl", r.impl, *(["--hook", r.hook] if r.hook else []),
+                                "--save", str(tmp / f"{r.key}.pt"), *TRAIN_ARGS]] for r in runs])
     procs, files = [], []
-    hook = ["--hook", run.hook] if run.hook else []
     for side in (0, 1):
         argv = [sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", "2", "--nproc-per-node", str(run.per_host),
+                "--nnodes", "2", "--nproc-per-node", str(L),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{link.addrs[0]}:{RDZV_PORT}",
-                "--rdzv-id", f"two-hosts-{os.getpid()}-{run.key}",
+                "--rdzv-id", f"two-hosts-{os.getpid()}-2x{L}",
                 "--local-addr", link.addrs[side],  # else torchrun names the host by its hostname
                 # which host runs the rendezvous store: torchrun guesses by
                 # matching the endpoint against the hostname's addresses, and
                 # both namespaces share the machine's hostname
                 "--rdzv-conf", f"is_host={int(side == 0)}",
                 "--max-restarts", "0",
-                str(TRAIN), "--impl", run.impl, *hook, "--save", str(out), *TRAIN_ARGS]
-        f = open(logs / f"{run.key}-host{side}.log", "w+")
+                str(RANK_SCRIPT), str(tmp), plan]
+        f = open(tmp / f"2x{L}-host{side}.log", "w+")
         files.append(f)
         procs.append(link.popen(side, argv, env=_host_env(link, side), stdout=f, stderr=subprocess.STDOUT,
                                 cwd=str(REPO)))
-    deadline = time.monotonic() + RUN_TIMEOUT_S
+    deadline = time.monotonic() + RUN_TIMEOUT_S * len(runs)
     try:
         for p in procs:
             p.wait(max(1.0, deadline - time.monotonic()))
@@ -138,9 +144,10 @@ def _train_on_two_hosts(link: NetnsLink, run: Run, out: Path, logs: Path) -> lis
         texts.append(f.read())
         f.close()
     codes = [p.returncode for p in procs]
-    assert codes == [0, 0], (f"{run.key}: torchrun exit codes {codes} (host 0, host 1)\n"
+    assert codes == [0, 0], (f"2x{L}: torchrun exit codes {codes} (host 0, host 1)\n"
                              + "\n".join(f"--- host {i} ---\n{t[-3000:]}" for i, t in enumerate(texts)))
-    return texts
+    sent = [json.loads((tmp / f"sent-host{side}.json").read_text()) for side in (0, 1)]
+    return texts, {r.key: (sent[0][r.key], sent[1][r.key]) for r in runs}
 
 
 @dataclass
@@ -148,25 +155,16 @@ class Result:
     dump: dict
     """What train.py's ``--save`` wrote (rank 0)."""
     logs: list[str]
-    """torchrun's output on host 0 and host 1."""
+    """torchrun's output on host 0 and host 1 (every run of the launch)."""
     sent: tuple[int, int]
-    """Bytes out of host 0 and out of host 1 in the whole run: the veth ends'
-    kernel tx counters read before and after it (TCP/IP headers included)."""
+    """Bytes out of host 0 and out of host 1 during the run: the veth ends'
+    kernel tx counters read inside each host, between barriers before and
+    after it (TCP/IP headers included)."""
     out_per_step: tuple[float, float]
-    """``sent`` per training step.  What every run sends besides its steps
-    (torchrun's rendezvous, gloo's connections, DDP's initial broadcast, the
-    teardown: measured at 1.2 (2 x 1) to 1.5 (2 x 2) steps' bytes out of
-    host 0, 0.3 out of host 1) is spread over its steps: at most 2.5% of
-    a step with :data:`SAMPLES`.  (A separate run with no step measured it
-    to subtract; two more torchrun launches cost more than the steps that
-    make it negligible.)"""
-
-
-def _sent(link: NetnsLink, train) -> tuple[int, int]:
-    before = [link.counters(side)[0] for side in (0, 1)]
-    train()
-    after = [link.counters(side)[0] for side in (0, 1)]
-    return after[0] - before[0], after[1] - before[1]
+    """``sent`` per training step.  What a run sends besides its steps
+    (DDP's initial broadcast, the per-epoch loss all-reduce and barriers, the
+    closing barrier) is spread over its steps; torchrun's rendezvous and
+    gloo's connections are the launch's, outside every run."""
 
 
 @pytest.fixture(scope="module")
@@ -174,11 +172,12 @@ def runs(tmp_path_factory) -> dict[str, Result]:
     tmp = tmp_path_factory.mktemp("two-hosts")
     out = {}
     with NetnsLink(parse_link("netns")) as link:  # unshaped: correctness, not speed
-        for run in RUNS:
-            logs = []
-            sent = _sent(link, lambda: logs.extend(_train_on_two_hosts(link, run, tmp / f"{run.key}.pt", tmp)))
-            out[run.key] = Result(torch.load(tmp / f"{run.key}.pt", weights_only=True), logs, sent,
-                                  tuple(s / run.steps for s in sent))
+        for L in sorted({r.per_host for r in RUNS}):
+            shape = sorted((r for r in RUNS if r.per_host == L), key=lambda r: r.impl != "torch")
+            logs, sent = _train_on_two_hosts(link, shape, tmp)
+            for run in shape:
+                out[run.key] = Result(torch.load(tmp / f"{run.key}.pt", weights_only=True), logs, sent[run.key],
+                                      tuple(s / run.steps for s in sent[run.key]))
     print("\nbytes out of host 0 / host 1 per step:",
           {k: (round(r.out_per_step[0]), round(r.out_per_step[1])) for k, r in out.items()})
     return out
