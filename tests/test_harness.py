@@ -189,8 +189,8 @@ def test_claiming_shards_work_their_deal_longest_first_then_steal_short_files(tm
 def test_two_claiming_shards_run_every_test_once(tmp_path):
     """tests/run.sh's default session: two pytest processes claiming whole
     files from one folder run each selected test exactly once between them."""
-    files = ["tests/test_planner.py", "tests/test_compare.py", "tests/test_kernels_tables.py",
-             "tests/test_settings.py"]
+    files = ["tests/test_compare.py", "tests/test_kernels_health_cpu.py", "tests/test_autotune_search.py",
+             "tests/test_docs_links.py", "tests/test_kernels_torch_path.py"]  # quick ones: what matters is who runs them
     env = {k: v for k, v in os.environ.items() if k not in ("FASTDDP_TESTS_SHARD", "TRITON_INTERPRET")}
     claims, ran = tmp_path / "claims", [tmp_path / "ran-0.json", tmp_path / "ran-1.json"]
     claims.mkdir()
