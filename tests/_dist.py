@@ -553,12 +553,16 @@ class single_rank_group:
 
     def __init__(self, tmpdir=None):
         self._tmpdir = tmpdir
+        self._made = None  # the folder this group made for its init file (removed on exit)
 
     def __enter__(self):
         import torch.distributed as dist
         if dist.is_initialized():
             raise RuntimeError("a default process group is already initialised in the test process")
-        d = str(self._tmpdir) if self._tmpdir is not None else tempfile.mkdtemp(prefix="fastddp-pg1-")
+        if self._tmpdir is None:
+            self._made = d = tempfile.mkdtemp(prefix="fastddp-pg1-")
+        else:
+            d = str(self._tmpdir)
         path = os.path.join(d, f"pg1-{os.getpid()}-{time.monotonic_ns()}")
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
@@ -582,6 +586,9 @@ class single_rank_group:
             gc.collect()
             time.sleep(0.05)
             dist.destroy_process_group()
+        if self._made is not None:
+            shutil.rmtree(self._made, ignore_errors=True)
+            self._made = None
         return False
 
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests._dist import REPO_ROOT, shared_world, world2  # noqa: F401
+from tests._dist import REPO_ROOT, shared_world, single_rank_group, world2  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,6 +49,22 @@ def _what_the_next_call_sees(rank, world_size):
         "grad": torch.is_grad_enabled(),
         "draw": torch.rand(3),
     }
+
+
+def test_a_single_rank_group_leaves_no_folder_behind(tmp_path):
+    """The folder a 1-rank group makes for its init file goes with the
+    group (each used to stay in /tmp: hundreds after a few runs); a folder
+    the caller passes stays the caller's."""
+    import torch.distributed as dist
+
+    group = single_rank_group()
+    with group:
+        made = group._made
+        assert dist.is_initialized() and made is not None and os.path.isdir(made)
+    assert not dist.is_initialized() and not os.path.exists(made)
+    with single_rank_group(tmp_path):
+        pass
+    assert tmp_path.is_dir()
 
 
 def test_the_fixture_hands_out_the_session_workers(world2):
