@@ -21,13 +21,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from tools.netlink import read_counters
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import train  # noqa: E402  (examples/ is not a package)
-
-
-def tx_bytes(ifname: str) -> int:
-    """The kernel's count of bytes sent by this namespace's ``ifname``."""
-    return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
 
 
 def main() -> None:
@@ -41,11 +38,11 @@ def main() -> None:
     sent = {}
     for key, argv in runs:
         dist.barrier()
-        before = tx_bytes(ifname) if reader else 0
+        before = read_counters(ifname)[0] if reader else 0
         train.train(train.parse_args(argv), device)
         dist.barrier()
         if reader:
-            sent[key] = tx_bytes(ifname) - before
+            sent[key] = read_counters(ifname)[0] - before
     if reader:
         (out / f"sent-host{host}.json").write_text(json.dumps(sent))
     dist.destroy_process_group()
