@@ -106,6 +106,21 @@ def wait_for_lock(path: str, limit: float = BUILD_LIMIT_S, poll: float = 0.2) ->
         time.sleep(poll)
 
 
+def _pybind_abi_flags() -> list[str]:
+    """torch's pybind11 ABI defines, as its JIT builder passes them (older
+    torch; newer pybind11 keys its shared type registry itself): without
+    them the countdown could not take a torch ProcessGroup from Python (the
+    native issue chain would stay off)."""
+    import warnings
+    from torch.utils import cpp_extension
+    get = getattr(cpp_extension, "_get_pybind11_abi_build_flags", None)
+    if get is None:
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return list(get())
+
+
 class Extension:
     """One native module: ``sources`` (paths), its switch variable ``env``,
     what it is (``what``: "the native <what> could not be built"), what runs
@@ -216,7 +231,7 @@ class Extension:
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
                 os.close(fd)
                 cmd = [cxx, f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H", *incs, "-fPIC",
-                       std, *self.cflags, "-shared", *self.sources, *libs, "-lc10", "-ltorch_cpu", "-ltorch",
+                       std, *_pybind_abi_flags(), *self.cflags, "-shared", *self.sources, *libs, "-lc10", "-ltorch_cpu", "-ltorch",
                        "-ltorch_python", "-o", tmp]
                 try:
                     out = subprocess.run(cmd, capture_output=True, text=True)

@@ -358,6 +358,7 @@ def _native_data_path_body(rank, world_size):
         if kw == "hook":
             for d in (ours, theirs):
                 d.register_comm_hook(None, default_hooks.allreduce_hook)
+        ours.reducer.arming.chain = None  # each bucket through Python (the chain: the test after this one)
         rec = ours.reducer.arming.native = ours.reducer.ctx.native = _Recorder(ours.reducer.arming.native)
         steps = 4 if not kw else 3
         for step in range(steps):
@@ -434,6 +435,107 @@ def test_the_native_data_path_packs_and_unpacks_each_bucket(world2):
                 want = 2 if "gradient_as_bucket_view" in kw and step > 0 else 0
                 assert packs == [0] * nb or (want == 2 and packs == [want] * nb), (kw, step, packs)
                 assert unpacks == [-1] * nb, (kw, step, unpacks)
+
+
+def _issue_chain_body(rank, world_size, early_min):
+    """The native issue chain (fastddp/reducer/chain.py) on the default,
+    batched and bucket-view paths, several buckets: bit-equal to torch's DDP
+    in the same group, Python called once a step (not once a bucket), the
+    collectives counted as the Python path counts them.  A create_graph
+    backward (grads that are graphs: the native pack declines) hands the
+    iteration to Python at its first bucket: equal to fastddp without the
+    native data path."""
+    import fastddp.reducer
+    from fastddp import DistributedDataParallel as DDP, kernels
+    from tests._dist import torch_reference
+    threshold, fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL = fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL, early_min
+    out = []
+    try:
+        view = {"gradient_as_bucket_view": True}
+        cap = {"bucket_cap_mb": 0.0002}
+        for kw in ({}, {"batched_grad_copy": True}, view, {**view, "batched_grad_copy": True}):
+            ours, theirs = DDP(_model(), **cap, **kw), torch_reference(_model(), **cap, **kw)
+            r = ours.reducer
+            calls = {"bucket": [], "chain": []}
+            ready, chain = r._native_bucket_ready, r._native_chain
+            r._native_bucket_ready = lambda b: (calls["bucket"].append(b), ready(b))[1]
+            r._native_chain = lambda b: (calls["chain"].append(b), chain(b))[1]
+            for step in range(4):
+                graph = step == 3
+                if graph:  # no optimizer step in between: a fresh model has the same weights
+                    theirs = DDP(_model(), **cap, **kw)
+                    theirs.reducer.ctx.native = theirs.reducer.arming.chain = None
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+                before = (r.comm.collectives, r.comm.bytes_on_wire, kernels.stats().get("pack_calls", 0))
+                for d in (ours, theirs):
+                    for p in d.parameters():
+                        p.grad = None
+                    d(x).pow(2).sum().backward(create_graph=graph)
+                equal = all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
+                counted = (r.comm.collectives - before[0], r.comm.bytes_on_wire - before[1],
+                           kernels.stats().get("pack_calls", 0) - before[2])
+                flat_bytes = sum(b.flat.numel() * b.flat.element_size() for b in r.buckets)
+                out.append((str(kw), step, equal, r.arming.chaining, list(calls["bucket"]), list(calls["chain"]),
+                            len(r.buckets), counted, flat_bytes))
+                calls["bucket"].clear()
+                calls["chain"].clear()
+            for d in (ours, theirs):
+                for p in d.parameters():
+                    p.grad = None  # (create_graph: grads that reference the graph)
+        return out
+    finally:
+        fastddp.reducer.arming.EARLY_COPY_MIN_NUMEL = threshold
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["one-pack", "early-copy"])
+def test_the_issue_chain_calls_python_once_a_step(world2, early):
+    if OFF:
+        pytest.skip("FASTDDP_NATIVE=0")
+    from fastddp.reducer.arming import EARLY_COPY_MIN_NUMEL
+    for res in world2.run(_issue_chain_body, 0 if early else EARLY_COPY_MIN_NUMEL):
+        for kw, step, equal, chaining, bucket_calls, chain_calls, nb, counted, flat_bytes in res:
+            assert equal, f"{kw} step {step}: not bit-equal to torch's DDP"
+            assert chaining or step == 0, f"{kw} step {step}: the chain was not armed"  # (0: the ready order)
+            collectives, nbytes, packs = counted
+            assert (collectives, nbytes) == (nb, flat_bytes), (kw, step, counted)
+            if step == 3:  # create_graph: the first bucket hands over, the others go through Python
+                assert chain_calls == bucket_calls[:1], (kw, step, chain_calls, bucket_calls)
+                assert sorted(bucket_calls) == list(range(nb)), (kw, step, bucket_calls)
+            elif step > 0:  # (step 0: one bucket before torch's rebuild)
+                assert nb > 1, "the test wants several buckets (after torch's rebuild)"
+                assert (bucket_calls, chain_calls) == ([], [-1]), (kw, step, bucket_calls, chain_calls)
+                # one native pack a bucket (.grad = None each step), none where the early copy filled it
+                assert packs == (0 if early else nb), (kw, step, packs)
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_the_issue_chain_is_off_where_python_does_more_per_bucket():
+    """Profiler ranges, check_finite, a comm hook, a Python process group:
+    the chain is not armed (each bucket goes through the Python path, which
+    does those); a plain step arms it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from fastddp import DistributedDataParallel as DDP, profiling
+    with single_rank_group():
+        def chaining(ddp):  # (the first step records the ready order: never chained)
+            for _ in range(1 if ddp.reducer.has_rebuilt_buckets else 2):
+                ddp(torch.randn(2, 8)).sum().backward()
+            return ddp.reducer.arming.chaining
+
+        assert chaining(DDP(_model()))
+        assert not chaining(DDP(_model(), check_finite=True))
+        hooked = DDP(_model())
+        hooked.register_comm_hook(None, default_hooks.allreduce_hook)
+        assert not chaining(hooked)
+        ranged = DDP(_model())
+        profiling.enable()
+        try:
+            assert not chaining(ranged)
+        finally:
+            profiling.disable()
+        with torch.profiler.profile():
+            assert not chaining(ranged)
+        assert chaining(ranged)
 
 
 @pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")

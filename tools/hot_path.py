@@ -59,12 +59,16 @@ def main(argv=None) -> int:
     for _ in range(3):  # past the rebuild
         ddp.zero_grad(set_to_none=True)
         ddp(x).sum().backward()
-    issue, pack, unpack = [], [], []
+    issue, pack, unpack, handover = [], [], [], []
 
     def prof(frame, event, arg):
         if event == "call" and frame.f_code.co_name in ("all_reduce", "all_to_all_single") \
                 and "distributed_c10d" in frame.f_code.co_filename and not issue:
             issue.append(_chain(frame.f_back))
+        elif event == "call" and _ours(frame) and not any(":_finalize" in s for s in _chain(frame)):
+            c = _chain(frame)
+            if any(":_native_chain" in s for s in c) and len(c) > len(handover):
+                handover[:] = c  # the native issue chain hands over: once a step, after the last issue
         elif event == "c_call" and _ours(frame):
             c = _chain(frame)
             if any(":_finalize" in s for s in c) and any("unpack" in s for s in c) and len(c) > len(unpack):
@@ -80,7 +84,10 @@ def main(argv=None) -> int:
     finally:
         sys.setprofile(None)
     to_wire = list(dict.fromkeys(pack + (issue[0] if issue else [])))  # the pack's chain, then the issue's
-    for what, c in (("hook -> collective (pack and issue)", to_wire), ("wait -> .grad", unpack)):
+    rows = [("hook -> collective (pack and issue)", to_wire), ("wait -> .grad", unpack)]
+    if ddp.reducer.arming.chaining:  # packed and issued in C++: no Python before the collective
+        rows.insert(1, ("the native issue chain's hand-over, once a step after the last issue", handover))
+    for what, c in rows:
         files = sorted({s.split(":")[0] for s in c})
         print(f"{what}: {len(c)} calls in {len(files)} files")
         for s in c:

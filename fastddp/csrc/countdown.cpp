@@ -18,6 +18,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/utils/object_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -28,6 +29,21 @@
 namespace {
 
 using torch::autograd::variable_list;
+
+// The CPU data path of one bucket (the default, batched_grad_copy and comm
+// hook copies), as torch's reducer does it in C++: its grads read and checked
+// here instead of one Python attribute read and check each, the same ATen ops
+// as the Python pack (kernels/torch_path.py: _pack_plain, unpack_views), so
+// the same bits.  Only fp32/fp64 buckets whose views tile the flat buffer;
+// anything unusual is left to Python (the fallback and the oracle).
+struct Slots {
+  std::vector<int> idx;          // parameter index per position
+  std::vector<at::Tensor> views;  // per position: its slot, shaped (and strided) as the parameter
+  at::Tensor flat;
+  bool few_large = false;         // _few_large: one op per tensor beats copy-then-scale
+};
+
+enum PackCode { PACKED = 0, PYTHON = 1, ALL_VIEWS = 2 };
 
 struct State {
   std::mutex mu;
@@ -50,12 +66,29 @@ struct State {
   at::Tensor divisor;             // wrapped W (batched_grad_copy's division); undefined: none
   std::vector<uint8_t> filled;    // per parameter, this iteration
   std::vector<int> nfilled;       // per bucket, this iteration
+  std::vector<Slots> slots;       // per bucket: the native data path's (none: Python)
+  std::vector<int> sizes;         // per bucket: its parameters
+  // the issue chain (CPU, plain all-reduce): bucket complete -> pack ->
+  // issued in bucket order, with no Python, as torch's reducer; Python is
+  // called once when every bucket is issued (or to take over: chain_python)
+  std::mutex chain_mu;            // held across pack and issue: one order
+  bool chain = false;             // this iteration
+  int chain_scaling = 0;
+  double chain_w = 1.0;
+  int chain_next = 0;             // buckets [0, chain_next) issued
+  int chain_taken = 0;            // ... and [0, chain_taken) handed to Python
+  int chain_packs = 0;            // Countdown.pack calls that packed (the counters)
+  std::vector<uint8_t> chain_packed;
+  std::vector<c10::intrusive_ptr<c10d::Work>> chain_works;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  PyObject* on_chain = nullptr;
 
   ~State() {
     if (!Py_IsInitialized()) return;  // interpreter gone: leak, never touch it
     pybind11::gil_scoped_acquire gil;
     Py_XDECREF(on_bucket);
     Py_XDECREF(on_hook);
+    Py_XDECREF(on_chain);
     for (auto* h : ca_hooks) Py_XDECREF(h);
   }
 };
@@ -65,6 +98,65 @@ void call(PyObject* fn, int arg, bool flag, bool two) {
   THPObjectPtr res(two ? PyObject_CallFunction(fn, "iO", arg, flag ? Py_True : Py_False)
                        : PyObject_CallFunction(fn, "i", arg));
   if (!res) throw python_error();
+}
+
+at::Tensor wrapped(double v) {  // a Python number as an operand: the tensor's dtype wins
+  auto t = at::scalar_tensor(v, at::TensorOptions().dtype(at::kDouble));
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
+}
+
+// The bucket's grads, each checked to be what the plain path copies:
+// defined, dense, on the CPU, the slot's dtype and shape, not a graph
+// (create_graph), not already the slot.  Returns false where one is not.
+bool plain(State& st, const Slots& s, std::vector<at::Tensor>& grads, bool& all_views) {
+  grads.clear();
+  grads.reserve(s.idx.size());
+  all_views = true;
+  bool any_view = false;
+  for (size_t k = 0; k < s.idx.size(); ++k) {
+    const at::Tensor& g = st.vars[s.idx[k]].grad();
+    const at::Tensor& v = s.views[k];
+    if (!g.defined()) return all_views = false;
+    if (g.is_same(v)) {
+      any_view = true;
+      continue;
+    }
+    all_views = false;
+    if (any_view || g.layout() != at::kStrided || !g.device().is_cpu() || g.requires_grad() ||
+        g.scalar_type() != v.scalar_type() || g.sizes() != v.sizes())
+      return false;
+    grads.push_back(g);
+  }
+  return !any_view;
+}
+
+// scaling: 0 a plain copy, 1 multiply by 1/w, 2 divide by w (the Python
+// Scaling); alias: gradient_as_bucket_view, .grad becomes its slot.
+int pack_bucket(State& st, int b, int scaling, double w, bool alias) {
+  if (b < 0 || static_cast<size_t>(b) >= st.slots.size() || !st.slots[b].flat.defined()) return PYTHON;
+  const Slots& s = st.slots[b];
+  std::vector<at::Tensor> grads;
+  bool all_views = false;
+  if (!plain(st, s, grads, all_views)) return all_views ? ALL_VIEWS : PYTHON;
+  at::NoGradGuard no_grad;
+  const double scale = 1.0 / w;
+  if (s.few_large) {  // torch.mul(g, 1/W, out=v) / torch.div(g, W, out=v) / v.copy_(g)
+    for (size_t k = 0; k < grads.size(); ++k) {
+      at::Tensor& v = const_cast<at::Tensor&>(s.views[k]);
+      if (scaling == 2) at::div_out(v, grads[k], wrapped(w));
+      else if (scaling == 1 && scale != 1.0) at::mul_out(v, grads[k], wrapped(scale));
+      else v.copy_(grads[k]);
+    }
+  } else {  // _foreach_copy_ then one op on the whole flat buffer
+    at::_foreach_copy_(s.views, grads);
+    at::Tensor& flat = const_cast<at::Tensor&>(s.flat);
+    if (scaling == 2) flat.div_(w);
+    else if (scaling == 1 && scale != 1.0) flat.mul_(scale);
+  }
+  if (alias)
+    for (size_t k = 0; k < s.idx.size(); ++k) st.vars[s.idx[k]].mutable_grad() = s.views[k];
+  return PACKED;
 }
 
 struct ReadyHook : torch::autograd::FunctionPostHook {
@@ -100,8 +192,68 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
       }
       if (--st_->pending[b] == 0) bucket = b;
     }
-    if (bucket >= 0) call(st_->on_bucket, bucket, false, false);
+    if (bucket >= 0 && !chain(bucket)) call(st_->on_bucket, bucket, false, false);
     return outputs;
+  }
+
+  // The issue chain for complete bucket b: its pack (the early copy's, or
+  // one native pack), then every packed bucket from the next to issue on,
+  // in bucket order (every rank issues the same collectives in the same
+  // order).  False: no chain this iteration (Python's on_bucket).  A bucket
+  // it cannot pack (a missing grad, a partial early copy, ...) hands the
+  // iteration over to Python: on_chain(b) takes the chain's state
+  // (Countdown.chain_state) and packs b itself; later buckets call
+  // on_bucket.  Every bucket issued: on_chain(-1); an error: on_chain(-2).
+  bool chain(int b) {
+    std::unique_lock<std::mutex> lk(st_->chain_mu);
+    if (!st_->chain) return false;
+    State& st = *st_;
+    int handed = -1;  // -1: all issued, -3: not yet, else: Python takes b
+    try {
+      int filled;
+      {
+        std::lock_guard<std::mutex> lock(st.mu);
+        filled = st.nfilled.at(b);
+      }
+      int code = PYTHON;
+      if (filled == st.sizes.at(b)) {
+        code = PACKED;  // the early copy put every grad in its slot, scaled
+      } else if (filled == 0) {
+        code = pack_bucket(st, b, st.chain_scaling, st.chain_w, st.alias);
+        if (code == PACKED) ++st.chain_packs;
+        if (code == ALL_VIEWS) {  // the grads are the bucket already (torch: one flat div_)
+          at::NoGradGuard no_grad;
+          if (st.chain_scaling != 0) const_cast<at::Tensor&>(st.slots[b].flat).div_(st.chain_w);
+          code = PACKED;
+        }
+      }
+      if (code != PACKED) {
+        st.chain = false;
+        handed = b;
+      } else {
+        st.chain_packed[b] = 1;
+        const int n = static_cast<int>(st.chain_packed.size());
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = c10d::ReduceOp::SUM;
+        while (st.chain_next < n && st.chain_packed[st.chain_next]) {
+          std::vector<at::Tensor> one{st.slots[st.chain_next].flat};
+          st.chain_works[st.chain_next] = st.pg->allreduce(one, opts);
+          ++st.chain_next;
+        }
+        handed = st.chain_next == n ? -1 : -3;
+      }
+    } catch (...) {
+      st.chain = false;
+      lk.unlock();
+      try {
+        call(st.on_chain, -2, false, false);  // Python drops the iteration (abort)
+      } catch (...) {
+      }
+      throw;
+    }
+    lk.unlock();
+    if (handed != -3) call(st.on_chain, handed, false, false);
+    return true;
   }
 
   // torch's mark_variable_ready_dense for a gradient that is not yet its
@@ -135,21 +287,6 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
   std::shared_ptr<State> st_;
   int index_;
 };
-
-// The CPU data path of one bucket (the default, batched_grad_copy and comm
-// hook copies), as torch's reducer does it in C++: its grads read and checked
-// here instead of one Python attribute read and check each, the same ATen ops
-// as the Python pack (kernels/torch_path.py: _pack_plain, unpack_views), so
-// the same bits.  Only fp32/fp64 buckets whose views tile the flat buffer;
-// anything unusual is left to Python (the fallback and the oracle).
-struct Slots {
-  std::vector<int> idx;          // parameter index per position
-  std::vector<at::Tensor> views;  // per position: its slot, shaped (and strided) as the parameter
-  at::Tensor flat;
-  bool few_large = false;         // _few_large: one op per tensor beats copy-then-scale
-};
-
-enum PackCode { PACKED = 0, PYTHON = 1, ALL_VIEWS = 2 };
 
 using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
@@ -199,7 +336,11 @@ struct Countdown {
     nodes_.clear();
     keys_.clear();
     params_.clear();
-    slots_.clear();
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    st_->chain = false;
+    st_->pg.reset();
+    st_->chain_works.clear();
+    st_->slots.clear();
     std::lock_guard<std::mutex> lock(st_->mu);
     st_->early = false;
     for (auto& t : st_->dst) t.reset();
@@ -230,16 +371,12 @@ struct Countdown {
     st_->bucket_of = bucket_of;
   }
 
-  static at::Tensor wrapped(double v) {  // a Python number as an operand: the tensor's dtype wins
-    auto t = at::scalar_tensor(v, at::TensorOptions().dtype(at::kDouble));
-    t.unsafeGetTensorImpl()->set_wrapped_number(true);
-    return t;
-  }
-
   // early: < 0 no early copy this iteration, 0 a plain copy, else the scale
   // (1/W, torch's mul_out); divide > 0: divide by it instead (batched);
   // alias: .grad becomes the view (gradient_as_bucket_view)
   void arm(int mode, const std::vector<int>& sizes, double early, double divide, bool alias) {
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    st_->chain = false;  // until arm_chain says otherwise
     std::lock_guard<std::mutex> lock(st_->mu);
     st_->mode = mode;
     st_->pending = sizes;
@@ -252,7 +389,66 @@ struct Countdown {
     st_->nfilled.assign(sizes.size(), 0);
   }
 
+  // The chain's process group (a C++ one: dist's gloo group); false where
+  // this object is not one this module can call (then no chain).
+  bool set_group(pybind11::object pg, pybind11::object on_chain) {
+    c10::intrusive_ptr<c10d::ProcessGroup> p;
+    try {
+      p = pg.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+    } catch (const pybind11::cast_error&) {
+      return false;
+    }
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    st_->pg = p;
+    Py_XDECREF(st_->on_chain);
+    st_->on_chain = on_chain.release().ptr();
+    return true;
+  }
+
+  // This iteration's chain (after arm): scaling and w as pack's; off: none.
+  void arm_chain(bool on, int scaling, double w) {
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    std::lock_guard<std::mutex> lock(st_->mu);
+    const size_t n = st_->pending.size();
+    st_->chain = on && st_->pg && st_->on_chain && st_->slots.size() == n;
+    for (size_t b = 0; st_->chain && b < n; ++b) st_->chain = st_->slots[b].flat.defined();
+    st_->chain_scaling = scaling;
+    st_->chain_w = w;
+    st_->chain_next = 0;
+    st_->chain_taken = 0;
+    st_->chain_packs = 0;
+    st_->chain_packed.assign(n, 0);
+    st_->chain_works.assign(n, c10::intrusive_ptr<c10d::Work>());
+    st_->sizes = st_->pending;
+  }
+
+  // (handed to Python, issued): buckets [taken, issued) are in flight,
+  // issued by the chain and not counted by Python yet (stats() mid-backward)
+  std::pair<int, int> chain_issued() {
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    return {st_->chain_taken, st_->chain_next};
+  }
+
+  bool chained() {
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    return st_->chain;
+  }
+
+  // (issued, packed per bucket, the issued buckets' Works, native packs):
+  // what Python takes over; the chain keeps no Work after this.
+  pybind11::tuple chain_state() {
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    pybind11::list works;
+    for (int k = 0; k < st_->chain_next; ++k) works.append(pybind11::cast(st_->chain_works[k]));
+    for (auto& w : st_->chain_works) w.reset();
+    st_->chain_taken = st_->chain_next;
+    auto packed = pybind11::bytes(reinterpret_cast<const char*>(st_->chain_packed.data()), st_->chain_packed.size());
+    return pybind11::make_tuple(st_->chain_next, packed, works, st_->chain_packs);
+  }
+
   void set_mode(int mode) {
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    if (mode != 1) st_->chain = false;  // every hook to Python (a second backward, an error) or none
     std::lock_guard<std::mutex> lock(st_->mu);
     st_->mode = mode;
   }
@@ -274,8 +470,8 @@ struct Countdown {
   void set_slots(int b, std::optional<std::vector<int>> idx, std::optional<std::vector<at::Tensor>> views,
                  std::optional<at::Tensor> flat) {
     if (b < 0) throw pybind11::index_error("fastddp native: bucket index < 0");
-    if (slots_.size() <= static_cast<size_t>(b)) slots_.resize(b + 1);
-    Slots& s = slots_[b];
+    if (st_->slots.size() <= static_cast<size_t>(b)) st_->slots.resize(b + 1);
+    Slots& s = st_->slots[b];
     s = Slots();
     if (!idx || !views || !flat || nodes_.empty()) return;  // (removed: the parameters are gone)
     TORCH_CHECK(idx->size() == views->size(), "fastddp native: one view per parameter of the bucket");
@@ -289,60 +485,9 @@ struct Countdown {
     s.few_large = n <= 64 && total >= n * (int64_t(1) << 18);
   }
 
-  void clear_slots(int count) { slots_.assign(std::max(count, 0), Slots()); }
+  void clear_slots(int count) { st_->slots.assign(std::max(count, 0), Slots()); }
 
-  // The bucket's grads, each checked to be what the plain path copies:
-  // defined, dense, on the CPU, the slot's dtype and shape, not a graph
-  // (create_graph), not already the slot.  Returns false where one is not.
-  bool plain(const Slots& s, std::vector<at::Tensor>& grads, bool& all_views) {
-    grads.clear();
-    grads.reserve(s.idx.size());
-    all_views = true;
-    bool any_view = false;
-    for (size_t k = 0; k < s.idx.size(); ++k) {
-      const at::Tensor& g = st_->vars[s.idx[k]].grad();
-      const at::Tensor& v = s.views[k];
-      if (!g.defined()) return all_views = false;
-      if (g.is_same(v)) {
-        any_view = true;
-        continue;
-      }
-      all_views = false;
-      if (any_view || g.layout() != at::kStrided || !g.device().is_cpu() || g.requires_grad() ||
-          g.scalar_type() != v.scalar_type() || g.sizes() != v.sizes())
-        return false;
-      grads.push_back(g);
-    }
-    return !any_view;
-  }
-
-  // scaling: 0 a plain copy, 1 multiply by 1/w, 2 divide by w (the Python
-  // Scaling); alias: gradient_as_bucket_view, .grad becomes its slot.
-  int pack(int b, int scaling, double w, bool alias) {
-    if (b < 0 || static_cast<size_t>(b) >= slots_.size() || !slots_[b].flat.defined()) return PYTHON;
-    const Slots& s = slots_[b];
-    std::vector<at::Tensor> grads;
-    bool all_views = false;
-    if (!plain(s, grads, all_views)) return all_views ? ALL_VIEWS : PYTHON;
-    at::NoGradGuard no_grad;
-    const double scale = 1.0 / w;
-    if (s.few_large) {  // torch.mul(g, 1/W, out=v) / torch.div(g, W, out=v) / v.copy_(g)
-      for (size_t k = 0; k < grads.size(); ++k) {
-        at::Tensor& v = const_cast<at::Tensor&>(s.views[k]);
-        if (scaling == 2) at::div_out(v, grads[k], wrapped(w));
-        else if (scaling == 1 && scale != 1.0) at::mul_out(v, grads[k], wrapped(scale));
-        else v.copy_(grads[k]);
-      }
-    } else {  // _foreach_copy_ then one op on the whole flat buffer
-      at::_foreach_copy_(s.views, grads);
-      at::Tensor& flat = const_cast<at::Tensor&>(s.flat);
-      if (scaling == 2) flat.div_(w);
-      else if (scaling == 1 && scale != 1.0) flat.mul_(scale);
-    }
-    if (alias)
-      for (size_t k = 0; k < s.idx.size(); ++k) st_->vars[s.idx[k]].mutable_grad() = s.views[k];
-    return PACKED;
-  }
+  int pack(int b, int scaling, double w, bool alias) { return pack_bucket(*st_, b, scaling, w, alias); }
 
   // The reduced flat buffer back into .grad (torch's finalize_bucket_dense).
   // Without bucket views: one _foreach_copy_ into the grads; returns -1, or
@@ -350,8 +495,8 @@ struct Countdown {
   // grad becomes its view; returns the position of a grad that is neither
   // (Python names it), else -1.
   int unpack(int b, bool views) {
-    if (b < 0 || static_cast<size_t>(b) >= slots_.size() || !slots_[b].flat.defined()) return -2;
-    const Slots& s = slots_[b];
+    if (b < 0 || static_cast<size_t>(b) >= st_->slots.size() || !st_->slots[b].flat.defined()) return -2;
+    const Slots& s = st_->slots[b];
     at::NoGradGuard no_grad;
     if (views) {
       for (size_t k = 0; k < s.idx.size(); ++k) {
@@ -380,7 +525,6 @@ struct Countdown {
   std::vector<at::Tensor> params_;
   std::vector<NodePtr> nodes_;
   std::vector<uintptr_t> keys_;
-  std::vector<Slots> slots_;
 };
 
 }  // namespace
@@ -395,6 +539,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("arm", &Countdown::arm, pybind11::arg("mode"), pybind11::arg("sizes"), pybind11::arg("early") = -1.0,
            pybind11::arg("divide") = 0.0, pybind11::arg("alias") = true)
       .def("set_mode", &Countdown::set_mode)
+      .def("set_group", &Countdown::set_group)
+      .def("arm_chain", &Countdown::arm_chain)
+      .def("chained", &Countdown::chained)
+      .def("chain_issued", &Countdown::chain_issued)
+      .def("chain_state", &Countdown::chain_state)
       .def("mode", &Countdown::mode)
       .def("marked", &Countdown::marked)
       .def("set_views", &Countdown::set_views)

@@ -20,6 +20,7 @@ import enum
 import torch
 
 from .. import _native, compile as _compile, kernels
+from .chain import IssueChain
 
 __all__ = ["HookMode", "Arming", "EARLY_COPY_MIN_NUMEL"]
 
@@ -78,6 +79,7 @@ class Arming:
         self.native = None
         self._views, self._any = None, False  # the early copy's views (None: find them again)
         self._views_key = None  # the mode's views_key they were found for
+        self.chain, self.chaining = None, False  # the native issue chain; armed this iteration
         mod = _native.countdown_module()
         if mod is None:
             self.handles = [p.register_post_accumulate_grad_hook(_py_hook(body, i))
@@ -120,6 +122,14 @@ class Arming:
         early, divide = self._early(buckets, mode, ctx, join_pending, world) if fast else (-1.0, 0.0)
         self.native.arm(HookMode.FAST if fast else HookMode.PY, [b.size for b in buckets], early, divide,
                         view_mode)
+        self.chaining = self.chain is not None and self.chain.arm(buckets, mode, ctx, fast=fast,
+                                                                  join_pending=join_pending)
+
+    def attach_chain(self, pg, on_chain) -> None:
+        """The native issue chain (:mod:`.chain`) on ``pg``; ``on_chain(b)``:
+        the reducer takes the iteration over."""
+        if self.native is not None:
+            self.chain = IssueChain(self.native, pg, on_chain)
 
     def _early(self, buckets, mode, ctx, join_pending: bool, world: int) -> tuple[float, float]:
         """The native hooks' early copy this iteration (on the CPU, where the

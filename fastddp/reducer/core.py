@@ -34,6 +34,7 @@ from ..buckets import Bucket
 from ..comm import Comm
 from ..health import HealthCheck
 from .readiness import Readiness
+from . import atonce
 from .arming import Arming
 from .divisor import Divisor
 from .options import Collaborators, ReducerOptions
@@ -85,6 +86,7 @@ class Reducer:
                                  modes=lambda: (self._dense, self._sparse_mode),
                                  quiesce=self.ensure_prior_reduction_finished, steps=lambda: self.steps_reduced)
         self.second = SecondBackward(self)
+        self.arming.attach_chain(process_group, lambda b: me()._native_chain(b))
         self.arming.finished(idle=not (options.static_graph or options.find_unused_parameters or debug))
 
     # ------------------------------------------------------- public surface
@@ -190,6 +192,16 @@ class Reducer:
         bucket.prefilled = self.arming.filled(b)
         self._bucket_complete(bucket)
 
+    def _native_chain(self, b: int) -> None:
+        """The native issue chain hands over (:mod:`.chain`): every bucket issued (-1), bucket ``b`` to pack, an error (-2)."""
+        self._next_bucket = self.arming.chain.take(self.plans.buckets, self.comm)
+        if b == -2:
+            self.abort_iteration()
+        elif b >= 0:
+            self._native_bucket_ready(b)
+        else:
+            self._issued_all()
+
     def _native_marked_twice(self, index: int) -> None:
         self._sync_native_marks()
         self.ready.mark(index)  # raises torch's error, naming the parameter
@@ -219,9 +231,12 @@ class Reducer:
             self.abort_iteration()  # e.g. a hook's error: the next iteration starts clean
             raise
         if self._next_bucket == len(self.plans.buckets):
-            self._all_buckets_issued()
-            # compiled autograd's engine runs no queued callbacks (every grad is in by now)
-            self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
+            self._issued_all()
+
+    def _issued_all(self) -> None:
+        self._all_buckets_issued()
+        # compiled autograd's engine runs no queued callbacks (every grad is in by now)
+        self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
 
     def _all_buckets_issued(self) -> None:
         self._t_all_issued = time.perf_counter()
@@ -231,18 +246,8 @@ class Reducer:
         if self.ready.dynamic_find_unused:
             self.ready.all_reduce_used_map()
 
-    def _debug_check(self) -> None:
-        if not self.ready.expect_hooks or self.ready.static_first_iteration:
-            return
-        try:
-            self.ready.check_agreement()
-        except RuntimeError:
-            self.abort_iteration()
-            raise
-        if all(b.pending == 0 for b in self.plans.buckets):
-            self._launch_ready()
-            self._all_buckets_issued()
-            self._finalize()
+    def _debug_check(self) -> None:  # debug mode: the ranks agree, then every bucket is issued
+        atonce.debug_check(self)
 
     # ---------------------------------------------------------- pack, issue
     def _pack(self, bucket: Bucket) -> None:
@@ -266,15 +271,7 @@ class Reducer:
 
     # -------------------------------------------------------------- finalize
     def delay_all_reduce(self) -> None:  # static_graph's first backward: learn the unused, reduce all
-        with self._lock:
-            self.ready.learn_static_unused()
-            for b in self.plans.buckets:
-                self._pack(b)
-                b.pending = 0
-            self._launch_ready()
-            self._all_buckets_issued()
-            self.ready.expect_hooks = True
-        self._finalize()
+        atonce.delay_all_reduce(self)
 
     def _finalize(self) -> None:
         with profiling.range("fastddp/finalize", self.comm.cuda):
