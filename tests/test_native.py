@@ -508,6 +508,49 @@ def test_the_issue_chain_calls_python_once_a_step(world2, early):
                 assert packs == (0 if early else nb), (kw, step, packs)
 
 
+def _chain_finish_body(rank, world_size):
+    """The chain's finalize (wait and unpack in C++) against torch's DDP in
+    the same group: a plain step (every bucket unpacked natively), and a
+    step where a hook on the input's gradient (the last one computed) sets
+    the last layer's .grad to None after its bucket was packed and issued:
+    the native unpack declines that bucket and Python's unpack goes on
+    from it (a fresh .grad with the reduced value, as torch's)."""
+    from fastddp import DistributedDataParallel as DDP, kernels
+    from tests._dist import torch_reference
+    out = []
+    cap = {"bucket_cap_mb": 0.0002}
+    ours, theirs = DDP(_model(), **cap), torch_reference(_model(), **cap)
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step)).requires_grad_()
+        before = kernels.stats().get("unpack_calls", 0)
+        for d in (ours, theirs):
+            for p in d.parameters():
+                p.grad = None
+            last = d.module[-1].weight
+            h = x.register_hook(lambda g, last=last: setattr(last, "grad", None)) if step == 3 else None
+            d(x).pow(2).sum().backward()
+            if h is not None:
+                h.remove()
+            x.grad = None
+        equal = all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
+        out.append((step, equal, ours.reducer.arming.chaining, kernels.stats().get("unpack_calls", 0) - before,
+                    len(ours.reducer.buckets)))
+    return out
+
+
+def test_the_issue_chain_finishes_in_cpp_and_hands_a_missing_grad_to_python(world2):
+    if OFF:
+        pytest.skip("FASTDDP_NATIVE=0")
+    for res in world2.run(_chain_finish_body):
+        for step, equal, chaining, unpacks, nb in res:
+            assert equal, f"step {step}: not bit-equal to torch's DDP"
+            if step:
+                assert chaining and nb > 1, (step, chaining, nb)
+                # one unpack call a bucket (native, counted as the plain-torch path's); step 3: the
+                # bucket with the missing grad is Python's per-parameter copy (not counted)
+                assert unpacks == nb - (step == 3), (step, unpacks, nb)
+
+
 @pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
 def test_the_issue_chain_is_off_where_python_does_more_per_bucket():
     """Profiler ranges, check_finite, a comm hook, a Python process group:

@@ -71,7 +71,8 @@ def main(argv=None) -> int:
                 handover[:] = c  # the native issue chain hands over: once a step, after the last issue
         elif event == "c_call" and _ours(frame):
             c = _chain(frame)
-            if any(":_finalize" in s for s in c) and any("unpack" in s for s in c) and len(c) > len(unpack):
+            if any(":_finalize" in s for s in c) and any("unpack" in s or "chain.py:finish" in s for s in c) \
+                    and len(c) > len(unpack):
                 unpack[:] = c
             elif not issue and not any(":_finalize" in s for s in c) and any(":pack" in s for s in c) \
                     and len(c) > len(pack):

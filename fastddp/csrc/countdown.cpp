@@ -436,11 +436,14 @@ struct Countdown {
 
   // (issued, packed per bucket, the issued buckets' Works, native packs):
   // what Python takes over; the chain keeps no Work after this.
-  pybind11::tuple chain_state() {
+  // keep: the Works stay here for chain_finish (every bucket issued).
+  pybind11::tuple chain_state(bool keep) {
     std::lock_guard<std::mutex> lk(st_->chain_mu);
     pybind11::list works;
-    for (int k = 0; k < st_->chain_next; ++k) works.append(pybind11::cast(st_->chain_works[k]));
-    for (auto& w : st_->chain_works) w.reset();
+    if (!keep) {
+      for (int k = 0; k < st_->chain_next; ++k) works.append(pybind11::cast(st_->chain_works[k]));
+      for (auto& w : st_->chain_works) w.reset();
+    }
     st_->chain_taken = st_->chain_next;
     auto packed = pybind11::bytes(reinterpret_cast<const char*>(st_->chain_packed.data()), st_->chain_packed.size());
     return pybind11::make_tuple(st_->chain_next, packed, works, st_->chain_packs);
@@ -488,6 +491,29 @@ struct Countdown {
   void clear_slots(int count) { st_->slots.assign(std::max(count, 0), Slots()); }
 
   int pack(int b, int scaling, double w, bool alias) { return pack_bucket(*st_, b, scaling, w, alias); }
+
+  // The end of a chained iteration (torch's finalize_backward): wait for
+  // every Work the chain kept (the GIL released meanwhile), then unpack each
+  // bucket in order as unpack does.  Returns how many buckets it unpacked:
+  // from the first it could not (a grad replaced, missing, ...) Python's
+  // unpack goes on, its collective complete.
+  int chain_finish(bool views) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    {
+      std::lock_guard<std::mutex> lk(st_->chain_mu);
+      works.swap(st_->chain_works);
+      st_->chain_works.assign(works.size(), c10::intrusive_ptr<c10d::Work>());
+    }
+    {
+      pybind11::gil_scoped_release nogil;
+      for (auto& w : works)
+        if (w) w->wait();
+    }
+    const int n = static_cast<int>(works.size());
+    for (int b = 0; b < n; ++b)
+      if (unpack(b, views) != -1) return b;
+    return n;
+  }
 
   // The reduced flat buffer back into .grad (torch's finalize_bucket_dense).
   // Without bucket views: one _foreach_copy_ into the grads; returns -1, or
@@ -543,7 +569,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("arm_chain", &Countdown::arm_chain)
       .def("chained", &Countdown::chained)
       .def("chain_issued", &Countdown::chain_issued)
-      .def("chain_state", &Countdown::chain_state)
+      .def("chain_state", &Countdown::chain_state, pybind11::arg("keep") = false)
+      .def("chain_finish", &Countdown::chain_finish)
       .def("mode", &Countdown::mode)
       .def("marked", &Countdown::marked)
       .def("set_views", &Countdown::set_views)

@@ -47,14 +47,17 @@ class IssueChain:
     def __init__(self, native, pg, on_chain):
         self.native = native
         self.ok = bool(native is not None and _plain_gloo(pg) and native.set_group(pg, on_chain))
+        self.kept = False  # every bucket issued by the chain, which keeps their Works for finish()
 
     def arm(self, buckets, mode, ctx, *, fast: bool, join_pending: bool) -> bool:
         """After the countdown's arm: chain this iteration where nothing the
         Python path does per bucket would be skipped.  Returns whether it does."""
         if not self.ok:
             return False
+        self.kept = False
         on = (fast and type(mode) is AllReduce and not join_pending and ctx.native is not None
-              and not ctx.comm.cuda and not (profiling.enabled() or profiling._profiler_on())
+              and ctx.pre_unpack is None and not ctx.comm.cuda
+              and not (profiling.enabled() or profiling._profiler_on())
               and not any(b.health is not None or b.sparse or mode.segments(ctx, b) for b in buckets))
         self.native.arm_chain(on, int(mode.scaling) if on else 0, float(ctx.divisor()) if on else 1.0)
         return on
@@ -71,18 +74,37 @@ class IssueChain:
         taken, issued = self.native.chain_issued()
         return issued - taken, sum(b.flat.numel() * b.flat.element_size() for b in buckets[taken:issued])
 
-    def take(self, buckets, comm) -> int:
+    def take(self, buckets, comm, keep: bool) -> int:
         """Python takes the iteration over: the buckets the chain packed are
-        complete, those it issued hold their Work (counted as the Python
-        path counts them).  Returns the next bucket to issue."""
-        issued, packed, works, packs = self.native.chain_state()
+        complete, those it issued are counted as the Python path counts
+        them and hold their Work, or with ``keep`` (every bucket issued) the
+        chain keeps the Works for :meth:`finish`.  Returns the next bucket
+        to issue."""
+        issued, packed, works, packs = self.native.chain_state(keep)
+        self.kept = keep
         for b, done in zip(buckets, packed):
             if done:
                 b.pending, b.prefilled = 0, 0
-        for b, work in zip(buckets, works):
-            b.work = Pending(work=work, tensor=b.flat)
+        for b in buckets[:issued]:
             comm.bytes_on_wire += b.flat.numel() * b.flat.element_size()
             comm.collectives += 1
+        for b, work in zip(buckets, works):
+            b.work = Pending(work=work, tensor=b.flat)
         for _ in range(packs):
             kernels.count_served("pack")
         return issued
+
+    def finish(self, buckets, view_mode: bool) -> None:
+        """The finalize of an iteration whose Works the chain kept: every one
+        waited for and each bucket unpacked in C++ (the GIL released while
+        it waits); a bucket it could not unpack, and the ones after it, get
+        a completed :class:`Pending` for the Python unpack.  Else nothing."""
+        if not self.kept:
+            return
+        self.kept = False
+        done = self.native.chain_finish(view_mode)
+        for b in buckets[done:]:
+            b.work = Pending()
+        if not view_mode:
+            for _ in range(done):
+                kernels.count_served("unpack")

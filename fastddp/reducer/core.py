@@ -194,7 +194,7 @@ class Reducer:
 
     def _native_chain(self, b: int) -> None:
         """The native issue chain hands over (:mod:`.chain`): every bucket issued (-1), bucket ``b`` to pack, an error (-2)."""
-        self._next_bucket = self.arming.chain.take(self.plans.buckets, self.comm)
+        self._next_bucket = self.arming.chain.take(self.plans.buckets, self.comm, keep=b == -1)
         if b == -2:
             self.abort_iteration()
         elif b >= 0:
@@ -282,9 +282,11 @@ class Reducer:
             self.arming.finished(idle=not (self.ready.static or self.ready.dynamic_find_unused or self.debug))
             track = self.ready.static or self.opts.find_unused_parameters
             self.ready.expect_hooks = False
-            live = [b for b in self.plans.buckets if b.work is not None]  # else skipped (unused)
             with self.comm.comm_context(), torch.no_grad():
                 try:
+                    if self.arming.chain is not None:  # the native chain's waits and unpacks, where it kept the Works
+                        self.arming.chain.finish(self.plans.buckets, self.view_mode)
+                    live = [b for b in self.plans.buckets if b.work is not None]  # else skipped (unused)
                     results = [self._wait(b) for b in live] if self.health is not None else None
                     if results is not None:
                         self.health.check(self)  # before any reduced value reaches .grad
