@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     to_wire = list(dict.fromkeys(pack + (issue[0] if issue else [])))  # the pack's chain, then the issue's
     rows = [("hook -> collective (pack and issue)", to_wire), ("wait -> .grad", unpack)]
     if ddp.reducer.arming.chaining:  # packed and issued in C++: no Python before the collective
-        rows.insert(1, ("the native issue chain's hand-over, once a step after the last issue", handover))
+        rows.insert(1, ("the native issue chain's hand-over, once a step after its waits and unpacks", handover))
     for what, c in rows:
         files = sorted({s.split(":")[0] for s in c})
         print(f"{what}: {len(c)} calls in {len(files)} files")

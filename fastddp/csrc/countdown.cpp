@@ -12,6 +12,7 @@
 #include <ATen/ops/div.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
@@ -21,6 +22,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -78,6 +80,7 @@ struct State {
   int chain_next = 0;             // buckets [0, chain_next) issued
   int chain_taken = 0;            // ... and [0, chain_taken) handed to Python
   int chain_packs = 0;            // Countdown.pack calls that packed (the counters)
+  double chain_issued_at = 0.0;   // the last issue, CLOCK_MONOTONIC seconds (Python's perf_counter)
   std::vector<uint8_t> chain_packed;
   std::vector<c10::intrusive_ptr<c10d::Work>> chain_works;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
@@ -157,6 +160,37 @@ int pack_bucket(State& st, int b, int scaling, double w, bool alias) {
   if (alias)
     for (size_t k = 0; k < s.idx.size(); ++k) st.vars[s.idx[k]].mutable_grad() = s.views[k];
   return PACKED;
+}
+
+// The reduced flat buffer back into .grad (torch's finalize_bucket_dense).
+// Without bucket views: one _foreach_copy_ into the grads; returns -1, or
+// -2 where one is missing or not plain (Python).  With them: a missing
+// grad becomes its view; returns the position of a grad that is neither
+// (Python names it), else -1.
+int unpack_bucket(State& st, int b, bool views) {
+  if (b < 0 || static_cast<size_t>(b) >= st.slots.size() || !st.slots[b].flat.defined()) return -2;
+  const Slots& s = st.slots[b];
+  at::NoGradGuard no_grad;
+  if (views) {
+    for (size_t k = 0; k < s.idx.size(); ++k) {
+      at::Tensor& g = st.vars[s.idx[k]].mutable_grad();
+      if (!g.defined()) g = s.views[k];
+      else if (!g.is_same(s.views[k])) return static_cast<int>(k);
+    }
+    return -1;
+  }
+  std::vector<at::Tensor> grads;
+  grads.reserve(s.idx.size());
+  for (size_t k = 0; k < s.idx.size(); ++k) {
+    const at::Tensor& g = st.vars[s.idx[k]].grad();
+    const at::Tensor& v = s.views[k];
+    if (!g.defined() || g.layout() != at::kStrided || !g.device().is_cpu() ||
+        g.scalar_type() != v.scalar_type() || g.sizes() != v.sizes() || g.is_alias_of(s.flat))
+      return -2;
+    grads.push_back(g);
+  }
+  at::_foreach_copy_(grads, s.views);
+  return -1;
 }
 
 struct ReadyHook : torch::autograd::FunctionPostHook {
@@ -240,7 +274,13 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
           st.chain_works[st.chain_next] = st.pg->allreduce(one, opts);
           ++st.chain_next;
         }
-        handed = st.chain_next == n ? -1 : -3;
+        if (st.chain_next == n) {
+          st.chain_issued_at =
+              std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+          std::shared_ptr<State> keep = st_;
+          torch::autograd::Engine::get_default_engine().queue_callback([keep]() { finish(*keep); });
+        }
+        handed = -3;
       }
     } catch (...) {
       st.chain = false;
@@ -254,6 +294,41 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
     lk.unlock();
     if (handed != -3) call(st.on_chain, handed, false, false);
     return true;
+  }
+
+  // The end of a backward whose buckets the chain issued (an engine
+  // callback, as torch's finalize_backward; no GIL held): wait for every
+  // Work, unpack each bucket in order, then Python once (on_chain(-3 - k):
+  // the reducer's bookkeeping and finalize; buckets from k on, which the
+  // native unpack declined, go to Python's unpack).  Nothing else runs on
+  // this thread between the last issue and the wait, so on a busy host the
+  // collective's threads get the cores.  A failed wait: on_chain(-2)
+  // (Python drops the iteration), then the error is the backward's.
+  static void finish(State& st) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    {
+      std::lock_guard<std::mutex> lk(st.chain_mu);
+      works.swap(st.chain_works);
+      st.chain_works.assign(works.size(), c10::intrusive_ptr<c10d::Work>());
+    }
+    try {
+      for (auto& w : works)
+        if (w) w->wait();
+    } catch (...) {
+      try {
+        call(st.on_chain, -2, false, false);
+      } catch (...) {
+      }
+      throw;
+    }
+    const int n = static_cast<int>(works.size());
+    int done = n;
+    for (int b = 0; b < n; ++b)
+      if (unpack_bucket(st, b, st.alias) != -1) {
+        done = b;
+        break;
+      }
+    call(st.on_chain, -3 - done, false, false);
   }
 
   // torch's mark_variable_ready_dense for a gradient that is not yet its
@@ -434,19 +509,17 @@ struct Countdown {
     return st_->chain;
   }
 
-  // (issued, packed per bucket, the issued buckets' Works, native packs):
-  // what Python takes over; the chain keeps no Work after this.
-  // keep: the Works stay here for chain_finish (every bucket issued).
-  pybind11::tuple chain_state(bool keep) {
+  // (issued, packed per bucket, the issued buckets' Works not waited for
+  // yet, native packs, the last issue's time): what Python takes over.
+  pybind11::tuple chain_state() {
     std::lock_guard<std::mutex> lk(st_->chain_mu);
     pybind11::list works;
-    if (!keep) {
-      for (int k = 0; k < st_->chain_next; ++k) works.append(pybind11::cast(st_->chain_works[k]));
-      for (auto& w : st_->chain_works) w.reset();
-    }
+    for (int k = 0; k < st_->chain_next && static_cast<size_t>(k) < st_->chain_works.size(); ++k)
+      if (st_->chain_works[k]) works.append(pybind11::cast(st_->chain_works[k]));
+    for (auto& w : st_->chain_works) w.reset();
     st_->chain_taken = st_->chain_next;
     auto packed = pybind11::bytes(reinterpret_cast<const char*>(st_->chain_packed.data()), st_->chain_packed.size());
-    return pybind11::make_tuple(st_->chain_next, packed, works, st_->chain_packs);
+    return pybind11::make_tuple(st_->chain_next, packed, works, st_->chain_packs, st_->chain_issued_at);
   }
 
   void set_mode(int mode) {
@@ -492,59 +565,7 @@ struct Countdown {
 
   int pack(int b, int scaling, double w, bool alias) { return pack_bucket(*st_, b, scaling, w, alias); }
 
-  // The end of a chained iteration (torch's finalize_backward): wait for
-  // every Work the chain kept (the GIL released meanwhile), then unpack each
-  // bucket in order as unpack does.  Returns how many buckets it unpacked:
-  // from the first it could not (a grad replaced, missing, ...) Python's
-  // unpack goes on, its collective complete.
-  int chain_finish(bool views) {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    {
-      std::lock_guard<std::mutex> lk(st_->chain_mu);
-      works.swap(st_->chain_works);
-      st_->chain_works.assign(works.size(), c10::intrusive_ptr<c10d::Work>());
-    }
-    {
-      pybind11::gil_scoped_release nogil;
-      for (auto& w : works)
-        if (w) w->wait();
-    }
-    const int n = static_cast<int>(works.size());
-    for (int b = 0; b < n; ++b)
-      if (unpack(b, views) != -1) return b;
-    return n;
-  }
-
-  // The reduced flat buffer back into .grad (torch's finalize_bucket_dense).
-  // Without bucket views: one _foreach_copy_ into the grads; returns -1, or
-  // -2 where one is missing or not plain (Python).  With them: a missing
-  // grad becomes its view; returns the position of a grad that is neither
-  // (Python names it), else -1.
-  int unpack(int b, bool views) {
-    if (b < 0 || static_cast<size_t>(b) >= st_->slots.size() || !st_->slots[b].flat.defined()) return -2;
-    const Slots& s = st_->slots[b];
-    at::NoGradGuard no_grad;
-    if (views) {
-      for (size_t k = 0; k < s.idx.size(); ++k) {
-        at::Tensor& g = st_->vars[s.idx[k]].mutable_grad();
-        if (!g.defined()) g = s.views[k];
-        else if (!g.is_same(s.views[k])) return static_cast<int>(k);
-      }
-      return -1;
-    }
-    std::vector<at::Tensor> grads;
-    grads.reserve(s.idx.size());
-    for (size_t k = 0; k < s.idx.size(); ++k) {
-      const at::Tensor& g = st_->vars[s.idx[k]].grad();
-      const at::Tensor& v = s.views[k];
-      if (!g.defined() || g.layout() != at::kStrided || !g.device().is_cpu() ||
-          g.scalar_type() != v.scalar_type() || g.sizes() != v.sizes() || g.is_alias_of(s.flat))
-        return -2;
-      grads.push_back(g);
-    }
-    at::_foreach_copy_(grads, s.views);
-    return -1;
-  }
+  int unpack(int b, bool views) { return unpack_bucket(*st_, b, views); }
 
  private:
   std::shared_ptr<State> st_;
@@ -569,8 +590,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("arm_chain", &Countdown::arm_chain)
       .def("chained", &Countdown::chained)
       .def("chain_issued", &Countdown::chain_issued)
-      .def("chain_state", &Countdown::chain_state, pybind11::arg("keep") = false)
-      .def("chain_finish", &Countdown::chain_finish)
+      .def("chain_state", &Countdown::chain_state)
       .def("mode", &Countdown::mode)
       .def("marked", &Countdown::marked)
       .def("set_views", &Countdown::set_views)

@@ -113,8 +113,10 @@ class Arming:
 
     # ------------------------------------------------------ per iteration
     def arm(self, ready, buckets, mode, ctx, *, debug: bool, probe: bool, join_pending: bool,
-            world: int, view_mode: bool) -> None:
-        """Before a synced backward: FAST where nothing is tracked, else PY."""
+            world: int, view_mode: bool, timed: bool = False) -> None:
+        """Before a synced backward: FAST where nothing is tracked, else PY.
+        ``timed``: the bucket tuner times this step's issue (no issue chain,
+        whose Python runs after the waits)."""
         self.fast = not (ready.track_used or ready.static or ready.unused or ready.collect_order or debug)
         if self.native is None:
             return
@@ -122,7 +124,7 @@ class Arming:
         early, divide = self._early(buckets, mode, ctx, join_pending, world) if fast else (-1.0, 0.0)
         self.native.arm(HookMode.FAST if fast else HookMode.PY, [b.size for b in buckets], early, divide,
                         view_mode)
-        self.chaining = self.chain is not None and self.chain.arm(buckets, mode, ctx, fast=fast,
+        self.chaining = self.chain is not None and self.chain.arm(buckets, mode, ctx, fast=fast and not timed,
                                                                   join_pending=join_pending)
 
     def attach_chain(self, pg, on_chain) -> None:

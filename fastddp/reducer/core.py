@@ -154,7 +154,8 @@ class Reducer:
         tuner = self.plans.tuner
         self._probe = tuner.on_ready if self.plans.tuning_active and tuner.wants_ready_marks else None
         self.arming.arm(r, self.plans.buckets, self._dense, self.ctx, debug=self.debug, probe=self._probe is not None,
-                        join_pending=self.divisor.pending, world=self.world, view_mode=self.view_mode)
+                        join_pending=self.divisor.pending, world=self.world, view_mode=self.view_mode,
+                        timed=self.plans.tuning_active)
 
     def watch_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
         """After prepare_for_backward: later backwards through these outputs are reduced too."""
@@ -193,14 +194,17 @@ class Reducer:
         self._bucket_complete(bucket)
 
     def _native_chain(self, b: int) -> None:
-        """The native issue chain hands over (:mod:`.chain`): every bucket issued (-1), bucket ``b`` to pack, an error (-2)."""
-        self._next_bucket = self.arming.chain.take(self.plans.buckets, self.comm, keep=b == -1)
+        """The native issue chain hands over (:mod:`.chain`): bucket ``b`` to pack (>= 0), an error
+        (-2), or from its end-of-backward callback every bucket reduced, the first ``-3 - b`` unpacked."""
+        done = -3 - b if b <= -3 else None
+        self._next_bucket = self.arming.chain.take(self.plans.buckets, self.comm, done)
         if b == -2:
             self.abort_iteration()
         elif b >= 0:
             self._native_bucket_ready(b)
         else:
-            self._issued_all()
+            self._all_buckets_issued(self.arming.chain.issued_at)
+            self._finalize()
 
     def _native_marked_twice(self, index: int) -> None:
         self._sync_native_marks()
@@ -238,8 +242,8 @@ class Reducer:
         # compiled autograd's engine runs no queued callbacks (every grad is in by now)
         self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
 
-    def _all_buckets_issued(self) -> None:
-        self._t_all_issued = time.perf_counter()
+    def _all_buckets_issued(self, at: float | None = None) -> None:
+        self._t_all_issued = time.perf_counter() if at is None else at
         self.comm.mark_all_issued()
         if self.plans.tuning_active:
             self.plans.tuner.on_all_issued()
@@ -284,8 +288,6 @@ class Reducer:
             self.ready.expect_hooks = False
             with self.comm.comm_context(), torch.no_grad():
                 try:
-                    if self.arming.chain is not None:  # the native chain's waits and unpacks, where it kept the Works
-                        self.arming.chain.finish(self.plans.buckets, self.view_mode)
                     live = [b for b in self.plans.buckets if b.work is not None]  # else skipped (unused)
                     results = [self._wait(b) for b in live] if self.health is not None else None
                     if results is not None:
