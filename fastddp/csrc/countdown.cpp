@@ -71,8 +71,9 @@ struct State {
   std::vector<Slots> slots;       // per bucket: the native data path's (none: Python)
   std::vector<int> sizes;         // per bucket: its parameters
   // the issue chain (CPU, plain all-reduce): bucket complete -> pack ->
-  // issued in bucket order, with no Python, as torch's reducer; Python is
-  // called once when every bucket is issued (or to take over: chain_python)
+  // issued in bucket order, then wait -> unpack in an engine callback, with
+  // no Python, as torch's reducer; Python is called once a step, after the
+  // callback's unpacks (or to take the iteration over: chain_state)
   std::mutex chain_mu;            // held across pack and issue: one order
   bool chain = false;             // this iteration
   int chain_scaling = 0;
@@ -237,12 +238,13 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
   // it cannot pack (a missing grad, a partial early copy, ...) hands the
   // iteration over to Python: on_chain(b) takes the chain's state
   // (Countdown.chain_state) and packs b itself; later buckets call
-  // on_bucket.  Every bucket issued: on_chain(-1); an error: on_chain(-2).
+  // on_bucket.  Every bucket issued: the engine callback (finish) is
+  // queued; an error: on_chain(-2).
   bool chain(int b) {
     std::unique_lock<std::mutex> lk(st_->chain_mu);
     if (!st_->chain) return false;
     State& st = *st_;
-    int handed = -1;  // -1: all issued, -3: not yet, else: Python takes b
+    int handed = -3;  // -3: nothing for Python now, else: Python takes b
     try {
       int filled;
       {
@@ -504,11 +506,6 @@ struct Countdown {
     return {st_->chain_taken, st_->chain_next};
   }
 
-  bool chained() {
-    std::lock_guard<std::mutex> lk(st_->chain_mu);
-    return st_->chain;
-  }
-
   // (issued, packed per bucket, the issued buckets' Works not waited for
   // yet, native packs, the last issue's time): what Python takes over.
   pybind11::tuple chain_state() {
@@ -588,7 +585,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_mode", &Countdown::set_mode)
       .def("set_group", &Countdown::set_group)
       .def("arm_chain", &Countdown::arm_chain)
-      .def("chained", &Countdown::chained)
       .def("chain_issued", &Countdown::chain_issued)
       .def("chain_state", &Countdown::chain_state)
       .def("mode", &Countdown::mode)

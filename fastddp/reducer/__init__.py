@@ -8,8 +8,9 @@ end-of-backward finalize, rebuilds.
 * :mod:`.readiness` -- which parameters count as ready;
 * :mod:`.arming` -- which readiness hooks run in an iteration (native
   countdown or Python; :class:`HookMode`), the early copy;
-* :mod:`.chain` -- the native issue chain (bucket complete -> pack -> issue
-  in C++ on the CPU's plain all-reduce; Python once a step);
+* :mod:`.chain` -- the native issue chain (bucket complete -> pack -> issue,
+  and wait -> unpack, in C++ on the CPU's plain all-reduce; Python once a
+  step);
 * :mod:`.atonce` -- the iterations issued all at once (static_graph's first,
   debug mode's);
 * :mod:`.rearm` -- a second backward through one forward;

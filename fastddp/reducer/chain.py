@@ -72,10 +72,6 @@ class IssueChain:
         self.native.arm_chain(on, int(mode.scaling) if on else 0, float(ctx.divisor()) if on else 1.0)
         return on
 
-    def off(self) -> None:
-        if self.ok:
-            self.native.arm_chain(False, 0, 1.0)
-
     def in_flight(self, buckets) -> tuple[int, int]:
         """(collectives, bytes) the chain issued that :meth:`take` has not
         counted yet: ``stats()`` read mid-backward sees them."""
