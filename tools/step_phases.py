@@ -144,21 +144,29 @@ class FirstBucket:
     first ``pack_native`` / ``pack`` call after :meth:`arm` (the moment the
     countdown reaches zero for a bucket, before its pack runs), on the
     host clock.  Set on the mode instance, so the reducer's calls (and the
-    native countdown's, through them) go through it."""
+    native countdown's, through them) go through it.  Where the native
+    issue chain packs in C++ (fastddp/reducer/chain.py), the chain's own
+    stamp of the same moment is read instead."""
 
-    def __init__(self, mode):
-        self.at = None
+    def __init__(self, mode, chain=None):
+        self._at, self._chain = None, chain
         for name in ("pack_native", "pack"):
             real = getattr(mode, name)
 
             def timed(*a, _real=real, **k):
-                if self.at is None:
-                    self.at = time.perf_counter()
+                if self._at is None:
+                    self._at = time.perf_counter()
                 return _real(*a, **k)
             setattr(mode, name, timed)
 
+    @property
+    def at(self) -> float | None:
+        if self._at is None and self._chain is not None and self._chain.ok:
+            return self._chain.native.chain_first_ready()
+        return self._at
+
     def arm(self) -> None:
-        self.at = None
+        self._at = None
 
 
 def tx_bytes() -> int | None:
@@ -209,7 +217,8 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3, timeline: 
         wrapped[name] = (m, torch.optim.SGD(m.parameters(), lr=1e-3))
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     samples = {n: {p: [] for p in PHASES + tuple(f"thread-{q}" for q in THREAD)} for n in rows}
-    first = {n: FirstBucket(wrapped[n][0].reducer.mode) for n in rows if n.startswith("fastddp")}
+    first = {n: FirstBucket(wrapped[n][0].reducer.mode, wrapped[n][0].reducer.arming.chain)
+             for n in rows if n.startswith("fastddp")}
     on_link = tx_bytes() is not None
     if on_link:  # the rate the link carries, for the floor's wire term (the same figure on every rank)
         from tools.netlink import probe_link

@@ -82,6 +82,7 @@ struct State {
   int chain_taken = 0;            // ... and [0, chain_taken) handed to Python
   int chain_packs = 0;            // Countdown.pack calls that packed (the counters)
   double chain_issued_at = 0.0;   // the last issue, CLOCK_MONOTONIC seconds (Python's perf_counter)
+  double chain_first_at = 0.0;    // the first bucket complete this iteration (0: none yet), the same clock
   std::vector<uint8_t> chain_packed;
   std::vector<c10::intrusive_ptr<c10d::Work>> chain_works;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
@@ -102,6 +103,10 @@ void call(PyObject* fn, int arg, bool flag, bool two) {
   THPObjectPtr res(two ? PyObject_CallFunction(fn, "iO", arg, flag ? Py_True : Py_False)
                        : PyObject_CallFunction(fn, "i", arg));
   if (!res) throw python_error();
+}
+
+double now() {  // CLOCK_MONOTONIC seconds: Python's time.perf_counter on Linux
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 at::Tensor wrapped(double v) {  // a Python number as an operand: the tensor's dtype wins
@@ -244,6 +249,7 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
     std::unique_lock<std::mutex> lk(st_->chain_mu);
     if (!st_->chain) return false;
     State& st = *st_;
+    if (st.chain_first_at == 0.0) st.chain_first_at = now();
     int handed = -3;  // -3: nothing for Python now, else: Python takes b
     try {
       int filled;
@@ -277,8 +283,7 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
           ++st.chain_next;
         }
         if (st.chain_next == n) {
-          st.chain_issued_at =
-              std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+          st.chain_issued_at = now();
           std::shared_ptr<State> keep = st_;
           torch::autograd::Engine::get_default_engine().queue_callback([keep]() { finish(*keep); });
         }
@@ -494,6 +499,7 @@ struct Countdown {
     st_->chain_next = 0;
     st_->chain_taken = 0;
     st_->chain_packs = 0;
+    st_->chain_first_at = 0.0;
     st_->chain_packed.assign(n, 0);
     st_->chain_works.assign(n, c10::intrusive_ptr<c10d::Work>());
     st_->sizes = st_->pending;
@@ -504,6 +510,14 @@ struct Countdown {
   std::pair<int, int> chain_issued() {
     std::lock_guard<std::mutex> lk(st_->chain_mu);
     return {st_->chain_taken, st_->chain_next};
+  }
+
+  // When this iteration's first bucket was complete (perf_counter's clock;
+  // None: none yet): what a probe of the Python pack would have stamped.
+  std::optional<double> chain_first_ready() {
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    if (st_->chain_first_at == 0.0) return std::nullopt;
+    return st_->chain_first_at;
   }
 
   // (issued, packed per bucket, the issued buckets' Works not waited for
@@ -586,6 +600,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_group", &Countdown::set_group)
       .def("arm_chain", &Countdown::arm_chain)
       .def("chain_issued", &Countdown::chain_issued)
+      .def("chain_first_ready", &Countdown::chain_first_ready)
       .def("chain_state", &Countdown::chain_state)
       .def("mode", &Countdown::mode)
       .def("marked", &Countdown::marked)
