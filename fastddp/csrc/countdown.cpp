@@ -309,8 +309,9 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
   // the reducer's bookkeeping and finalize; buckets from k on, which the
   // native unpack declined, go to Python's unpack).  Nothing else runs on
   // this thread between the last issue and the wait, so on a busy host the
-  // collective's threads get the cores.  A failed wait: on_chain(-2)
-  // (Python drops the iteration), then the error is the backward's.
+  // collective's threads get the cores.  A failed wait or unpack:
+  // on_chain(-2) (Python drops the iteration), then the error is the
+  // backward's.
   static void finish(State& st) {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     {
@@ -318,9 +319,16 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
       works.swap(st.chain_works);
       st.chain_works.assign(works.size(), c10::intrusive_ptr<c10d::Work>());
     }
-    try {
+    const int n = static_cast<int>(works.size());
+    int done = n;
+    try {  // a failed wait or unpack: Python drops the iteration, as _finalize's own errors do
       for (auto& w : works)
         if (w) w->wait();
+      for (int b = 0; b < n; ++b)
+        if (unpack_bucket(st, b, st.alias) != -1) {
+          done = b;
+          break;
+        }
     } catch (...) {
       try {
         call(st.on_chain, -2, false, false);
@@ -328,13 +336,6 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
       }
       throw;
     }
-    const int n = static_cast<int>(works.size());
-    int done = n;
-    for (int b = 0; b < n; ++b)
-      if (unpack_bucket(st, b, st.alias) != -1) {
-        done = b;
-        break;
-      }
     call(st.on_chain, -3 - done, false, false);
   }
 
