@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from . import groups
+from . import groups, profiling
 
 __all__ = ["Comm", "Pending"]
 
@@ -210,6 +210,14 @@ class Comm:
         self.bytes_on_wire += nbytes
         self.collectives += 1
         return Pending(future=future)
+
+    def wait_bucket(self, bucket, check: bool):
+        """Complete ``bucket``'s collective (``check``: check_finite's check of the result)."""
+        with profiling.range(f"fastddp/wait[{bucket.index}]", self.cuda):
+            result, bucket.work = self.wait(bucket.work), None
+        if check:
+            bucket.reduction.check_result(bucket, result)
+        return result
 
     def wait(self, pending: Pending):
         """Complete one collective; returns the hook's result (or None)."""

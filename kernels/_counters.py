@@ -26,6 +26,19 @@ def bump_all(*keys: str) -> None:
             _counts[key] += 1
 
 
+def count_served(op: str | None = None, *, packs: int = 0, unpacks: int = 0) -> None:
+    """A caller did ``op`` ("pack" or "unpack") once, or ``packs`` packs and
+    ``unpacks`` unpacks, with the plain-torch path's own ops, outside the op
+    layer (fastddp's native CPU data path): counted as those calls on the
+    reference backend, so the counters tell the truth."""
+    if op is not None:
+        packs, unpacks = packs + (op == "pack"), unpacks + (op == "unpack")
+    with _lock:
+        _counts["pack_calls"] += packs
+        _counts["unpack_calls"] += unpacks
+        _counts["reference_calls"] += packs + unpacks
+
+
 def launch_count() -> int:
     """Triton kernel launches (compiled or interpreted) since the last reset."""
     return _counts["launches"]

@@ -25,7 +25,7 @@ import torch
 from . import reference, torch_path
 # The counters (re-exported by fastddp.kernels) and the stride helpers live below
 # this module and the launchers, which use them too: no import circle.
-from ._counters import bump as _bump, bump_all as _bump_all, launch_count, reset_launch_count, stats  # noqa: F401
+from ._counters import bump as _bump, bump_all as _bump_all, count_served, launch_count, reset_launch_count, stats  # noqa: F401
 from ._layout import Layout  # noqa: F401  (re-exported: fastddp.kernels.Layout)
 from ._switch import interpreter_requested
 
@@ -62,13 +62,6 @@ def backend(device: torch.device | str | None = None) -> str:
     if dev.type == "cuda":
         return "triton" if ok and not interp else "reference"
     return "interpret" if ok and interp else "reference"
-
-
-def count_served(op: str) -> None:
-    """A caller did ``op`` ("pack" or "unpack") with the plain-torch path's
-    own ops, outside this module (fastddp's native CPU data path): counted
-    as that call on the reference backend, so the counters tell the truth."""
-    _bump_all(f"{op}_calls", "reference_calls")
 
 
 def reset_backend() -> None:

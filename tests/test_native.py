@@ -554,6 +554,46 @@ def test_the_issue_chain_finishes_in_cpp_and_hands_a_missing_grad_to_python(worl
 
 
 @pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
+def test_the_steady_step_finishes_in_one_python_call_and_watches_its_outputs_in_cpp():
+    """The chained steady state: the end-of-backward callback's one Python
+    call is the inline bookkeeping (not take and _finalize), and leaves the
+    reducer as _finalize does (nothing armed, hooks idle, the step counted);
+    the outputs' watch (a second backward is reduced too) is a C++ pre hook
+    that calls Python only once the step is reduced: not in a plain step,
+    once in a second backward through the same outputs, which is reduced."""
+    from fastddp import DistributedDataParallel as DDP, _native
+    with single_rank_group():
+        ddp = DDP(_model(), bucket_cap_mb=0.0002)
+        r = ddp.reducer
+        calls = {"watch": 0, "finalize": 0, "take": 0}
+        watch, finalize, take = r.second._hook, r._finalize, r.arming.chain.take
+        r.native.set_on_output(lambda g: (calls.__setitem__("watch", calls["watch"] + 1), watch(g))[1])
+        r._finalize = lambda: (calls.__setitem__("finalize", calls["finalize"] + 1), finalize())[1]
+        r.arming.chain.take = lambda *a: (calls.__setitem__("take", calls["take"] + 1), take(*a))[1]
+        ddp(torch.randn(4, 8)).sum().backward()  # (learns the ready order: the Python path)
+        for p in ddp.parameters():
+            p.grad = None
+        for k in calls:
+            calls[k] = 0
+        steps, exposed = r.steps_reduced, len(r.exposed_comm_s)
+        ddp(torch.randn(4, 8)).sum().backward()
+        assert r.arming.chaining and r.num_buckets > 1
+        assert calls == {"watch": 0, "finalize": 0, "take": 0}, calls
+        assert not r.ready.expect_hooks and r.native.mode() == _native.IDLE and not r.arming.fast
+        assert (r.steps_reduced, len(r.exposed_comm_s)) == (steps + 1, min(exposed + 1, 32))
+        assert r.comm.collectives and r.comm.bytes_on_wire  # counted (the counts: the W=2 chain tests)
+        for p in ddp.parameters():
+            p.grad = None
+        out = ddp(torch.randn(4, 8)).sum()
+        out.backward(retain_graph=True)
+        first = [p.grad.clone() for p in ddp.parameters()]
+        out.backward()  # a second backward: re-armed by the watch's one Python call, and reduced
+        assert calls["watch"] == 1, calls
+        assert r.steps_reduced == steps + 3
+        assert all(torch.equal(p.grad, 2 * g) for p, g in zip(ddp.parameters(), first))
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")
 def test_the_issue_chain_is_off_where_python_does_more_per_bucket():
     """Profiler ranges, check_finite, a comm hook, a Python process group:
     the chain is not armed (each bucket goes through the Python path, which

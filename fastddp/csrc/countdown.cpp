@@ -66,6 +66,7 @@ struct State {
   bool alias = false;             // then .grad = the view (gradient_as_bucket_view)
   at::Tensor scale;               // wrapped 1/W (torch's mul_out); undefined: none
   at::Tensor divisor;             // wrapped W (batched_grad_copy's division); undefined: none
+  double scale_v = 0.0, divisor_v = 0.0;  // their values (0: none)
   std::vector<uint8_t> filled;    // per parameter, this iteration
   std::vector<int> nfilled;       // per bucket, this iteration
   std::vector<Slots> slots;       // per bucket: the native data path's (none: Python)
@@ -87,6 +88,7 @@ struct State {
   std::vector<c10::intrusive_ptr<c10d::Work>> chain_works;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   PyObject* on_chain = nullptr;
+  PyObject* on_output = nullptr;  // SecondBackward's hook (watch)
 
   ~State() {
     if (!Py_IsInitialized()) return;  // interpreter gone: leak, never touch it
@@ -94,6 +96,7 @@ struct State {
     Py_XDECREF(on_bucket);
     Py_XDECREF(on_hook);
     Py_XDECREF(on_chain);
+    Py_XDECREF(on_output);
     for (auto* h : ca_hooks) Py_XDECREF(h);
   }
 };
@@ -307,7 +310,8 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
   // callback, as torch's finalize_backward; no GIL held): wait for every
   // Work, unpack each bucket in order, then Python once (on_chain(-3 - k):
   // the reducer's bookkeeping and finalize; buckets from k on, which the
-  // native unpack declined, go to Python's unpack).  Nothing else runs on
+  // native unpack declined, go to Python's unpack; k = every bucket: the
+  // hooks are set idle here, as Arming.finished(idle=True) would).  Nothing else runs on
   // this thread between the last issue and the wait, so on a busy host the
   // collective's threads get the cores.  A failed wait or unpack:
   // on_chain(-2) (Python drops the iteration), then the error is the
@@ -335,6 +339,12 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
       } catch (...) {
       }
       throw;
+    }
+    if (done == n) {  // every bucket reduced into .grad: the hooks idle until the next arm (finished(idle))
+      std::lock_guard<std::mutex> lk(st.chain_mu);
+      st.chain = false;
+      std::lock_guard<std::mutex> lock(st.mu);
+      st.mode = 2;
     }
     call(st.on_chain, -3 - done, false, false);
   }
@@ -369,6 +379,35 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
  private:
   std::shared_ptr<State> st_;
   int index_;
+};
+
+// A pre hook on each output node of a synced forward (Countdown.watch, for
+// SecondBackward): a later backward through these outputs, after the
+// forward's first one was reduced, re-arms the reducer from Python.  While
+// the iteration is armed FAST (its first backward, not reduced yet) nothing
+// can need re-arming: no Python call then.  One C++ object per node, not
+// Python's hook dict and handle (~30 us a step on the transformer).
+struct WatchHook : torch::autograd::FunctionPreHook {
+  explicit WatchHook(std::shared_ptr<State> st) : st_(std::move(st)) {}
+
+  variable_list operator()(const variable_list& grads) override {
+    {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      if (st_->mode == 1 || st_->on_output == nullptr) return grads;
+    }
+    pybind11::gil_scoped_acquire gil;
+    THPObjectPtr res(PyObject_CallFunctionObjArgs(st_->on_output, Py_None, nullptr));
+    if (!res) throw python_error();
+    return grads;
+  }
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    Py_INCREF(st_->on_output);  // compiled autograd calls the Python hook (it returns None)
+    args.add_pre_hook(c10::SafePyObject(st_->on_output, getPyInterpreter()));
+  }
+
+ private:
+  std::shared_ptr<State> st_;
 };
 
 using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
@@ -457,19 +496,30 @@ struct Countdown {
   // early: < 0 no early copy this iteration, 0 a plain copy, else the scale
   // (1/W, torch's mul_out); divide > 0: divide by it instead (batched);
   // alias: .grad becomes the view (gradient_as_bucket_view)
-  void arm(int mode, const std::vector<int>& sizes, double early, double divide, bool alias) {
+  // chain: this iteration's issue chain (arm_chain's arguments), in the same call
+  void arm(int mode, const std::vector<int>& sizes, double early, double divide, bool alias, bool chain,
+           int scaling, double w) {
     std::lock_guard<std::mutex> lk(st_->chain_mu);
-    st_->chain = false;  // until arm_chain says otherwise
-    std::lock_guard<std::mutex> lock(st_->mu);
-    st_->mode = mode;
-    st_->pending = sizes;
-    std::fill(st_->marked.begin(), st_->marked.end(), 0);
-    st_->early = mode == 1 && early >= 0;
-    st_->alias = alias;
-    st_->scale = st_->early && early > 0 && !(divide > 0) ? wrapped(early) : at::Tensor();
-    st_->divisor = st_->early && divide > 0 ? wrapped(divide) : at::Tensor();
-    std::fill(st_->filled.begin(), st_->filled.end(), 0);
-    st_->nfilled.assign(sizes.size(), 0);
+    {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      st_->mode = mode;
+      st_->pending = sizes;
+      std::fill(st_->marked.begin(), st_->marked.end(), 0);
+      st_->early = mode == 1 && early >= 0;
+      st_->alias = alias;
+      // the same wrapped number as last step where the value is (no allocation a step)
+      const double sv = st_->early && early > 0 && !(divide > 0) ? early : 0.0;
+      const double dv = st_->early && divide > 0 ? divide : 0.0;
+      if (sv == 0.0) st_->scale.reset();
+      else if (!st_->scale.defined() || st_->scale_v != sv) st_->scale = wrapped(sv);
+      if (dv == 0.0) st_->divisor.reset();
+      else if (!st_->divisor.defined() || st_->divisor_v != dv) st_->divisor = wrapped(dv);
+      st_->scale_v = sv;
+      st_->divisor_v = dv;
+      std::fill(st_->filled.begin(), st_->filled.end(), 0);
+      st_->nfilled.assign(sizes.size(), 0);
+    }
+    arm_chain_locked(chain, scaling, w);
   }
 
   // The chain's process group (a C++ one: dist's gloo group); false where
@@ -491,6 +541,10 @@ struct Countdown {
   // This iteration's chain (after arm): scaling and w as pack's; off: none.
   void arm_chain(bool on, int scaling, double w) {
     std::lock_guard<std::mutex> lk(st_->chain_mu);
+    arm_chain_locked(on, scaling, w);
+  }
+
+  void arm_chain_locked(bool on, int scaling, double w) {  // chain_mu held
     std::lock_guard<std::mutex> lock(st_->mu);
     const size_t n = st_->pending.size();
     st_->chain = on && st_->pg && st_->on_chain && st_->slots.size() == n;
@@ -523,6 +577,14 @@ struct Countdown {
 
   // (issued, packed per bucket, the issued buckets' Works not waited for
   // yet, native packs, the last issue's time): what Python takes over.
+  // (native packs, the last issue's time) of an iteration the chain
+  // finished (every bucket reduced): chain_state's counts, no more.
+  std::pair<int, double> chain_done() {
+    std::lock_guard<std::mutex> lk(st_->chain_mu);
+    st_->chain_taken = st_->chain_next;
+    return {st_->chain_packs, st_->chain_issued_at};
+  }
+
   pybind11::tuple chain_state() {
     std::lock_guard<std::mutex> lk(st_->chain_mu);
     pybind11::list works;
@@ -552,6 +614,23 @@ struct Countdown {
   }
 
   bool attached() const { return !nodes_.empty(); }
+
+  // SecondBackward's hook, called by the WatchHook of each watched output node.
+  void set_on_output(pybind11::object hook) {
+    pybind11::object old = pybind11::reinterpret_steal<pybind11::object>(st_->on_output);
+    st_->on_output = hook.release().ptr();
+  }
+
+  // A WatchHook on the node of each output (once per node).
+  void watch(const std::vector<at::Tensor>& outputs) {
+    std::vector<const torch::autograd::Node*> seen;
+    for (const auto& t : outputs) {
+      const auto& fn = t.grad_fn();
+      if (!fn || std::find(seen.begin(), seen.end(), fn.get()) != seen.end()) continue;
+      seen.push_back(fn.get());
+      fn->add_pre_hook(std::make_unique<WatchHook>(st_));
+    }
+  }
 
   // Bucket b's slots (None: bucket b takes the Python path); called when
   // the buckets change.
@@ -596,13 +675,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("refresh", &Countdown::refresh)
       .def("set_buckets", &Countdown::set_buckets)
       .def("arm", &Countdown::arm, pybind11::arg("mode"), pybind11::arg("sizes"), pybind11::arg("early") = -1.0,
-           pybind11::arg("divide") = 0.0, pybind11::arg("alias") = true)
+           pybind11::arg("divide") = 0.0, pybind11::arg("alias") = true, pybind11::arg("chain") = false,
+           pybind11::arg("scaling") = 0, pybind11::arg("w") = 1.0)
       .def("set_mode", &Countdown::set_mode)
       .def("set_group", &Countdown::set_group)
       .def("arm_chain", &Countdown::arm_chain)
       .def("chain_issued", &Countdown::chain_issued)
       .def("chain_first_ready", &Countdown::chain_first_ready)
       .def("chain_state", &Countdown::chain_state)
+      .def("chain_done", &Countdown::chain_done)
       .def("mode", &Countdown::mode)
       .def("marked", &Countdown::marked)
       .def("set_views", &Countdown::set_views)
@@ -613,5 +694,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pack", &Countdown::pack, pybind11::arg("bucket"), pybind11::arg("scaling"), pybind11::arg("w"),
            pybind11::arg("alias"))
       .def("unpack", &Countdown::unpack, pybind11::arg("bucket"), pybind11::arg("views"))
+      .def("set_on_output", &Countdown::set_on_output)
+      .def("watch", &Countdown::watch)
       .def_property_readonly("attached", &Countdown::attached);
 }

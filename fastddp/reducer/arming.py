@@ -122,10 +122,11 @@ class Arming:
             return
         fast = self.fast and not probe
         early, divide = self._early(buckets, mode, ctx, join_pending, world) if fast else (-1.0, 0.0)
+        chain = (self.chain.decide(buckets, mode, ctx, fast=fast and not timed, join_pending=join_pending)
+                 if self.chain is not None else (False, 0, 1.0))
         self.native.arm(HookMode.FAST if fast else HookMode.PY, [b.size for b in buckets], early, divide,
-                        view_mode)
-        self.chaining = self.chain is not None and self.chain.arm(buckets, mode, ctx, fast=fast and not timed,
-                                                                  join_pending=join_pending)
+                        view_mode, *chain)
+        self.chaining = chain[0]
 
     def attach_chain(self, pg, on_chain) -> None:
         """The native issue chain (:mod:`.chain`) on ``pg``; ``on_chain(b)``:

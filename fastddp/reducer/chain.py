@@ -58,19 +58,24 @@ class IssueChain:
         self.ok = bool(native is not None and _plain_gloo(pg) and native.set_group(pg, on_chain))
         self.issued_at = 0.0  # the last issue of a chained iteration (perf_counter's clock)
         self.view_mode = False
+        self._bytes_of, self._bytes = None, 0  # take_all's bucket list and its bytes
+        self._plan, self._key, self._allows = None, None, False  # decide's bucket list, mode, and verdict
 
-    def arm(self, buckets, mode, ctx, *, fast: bool, join_pending: bool) -> bool:
-        """After the countdown's arm: chain this iteration where nothing the
-        Python path does per bucket would be skipped.  Returns whether it does."""
-        if not self.ok:
-            return False
+    def decide(self, buckets, mode, ctx, *, fast: bool, join_pending: bool) -> tuple[bool, int, float]:
+        """Chain this iteration where nothing the Python path does per bucket
+        would be skipped: ``(on, scaling, w)`` for ``Countdown.arm``."""
+        if not (self.ok and fast) or join_pending or profiling.enabled() or profiling._profiler_on():
+            return False, 0, 1.0
         self.view_mode = ctx.view_mode
-        on = (fast and type(mode) is AllReduce and not join_pending and ctx.native is not None
-              and ctx.pre_unpack is None and not ctx.comm.cuda
-              and not (profiling.enabled() or profiling._profiler_on())
-              and not any(b.health is not None or b.sparse or mode.segments(ctx, b) for b in buckets))
-        self.native.arm_chain(on, int(mode.scaling) if on else 0, float(ctx.divisor()) if on else 1.0)
-        return on
+        key = (mode, ctx.native, ctx.pre_unpack, ctx.view_mode, ctx.keeps_unused)
+        if self._plan is not buckets or self._key != key:  # what the buckets and the mode allow, once a plan
+            self._plan, self._key = buckets, key
+            self._allows = (type(mode) is AllReduce and ctx.native is not None and ctx.pre_unpack is None
+                            and not ctx.comm.cuda
+                            and not any(b.health is not None or b.sparse or mode.segments(ctx, b) for b in buckets))
+        if not self._allows:
+            return False, 0, 1.0
+        return True, int(mode.scaling), float(ctx.divisor())
 
     def in_flight(self, buckets) -> tuple[int, int]:
         """(collectives, bytes) the chain issued that :meth:`take` has not
@@ -78,7 +83,7 @@ class IssueChain:
         if not self.ok:
             return 0, 0
         taken, issued = self.native.chain_issued()
-        return issued - taken, sum(b.flat.numel() * b.flat.element_size() for b in buckets[taken:issued])
+        return issued - taken, self._nbytes(buckets[taken:issued])
 
     def take(self, buckets, comm, done: int | None = None) -> int:
         """Python takes the iteration over: the buckets the chain packed are
@@ -92,17 +97,31 @@ class IssueChain:
         for b, ready in zip(buckets, packed):
             if ready:
                 b.pending, b.prefilled = 0, 0
-        for b in buckets[:issued]:
-            comm.bytes_on_wire += b.flat.numel() * b.flat.element_size()
-            comm.collectives += 1
+        comm.bytes_on_wire += self._nbytes(buckets[:issued])
+        comm.collectives += issued
         for b, work in zip(buckets, works):
             b.work = Pending(work=work, tensor=b.flat)
-        for _ in range(packs):
-            kernels.count_served("pack")
+        kernels.count_served(packs=packs)
         if done is not None:
             for k, b in enumerate(buckets):
                 b.work = None if k < done else Pending()
-            if not self.view_mode:
-                for _ in range(done):
-                    kernels.count_served("unpack")
+            kernels.count_served(unpacks=0 if self.view_mode else done)
         return issued
+
+    def take_all(self, buckets, comm) -> float:
+        """:meth:`take` where the chain packed, issued, reduced and unpacked
+        every bucket (the steady state; no bucket holds a Work): the counts
+        only.  Returns the last issue's time."""
+        packs, self.issued_at = self.native.chain_done()
+        if self._bytes_of is not buckets:  # (the plan's list: a new plan, a new list)
+            self._bytes_of, self._bytes = buckets, self._nbytes(buckets)
+        comm.bytes_on_wire += self._bytes
+        comm.collectives += len(buckets)
+        kernels.count_served(packs=packs, unpacks=0 if self.view_mode else len(buckets))
+        for b in buckets:
+            b.pending = b.prefilled = 0
+        return self.issued_at
+
+    @staticmethod
+    def _nbytes(buckets) -> int:
+        return sum(b.flat.numel() * b.flat.element_size() for b in buckets)

@@ -68,7 +68,7 @@ class Reducer:
         self.ready = Readiness(self.names, process_group, self.device, static=options.static_graph,
                                find_unused=options.find_unused_parameters,
                                should_rebuild=lambda: self.plans.should_rebuild(),
-                               on_first_hook=(lambda: _queue_callback(self._debug_check)) if debug else None)
+                               on_first_hook=(lambda: _queue_callback(lambda: atonce.debug_check(self))) if debug else None)
         self.num_iterations = self.steps_reduced = 0
         self.exposed_comm_s: collections.deque = collections.deque(maxlen=32)
         self._next_bucket, self._t_all_issued, self._probe = 0, 0.0, None
@@ -196,6 +196,8 @@ class Reducer:
     def _native_chain(self, b: int) -> None:
         """The native issue chain hands over (:mod:`.chain`): bucket ``b`` to pack (>= 0), an error
         (-2), or from its end-of-backward callback every bucket reduced, the first ``-3 - b`` unpacked."""
+        if b == -3 - len(self.plans.buckets) and self.co.after_finalize is None:
+            return self._chain_finished(-3 - b)
         done = -3 - b if b <= -3 else None
         self._next_bucket = self.arming.chain.take(self.plans.buckets, self.comm, done)
         if b == -2:
@@ -205,6 +207,16 @@ class Reducer:
         else:
             self._all_buckets_issued(self.arming.chain.issued_at)
             self._finalize()
+
+    def _chain_finished(self, n: int) -> None:
+        """The chain reduced every bucket into .grad and set the hooks idle: _finalize's bookkeeping inline
+        (right after the waits each Python call runs cold: ~150 us a step through _finalize, here ~45)."""
+        self._t_all_issued = self.arming.chain.take_all(self.plans.buckets, self.comm)
+        self._next_bucket, self.arming.fast, self.ready.expect_hooks = n, False, False
+        self.divisor.forget()  # join may change the divisor
+        self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
+        self.steps_reduced += 1
+        self.ready.finish()
 
     def _native_marked_twice(self, index: int) -> None:
         self._sync_native_marks()
@@ -229,18 +241,15 @@ class Reducer:
         try:
             self._pack(bucket)
             if self.debug:
-                return  # issued by _debug_check after the cross-rank check
+                return  # issued by atonce.debug_check after the cross-rank check
             self._launch_ready()
         except BaseException:
             self.abort_iteration()  # e.g. a hook's error: the next iteration starts clean
             raise
         if self._next_bucket == len(self.plans.buckets):
-            self._issued_all()
-
-    def _issued_all(self) -> None:
-        self._all_buckets_issued()
-        # compiled autograd's engine runs no queued callbacks (every grad is in by now)
-        self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
+            self._all_buckets_issued()
+            # compiled autograd's engine runs no queued callbacks (every grad is in by now)
+            self._finalize() if _compile.in_compiled_autograd() else _queue_callback(self._finalize)
 
     def _all_buckets_issued(self, at: float | None = None) -> None:
         self._t_all_issued = time.perf_counter() if at is None else at
@@ -249,9 +258,6 @@ class Reducer:
             self.plans.tuner.on_all_issued()
         if self.ready.dynamic_find_unused:
             self.ready.all_reduce_used_map()
-
-    def _debug_check(self) -> None:  # debug mode: the ranks agree, then every bucket is issued
-        atonce.debug_check(self)
 
     # ---------------------------------------------------------- pack, issue
     def _pack(self, bucket: Bucket) -> None:
@@ -286,14 +292,14 @@ class Reducer:
             self.arming.finished(idle=not (self.ready.static or self.ready.dynamic_find_unused or self.debug))
             track = self.ready.static or self.opts.find_unused_parameters
             self.ready.expect_hooks = False
+            live, check = [b for b in self.plans.buckets if b.work is not None], self.health is not None
             with self.comm.comm_context(), torch.no_grad():
                 try:
-                    live = [b for b in self.plans.buckets if b.work is not None]  # else skipped (unused)
-                    results = [self._wait(b) for b in live] if self.health is not None else None
-                    if results is not None:
+                    results = [self.comm.wait_bucket(b, check) for b in live] if check else None
+                    if check:
                         self.health.check(self)  # before any reduced value reaches .grad
                     for k, b in enumerate(live):
-                        result = results[k] if results is not None else self._wait(b)
+                        result = results[k] if check else self.comm.wait_bucket(b, False)
                         with profiling.range(f"fastddp/unpack[{b.index}]", self.comm.cuda):
                             b.reduction.unpack(self.ctx, b, result, track)
                 except BaseException:
@@ -309,13 +315,6 @@ class Reducer:
             self.steps_reduced += 1
             self.ready.finish()
 
-    def _wait(self, b: Bucket):
-        with profiling.range(f"fastddp/wait[{b.index}]", self.comm.cuda):
-            result, b.work = self.comm.wait(b.work), None
-        if self.health is not None:
-            b.reduction.check_result(b, result)
-        return result
-
     # ------------------------------------------------------------ join, errors
     def abort_iteration(self) -> None:
         """An error is raised in this iteration: the next one starts clean.
@@ -328,11 +327,12 @@ class Reducer:
         self._reset_countdowns()
 
     def ensure_prior_reduction_finished(self) -> None:
-        self._sync_native_marks()
-        if self.ready.require_finalize:
-            err = self.ready.unfinished_error()
-            self.abort_iteration()  # so the error is not raised forever after a user catches it
-            raise err
+        if self.ready.expect_hooks:  # (else nothing is armed: no marks to read)
+            self._sync_native_marks()
+            if self.ready.require_finalize:
+                err = self.ready.unfinished_error()
+                self.abort_iteration()  # so the error is not raised forever after a user catches it
+                raise err
 
     # torch's private names, which frameworks (Lightning) call on ddp.reducer
     def rebuild_buckets(self) -> bool:

@@ -127,12 +127,15 @@ class BucketPlans:
         the mode's decisions (the step's one decision point)."""
         rebuilt = self._rebuild_once()
         syncs, self.forward_syncs = self.forward_syncs, False
-        if self.tuning_active and syncs:
+        tuning = self.tuning_active
+        if tuning and syncs:
             rebuilt = self.tuner.boundary() or rebuilt
-        self.ctx.rebuilt = not self.should_rebuild()
-        self.ctx.layout_settled = self.ctx.rebuilt and not self.tuning_active
+            tuning = self.tuning_active
+        ctx = self.ctx
+        ctx.rebuilt = not self.should_rebuild()
+        ctx.layout_settled = ctx.rebuilt and not tuning
         if syncs:
-            self._modes()[0].boundary(self.ctx)  # after the tuner's
+            self._modes()[0].boundary(ctx)  # after the tuner's
         return rebuilt
 
     def tune_for_mode(self) -> None:
@@ -156,9 +159,9 @@ class BucketPlans:
 
     def _rebuild_once(self) -> bool:
         self._quiesce()
-        order = self.ready.ready_order
-        if not self.should_rebuild() or not order:
+        if self.has_rebuilt_buckets or not self.ready.ready_order or not self.should_rebuild():
             return False
+        order = self.ready.ready_order
         self.ready.ready_order = []
         if len(order) != len(self.params):
             return False  # an unfinished iteration (its error was caught): learn it again

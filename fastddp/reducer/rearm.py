@@ -30,10 +30,15 @@ class SecondBackward:
         # one object for the reducer's life (compiled autograd would recompile
         # for a new hook each step); called eagerly under compiled autograd
         self._hook = _compile.eager(self._on_output)
+        if reducer.arming.native is not None:  # (holds the hook, not this object: no cycle through C++)
+            reducer.arming.native.set_on_output(self._hook)
 
     def watch(self, outputs: Sequence[torch.Tensor]) -> None:
         r = self._reducer()
         self._reduced_at, self._unused = r.steps_reduced, r.ready.unused
+        if r.arming.native is not None:  # a C++ pre hook, which calls Python only where it may re-arm
+            r.arming.native.watch(outputs)
+            return
         seen = set()
         for t in outputs:
             fn = t.grad_fn  # a pre-hook on the node: a fifth of Tensor.register_hook's cost
