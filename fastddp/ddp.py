@@ -254,25 +254,27 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
 
     @_compile.eager  # never traced by torch.compile
     def _post_forward(self, output):
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if grad:
             # the graph just built holds each parameter's AccumulateGrad node:
             # the native hooks follow nodes torch replaced (mixed_precision's
             # swap; .half()/.float()/.to() after wrapping, e.g. around an eval)
-            self.reducer.refresh_hooks()
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.require_forward_param_sync = True
+            self.reducer.arming.refresh()
+        if grad and self.require_backward_grad_sync:
+            if not self.require_forward_param_sync:  # (nn.Module's __setattr__ only where it changes)
+                self.require_forward_param_sync = True
             walk = self.find_unused_parameters and not self.static_graph  # the outputs' graph
             outs = [output] if isinstance(output, torch.Tensor) else [
                 t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
             self.reducer.prepare_for_backward(outs if walk else [])
             self.reducer.watch_outputs(outs)  # a second backward through them is reduced too
-        else:
+        elif self.require_forward_param_sync:
             self.require_forward_param_sync = False
         if (self.find_unused_parameters and not self.static_graph) or (
                 self.static_graph and not self._static_graph_delay_allreduce_enqueued):
             leaves, spec = tree_flatten(output)
             idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-            if idx and torch.is_grad_enabled():
+            if idx and grad:
                 passed = _Sink.apply(weakref.ref(self), *[leaves[i] for i in idx])
                 for i, t in zip(idx, passed):
                     leaves[i] = t

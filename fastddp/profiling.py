@@ -84,8 +84,8 @@ def reducer_stats(r) -> dict:
     from . import kernels
 
     hook, fused = r.comm_hook, r.fused_path
-    chain = r.arming.chain  # the native issue chain's collectives not counted yet (mid-backward)
-    flying = chain.in_flight(r.buckets) if chain is not None else (0, 0)
+    chain = r.arming.chain  # the native issue chain counts its own collectives (in flight ones too)
+    flying = chain.counts() if chain is not None else (0, 0)
     return {
         "world_size": r.world,
         "iterations": r.num_iterations,

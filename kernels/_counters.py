@@ -7,6 +7,7 @@ launchers both bump them, and ``fastddp.kernels`` re-exports the readers.
 from __future__ import annotations
 
 import threading
+import weakref
 
 _lock = threading.Lock()
 _counts = {"launches": 0, "pack_calls": 0, "unpack_calls": 0, "reference_calls": 0,
@@ -26,17 +27,31 @@ def bump_all(*keys: str) -> None:
             _counts[key] += 1
 
 
-def count_served(op: str | None = None, *, packs: int = 0, unpacks: int = 0) -> None:
-    """A caller did ``op`` ("pack" or "unpack") once, or ``packs`` packs and
-    ``unpacks`` unpacks, with the plain-torch path's own ops, outside the op
-    layer (fastddp's native CPU data path): counted as those calls on the
-    reference backend, so the counters tell the truth."""
-    if op is not None:
-        packs, unpacks = packs + (op == "pack"), unpacks + (op == "unpack")
+def count_served(op: str) -> None:
+    """A caller did ``op`` ("pack" or "unpack") with the plain-torch path's
+    own ops, outside the op layer (fastddp's native CPU data path): counted
+    as that call on the reference backend, so the counters tell the truth."""
+    bump_all(f"{op}_calls", "reference_calls")
+
+
+_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # source -> (packs, unpacks) at the last reset
+
+
+def add_served_source(source) -> None:
+    """``source.served_calls()``: the (packs, unpacks) it served with the
+    plain-torch ops since it was made (the native issue chain counts in C++,
+    no Python call a step); the counters add what it served since the last
+    reset, as :func:`count_served` calls."""
     with _lock:
-        _counts["pack_calls"] += packs
-        _counts["unpack_calls"] += unpacks
-        _counts["reference_calls"] += packs + unpacks
+        _sources[source] = source.served_calls()
+
+
+def _served() -> tuple[int, int]:
+    packs = unpacks = 0
+    for src, (p0, u0) in list(_sources.items()):
+        p, u = src.served_calls()
+        packs, unpacks = packs + p - p0, unpacks + u - u0
+    return packs, unpacks
 
 
 def launch_count() -> int:
@@ -49,6 +64,8 @@ def reset_launch_count() -> None:
     with _lock:
         for k in _counts:
             _counts[k] = 0
+        for src in list(_sources):
+            _sources[src] = src.served_calls()
 
 
 def stats() -> dict[str, int]:
@@ -61,4 +78,9 @@ def stats() -> dict[str, int]:
     none) and ``table_waits`` (times the host waited for a pointer-table
     slot still in use by the GPU)."""
     with _lock:
-        return dict(_counts)
+        out = dict(_counts)
+        packs, unpacks = _served()
+    out["pack_calls"] += packs
+    out["unpack_calls"] += unpacks
+    out["reference_calls"] += packs + unpacks
+    return out

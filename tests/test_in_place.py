@@ -137,7 +137,7 @@ def _parity(rank, world, opts, set_to_none, micro, least, tol):
 
         def step_fn(ddp, x, y, step, is_ref):
             if not is_ref:
-                before["n"] = ddp.reducer.comm.collectives
+                before["n"] = ddp.stats()["collectives"]  # (the native chain counts its own)
             loss = ((ddp(x) - y) ** 2).mean()
             loss.backward()
             return loss
@@ -145,7 +145,7 @@ def _parity(rank, world, opts, set_to_none, micro, least, tol):
         out = side_by_side(rank, world, _Net, kwargs=opts, steps=3, no_sync_micro=micro,
                            batch=_batch, step_fn=step_fn, set_to_none=set_to_none, tol=tol)
     r = out.test.reducer
-    issued = r.comm.collectives - before["n"]
+    issued = out.test.stats()["collectives"] - before["n"]
     expected, untouched = _collectives_and_slots(out.test)
     return issued, expected, untouched, len(r.buckets)
 
@@ -271,11 +271,11 @@ def _auto(rank, world, costs, least, steps=24):
         return ddp
 
     def step_fn(ddp, x, y, step, is_ref):
-        n = None if is_ref else ddp.reducer.comm.collectives
+        n = None if is_ref else ddp.stats()["collectives"]
         loss = ((ddp(x) - y) ** 2).mean()
         loss.backward()
         if n is not None:
-            seen.append(ddp.reducer.comm.collectives - n)
+            seen.append(ddp.stats()["collectives"] - n)
         return loss
 
     saved = reduction.IN_PLACE_MIN_NUMEL
@@ -291,24 +291,34 @@ def _auto(rank, world, costs, least, steps=24):
     got = r.stats()["in_place"]
     whole = len(r.buckets)
     split = sum(len(r.mode.candidate("in-place").segments(r.ctx, b)) or 1 for b in r.buckets)
-    return got["chosen"], got["trial_steps"], seen, whole, split, out.checks
+    # the last step's chain (the native issue chain serves a settled flat choice)
+    chain = None if r.arming.chain is None or not r.arming.chain.ok else r.arming.chaining
+    return got["chosen"], got["trial_steps"], seen, whole, split, out.checks, chain
 
 
 def test_auto_takes_in_place_where_the_trial_measures_it_faster_bit_for_bit(world2):
     # rank 1 measures in place barely faster, rank 0 clearly: the MAX over the ranks decides, alike
     costs = [{"flat": 1.0, "in-place": 0.5}, {"flat": 1.0, "in-place": 0.9}]
-    for chosen, trial, seen, whole, split, checks in world2.run(_auto, costs, LEAST):
+    for chosen, trial, seen, whole, split, checks, chain in world2.run(_auto, costs, LEAST):
         assert chosen == "in-place" and trial > 0 and checks > 0  # torch's bits at every step, the trial's too
         assert split > whole and seen[-1] == split  # settled: a collective per segment
+        assert not chain  # (segments: the Python path)
         assert set(seen) == {whole, split}  # the trial alternated the two
+
+
+def native_countdown():
+    from fastddp import _native
+    return _native.countdown_module()
 
 
 def test_auto_keeps_one_collective_per_bucket_where_the_trial_cannot_tell(world2):
     # equal on rank 0, in place slower on rank 1: the MAX is not faster by the margin, so flat stays
     costs = [{"flat": 1.0, "in-place": 1.0}, {"flat": 1.0, "in-place": 1.2}]
-    for chosen, trial, seen, whole, split, checks in world2.run(_auto, costs, LEAST):
+    for chosen, trial, seen, whole, split, checks, chain in world2.run(_auto, costs, LEAST):
         assert chosen == "flat" and trial > 0 and checks > 0
         assert seen[-1] == whole < split
+        # settled flat: the native issue chain runs its candidate (None: no native module here)
+        assert chain is True or (chain is None and native_countdown() is None), chain
 
 
 def test_auto_builds_no_choice_where_no_gradient_is_large(world2):

@@ -460,20 +460,22 @@ def _issue_chain_body(rank, world_size, early_min):
             calls = {"bucket": [], "chain": []}
             ready, chain = r._native_bucket_ready, r._native_chain
             r._native_bucket_ready = lambda b: (calls["bucket"].append(b), ready(b))[1]
-            r._native_chain = lambda b: (calls["chain"].append(b), chain(b))[1]
+            r._native_chain = lambda b, at: (calls["chain"].append(b), chain(b, at))[1]
             for step in range(4):
                 graph = step == 3
                 if graph:  # no optimizer step in between: a fresh model has the same weights
                     theirs = DDP(_model(), **cap, **kw)
                     theirs.reducer.ctx.native = theirs.reducer.arming.chain = None
                 x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
-                before = (r.comm.collectives, r.comm.bytes_on_wire, kernels.stats().get("pack_calls", 0))
+                st = ours.stats()
+                before = (st["collectives"], st["bytes_on_wire"], kernels.stats().get("pack_calls", 0))
                 for d in (ours, theirs):
                     for p in d.parameters():
                         p.grad = None
                     d(x).pow(2).sum().backward(create_graph=graph)
                 equal = all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
-                counted = (r.comm.collectives - before[0], r.comm.bytes_on_wire - before[1],
+                st = ours.stats()  # (the chain's own counts and the Python path's)
+                counted = (st["collectives"] - before[0], st["bytes_on_wire"] - before[1],
                            kernels.stats().get("pack_calls", 0) - before[2])
                 flat_bytes = sum(b.flat.numel() * b.flat.element_size() for b in r.buckets)
                 out.append((str(kw), step, equal, r.arming.chaining, list(calls["bucket"]), list(calls["chain"]),
@@ -581,7 +583,7 @@ def test_the_steady_step_finishes_in_one_python_call_and_watches_its_outputs_in_
         assert calls == {"watch": 0, "finalize": 0, "take": 0}, calls
         assert not r.ready.expect_hooks and r.native.mode() == _native.IDLE and not r.arming.fast
         assert (r.steps_reduced, len(r.exposed_comm_s)) == (steps + 1, min(exposed + 1, 32))
-        assert r.comm.collectives and r.comm.bytes_on_wire  # counted (the counts: the W=2 chain tests)
+        assert ddp.stats()["collectives"] and ddp.stats()["bytes_on_wire"]  # (the counts: the W=2 chain tests)
         for p in ddp.parameters():
             p.grad = None
         out = ddp(torch.randn(4, 8)).sum()

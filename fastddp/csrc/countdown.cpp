@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -82,6 +83,9 @@ struct State {
   int chain_next = 0;             // buckets [0, chain_next) issued
   int chain_taken = 0;            // ... and [0, chain_taken) handed to Python
   int chain_packs = 0;            // Countdown.pack calls that packed (the counters)
+  // since the countdown was made (Countdown.served; Python reads them, it never adds them up): the
+  // chain's collectives and their bytes, its native packs, and unpacks (not with gradient_as_bucket_view)
+  int64_t issued_total = 0, bytes_total = 0, packs_total = 0, unpacks_total = 0;
   double chain_issued_at = 0.0;   // the last issue, CLOCK_MONOTONIC seconds (Python's perf_counter)
   double chain_first_at = 0.0;    // the first bucket complete this iteration (0: none yet), the same clock
   std::vector<uint8_t> chain_packed;
@@ -100,6 +104,13 @@ struct State {
     for (auto* h : ca_hooks) Py_XDECREF(h);
   }
 };
+
+// on_chain(b, at): at is the last issue's time (perf_counter's clock) where every bucket was issued
+void call_chain(PyObject* fn, int arg, double at) {
+  pybind11::gil_scoped_acquire gil;
+  THPObjectPtr res(PyObject_CallFunction(fn, "id", arg, at));
+  if (!res) throw python_error();
+}
 
 void call(PyObject* fn, int arg, bool flag, bool two) {
   pybind11::gil_scoped_acquire gil;
@@ -265,7 +276,10 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
         code = PACKED;  // the early copy put every grad in its slot, scaled
       } else if (filled == 0) {
         code = pack_bucket(st, b, st.chain_scaling, st.chain_w, st.alias);
-        if (code == PACKED) ++st.chain_packs;
+        if (code == PACKED) {
+          ++st.chain_packs;
+          ++st.packs_total;
+        }
         if (code == ALL_VIEWS) {  // the grads are the bucket already (torch: one flat div_)
           at::NoGradGuard no_grad;
           if (st.chain_scaling != 0) const_cast<at::Tensor&>(st.slots[b].flat).div_(st.chain_w);
@@ -283,6 +297,8 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
         while (st.chain_next < n && st.chain_packed[st.chain_next]) {
           std::vector<at::Tensor> one{st.slots[st.chain_next].flat};
           st.chain_works[st.chain_next] = st.pg->allreduce(one, opts);
+          ++st.issued_total;
+          st.bytes_total += static_cast<int64_t>(one[0].nbytes());
           ++st.chain_next;
         }
         if (st.chain_next == n) {
@@ -296,13 +312,13 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
       st.chain = false;
       lk.unlock();
       try {
-        call(st.on_chain, -2, false, false);  // Python drops the iteration (abort)
+        call_chain(st.on_chain, -2, 0.0);  // Python drops the iteration (abort)
       } catch (...) {
       }
       throw;
     }
     lk.unlock();
-    if (handed != -3) call(st.on_chain, handed, false, false);
+    if (handed != -3) call_chain(st.on_chain, handed, 0.0);
     return true;
   }
 
@@ -335,18 +351,24 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
         }
     } catch (...) {
       try {
-        call(st.on_chain, -2, false, false);
+        call_chain(st.on_chain, -2, 0.0);
       } catch (...) {
       }
       throw;
     }
-    if (done == n) {  // every bucket reduced into .grad: the hooks idle until the next arm (finished(idle))
+    double at;
+    {
       std::lock_guard<std::mutex> lk(st.chain_mu);
-      st.chain = false;
-      std::lock_guard<std::mutex> lock(st.mu);
-      st.mode = 2;
+      if (!st.alias) st.unpacks_total += done;
+      at = st.chain_issued_at;
+      if (done == n) {  // every bucket reduced into .grad: the hooks idle until the next arm (finished(idle))
+        st.chain = false;
+        st.chain_taken = n;
+        std::lock_guard<std::mutex> lock(st.mu);
+        st.mode = 2;
+      }
     }
-    call(st.on_chain, -3 - done, false, false);
+    call_chain(st.on_chain, -3 - done, at);
   }
 
   // torch's mark_variable_ready_dense for a gradient that is not yet its
@@ -560,13 +582,6 @@ struct Countdown {
     st_->sizes = st_->pending;
   }
 
-  // (handed to Python, issued): buckets [taken, issued) are in flight,
-  // issued by the chain and not counted by Python yet (stats() mid-backward)
-  std::pair<int, int> chain_issued() {
-    std::lock_guard<std::mutex> lk(st_->chain_mu);
-    return {st_->chain_taken, st_->chain_next};
-  }
-
   // When this iteration's first bucket was complete (perf_counter's clock;
   // None: none yet): what a probe of the Python pack would have stamped.
   std::optional<double> chain_first_ready() {
@@ -577,12 +592,10 @@ struct Countdown {
 
   // (issued, packed per bucket, the issued buckets' Works not waited for
   // yet, native packs, the last issue's time): what Python takes over.
-  // (native packs, the last issue's time) of an iteration the chain
-  // finished (every bucket reduced): chain_state's counts, no more.
-  std::pair<int, double> chain_done() {
+  // (collectives, bytes, native packs, native unpacks) since the countdown was made
+  std::tuple<int64_t, int64_t, int64_t, int64_t> served() {
     std::lock_guard<std::mutex> lk(st_->chain_mu);
-    st_->chain_taken = st_->chain_next;
-    return {st_->chain_packs, st_->chain_issued_at};
+    return {st_->issued_total, st_->bytes_total, st_->packs_total, st_->unpacks_total};
   }
 
   pybind11::tuple chain_state() {
@@ -680,10 +693,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_mode", &Countdown::set_mode)
       .def("set_group", &Countdown::set_group)
       .def("arm_chain", &Countdown::arm_chain)
-      .def("chain_issued", &Countdown::chain_issued)
       .def("chain_first_ready", &Countdown::chain_first_ready)
       .def("chain_state", &Countdown::chain_state)
-      .def("chain_done", &Countdown::chain_done)
+      .def("served", &Countdown::served)
       .def("mode", &Countdown::mode)
       .def("marked", &Countdown::marked)
       .def("set_views", &Countdown::set_views)

@@ -29,7 +29,12 @@ its pack) goes to the mode's unpack.  Anything the Python path does per
 bucket that the chain would skip turns the chain off for the iteration:
 profiler ranges, check_finite, in-place segments, a comm hook, a join
 whose divisor is pending, mixed precision's pre-unpack, the bucket tuner
-timing the step, a GPU.
+timing the step, a GPU, a measured choice still deciding (the CPU's
+in-place choice; settled, it runs its candidate: ``AutoPrecision.steady``).
+
+The chain counts what it issues, packs and unpacks in C++
+(``Countdown.served``): ``stats()`` and the kernel counters add those
+counts when read, so a step costs no Python call for them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch.distributed as dist
 
 from .. import groups, kernels, profiling
 from ..comm import Pending
+from ..reduction.autoprec import AutoPrecision
 from ..reduction.plain import AllReduce
 
 __all__ = ["IssueChain"]
@@ -57,8 +63,8 @@ class IssueChain:
         self.native = native
         self.ok = bool(native is not None and _plain_gloo(pg) and native.set_group(pg, on_chain))
         self.issued_at = 0.0  # the last issue of a chained iteration (perf_counter's clock)
-        self.view_mode = False
-        self._bytes_of, self._bytes = None, 0  # take_all's bucket list and its bytes
+        if self.ok:
+            kernels.add_served_source(self)
         self._plan, self._key, self._allows = None, None, False  # decide's bucket list, mode, and verdict
 
     def decide(self, buckets, mode, ctx, *, fast: bool, join_pending: bool) -> tuple[bool, int, float]:
@@ -66,7 +72,8 @@ class IssueChain:
         would be skipped: ``(on, scaling, w)`` for ``Countdown.arm``."""
         if not (self.ok and fast) or join_pending or profiling.enabled() or profiling._profiler_on():
             return False, 0, 1.0
-        self.view_mode = ctx.view_mode
+        if isinstance(mode, AutoPrecision):  # a settled choice (the CPU's in-place choice): its candidate
+            mode = mode.steady(ctx)
         key = (mode, ctx.native, ctx.pre_unpack, ctx.view_mode, ctx.keeps_unused)
         if self._plan is not buckets or self._key != key:  # what the buckets and the mode allow, once a plan
             self._plan, self._key = buckets, key
@@ -77,51 +84,31 @@ class IssueChain:
             return False, 0, 1.0
         return True, int(mode.scaling), float(ctx.divisor())
 
-    def in_flight(self, buckets) -> tuple[int, int]:
-        """(collectives, bytes) the chain issued that :meth:`take` has not
-        counted yet: ``stats()`` read mid-backward sees them."""
-        if not self.ok:
-            return 0, 0
-        taken, issued = self.native.chain_issued()
-        return issued - taken, self._nbytes(buckets[taken:issued])
+    def counts(self) -> tuple[int, int]:
+        """(collectives, bytes) the chain issued since it was made, those in
+        flight included: ``stats()`` adds them to the Python path's."""
+        return tuple(self.native.served()[:2]) if self.ok else (0, 0)
 
-    def take(self, buckets, comm, done: int | None = None) -> int:
+    def served_calls(self) -> tuple[int, int]:
+        """(packs, unpacks) the native data path did for the chain since it
+        was made: the kernel counters add them (:func:`kernels.add_served_source`)."""
+        return tuple(self.native.served()[2:]) if self.ok else (0, 0)
+
+    def take(self, buckets, done: int | None = None) -> int:
         """Python takes the iteration over: the buckets the chain packed are
-        complete, those it issued are counted as the Python path counts
-        them.  ``done`` None: mid-iteration, the issued buckets hold their
-        Work; else every bucket is reduced (the chain's end-of-backward
-        callback waited for them) and the first ``done`` unpacked: the
-        others get a completed :class:`Pending` for Python's unpack.
-        Returns the next bucket to issue."""
-        issued, packed, works, packs, self.issued_at = self.native.chain_state()
+        complete (the chain counted what it packed, issued and unpacked).
+        ``done`` None: mid-iteration, the issued buckets hold their Work;
+        else every bucket is reduced (the chain's end-of-backward callback
+        waited for them) and the first ``done`` unpacked: the others get a
+        completed :class:`Pending` for Python's unpack.  Returns the next
+        bucket to issue."""
+        issued, packed, works, _, self.issued_at = self.native.chain_state()
         for b, ready in zip(buckets, packed):
             if ready:
                 b.pending, b.prefilled = 0, 0
-        comm.bytes_on_wire += self._nbytes(buckets[:issued])
-        comm.collectives += issued
         for b, work in zip(buckets, works):
             b.work = Pending(work=work, tensor=b.flat)
-        kernels.count_served(packs=packs)
         if done is not None:
             for k, b in enumerate(buckets):
                 b.work = None if k < done else Pending()
-            kernels.count_served(unpacks=0 if self.view_mode else done)
         return issued
-
-    def take_all(self, buckets, comm) -> float:
-        """:meth:`take` where the chain packed, issued, reduced and unpacked
-        every bucket (the steady state; no bucket holds a Work): the counts
-        only.  Returns the last issue's time."""
-        packs, self.issued_at = self.native.chain_done()
-        if self._bytes_of is not buckets:  # (the plan's list: a new plan, a new list)
-            self._bytes_of, self._bytes = buckets, self._nbytes(buckets)
-        comm.bytes_on_wire += self._bytes
-        comm.collectives += len(buckets)
-        kernels.count_served(packs=packs, unpacks=0 if self.view_mode else len(buckets))
-        for b in buckets:
-            b.pending = b.prefilled = 0
-        return self.issued_at
-
-    @staticmethod
-    def _nbytes(buckets) -> int:
-        return sum(b.flat.numel() * b.flat.element_size() for b in buckets)

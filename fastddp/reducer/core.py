@@ -86,7 +86,7 @@ class Reducer:
                                  modes=lambda: (self._dense, self._sparse_mode),
                                  quiesce=self.ensure_prior_reduction_finished, steps=lambda: self.steps_reduced)
         self.second = SecondBackward(self)
-        self.arming.attach_chain(process_group, lambda b: me()._native_chain(b))
+        self.arming.attach_chain(process_group, lambda b, at: me()._native_chain(b, at))
         self.arming.finished(idle=not (options.static_graph or options.find_unused_parameters or debug))
 
     # ------------------------------------------------------- public surface
@@ -193,13 +193,14 @@ class Reducer:
         bucket.prefilled = self.arming.filled(b)
         self._bucket_complete(bucket)
 
-    def _native_chain(self, b: int) -> None:
-        """The native issue chain hands over (:mod:`.chain`): bucket ``b`` to pack (>= 0), an error
-        (-2), or from its end-of-backward callback every bucket reduced, the first ``-3 - b`` unpacked."""
+    def _native_chain(self, b: int, at: float) -> None:
+        """The native issue chain hands over (:mod:`.chain`): bucket ``b`` to pack (>= 0), an error (-2), or
+        from its end-of-backward callback every bucket reduced (the last issued at ``at``), the first ``-3 - b``
+        unpacked."""
         if b == -3 - len(self.plans.buckets) and self.co.after_finalize is None:
-            return self._chain_finished(-3 - b)
+            return self._chain_finished(-3 - b, at)
         done = -3 - b if b <= -3 else None
-        self._next_bucket = self.arming.chain.take(self.plans.buckets, self.comm, done)
+        self._next_bucket = self.arming.chain.take(self.plans.buckets, done)
         if b == -2:
             self.abort_iteration()
         elif b >= 0:
@@ -208,11 +209,10 @@ class Reducer:
             self._all_buckets_issued(self.arming.chain.issued_at)
             self._finalize()
 
-    def _chain_finished(self, n: int) -> None:
+    def _chain_finished(self, n: int, at: float) -> None:
         """The chain reduced every bucket into .grad and set the hooks idle: _finalize's bookkeeping inline
         (right after the waits each Python call runs cold: ~150 us a step through _finalize, here ~45)."""
-        self._t_all_issued = self.arming.chain.take_all(self.plans.buckets, self.comm)
-        self._next_bucket, self.arming.fast, self.ready.expect_hooks = n, False, False
+        self._t_all_issued, self._next_bucket, self.arming.fast, self.ready.expect_hooks = at, n, False, False
         self.divisor.forget()  # join may change the divisor
         self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
         self.steps_reduced += 1

@@ -117,6 +117,13 @@ class AutoPrecision(Reduction):
         """The mode of format ``name`` (one of :attr:`formats`)."""
         return self.modes[name]
 
+    def steady(self, ctx) -> Reduction | None:
+        """The candidate ``ctx``'s buckets go to where nothing of this mode's own runs around them (settled,
+        unwatched, untimed, no switch or residual pending): the native issue chain may run it; else None."""
+        idle = self._clock_due is None and not self.residuals.pending and ctx.iteration not in self.clock.marks
+        ok = self.phase == _SETTLED and self.watch is None and self._it == ctx.iteration
+        return self.cur if ok and idle and self.next_name == self.cur_name else None
+
     # -------------------------------------------------------- delegation
     def boundary(self, ctx) -> None:
         """The synchronising forward of ``ctx.iteration``: every decision of
