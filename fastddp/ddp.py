@@ -255,12 +255,14 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     @_compile.eager  # never traced by torch.compile
     def _post_forward(self, output):
         grad = torch.is_grad_enabled()
-        if grad:
+        sync = grad and self.require_backward_grad_sync
+        if grad and not sync:
             # the graph just built holds each parameter's AccumulateGrad node:
             # the native hooks follow nodes torch replaced (mixed_precision's
-            # swap; .half()/.float()/.to() after wrapping, e.g. around an eval)
+            # swap; .half()/.float()/.to() after wrapping, e.g. around an eval);
+            # a synced forward's prepare_for_backward does it in its arm
             self.reducer.arming.refresh()
-        if grad and self.require_backward_grad_sync:
+        if sync:
             if not self.require_forward_param_sync:  # (nn.Module's __setattr__ only where it changes)
                 self.require_forward_param_sync = True
             walk = self.find_unused_parameters and not self.static_graph  # the outputs' graph

@@ -519,8 +519,10 @@ struct Countdown {
   // (1/W, torch's mul_out); divide > 0: divide by it instead (batched);
   // alias: .grad becomes the view (gradient_as_bucket_view)
   // chain: this iteration's issue chain (arm_chain's arguments), in the same call
+  // refresh: refresh() first (a synced forward's hooks follow replaced nodes in the same call)
   void arm(int mode, const std::vector<int>& sizes, double early, double divide, bool alias, bool chain,
-           int scaling, double w) {
+           int scaling, double w, bool refresh_nodes) {
+    if (refresh_nodes) refresh();
     std::lock_guard<std::mutex> lk(st_->chain_mu);
     {
       std::lock_guard<std::mutex> lock(st_->mu);
@@ -689,7 +691,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_buckets", &Countdown::set_buckets)
       .def("arm", &Countdown::arm, pybind11::arg("mode"), pybind11::arg("sizes"), pybind11::arg("early") = -1.0,
            pybind11::arg("divide") = 0.0, pybind11::arg("alias") = true, pybind11::arg("chain") = false,
-           pybind11::arg("scaling") = 0, pybind11::arg("w") = 1.0)
+           pybind11::arg("scaling") = 0, pybind11::arg("w") = 1.0, pybind11::arg("refresh") = false)
       .def("set_mode", &Countdown::set_mode)
       .def("set_group", &Countdown::set_group)
       .def("arm_chain", &Countdown::arm_chain)

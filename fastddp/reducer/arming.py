@@ -114,7 +114,8 @@ class Arming:
     # ------------------------------------------------------ per iteration
     def arm(self, ready, buckets, mode, ctx, *, debug: bool, probe: bool, join_pending: bool,
             world: int, view_mode: bool, timed: bool = False) -> None:
-        """Before a synced backward: FAST where nothing is tracked, else PY.
+        """Before a synced backward: FAST where nothing is tracked, else PY
+        (and the native hooks follow replaced nodes: :meth:`refresh`).
         ``timed``: the bucket tuner times this step's issue (no issue chain,
         whose Python runs after the waits)."""
         self.fast = not (ready.track_used or ready.static or ready.unused or ready.collect_order or debug)
@@ -125,7 +126,7 @@ class Arming:
         chain = (self.chain.decide(buckets, mode, ctx, fast=fast and not timed, join_pending=join_pending)
                  if self.chain is not None else (False, 0, 1.0))
         self.native.arm(HookMode.FAST if fast else HookMode.PY, [b.size for b in buckets], early, divide,
-                        view_mode, *chain)
+                        view_mode, *chain, True)  # (and refresh(): the nodes this forward's graph holds)
         self.chaining = chain[0]
 
     def attach_chain(self, pg, on_chain) -> None:
