@@ -655,6 +655,14 @@ def test_countdown_early_copy_into_views():
     lin(x).sum().backward()
     assert ev == [(0, 0)] and cd.filled_marks() == b"\x00\x00" and ps[0].grad is views[0]
 
+    ev.clear()  # ... with view_div (the default path's W): each divided in place as it arrives (torch's div_)
+    before = [v.clone() for v in views]
+    cd.arm(_native.FAST, [2], 0.5, view_div=2.0)
+    lin(x).sum().backward()
+    assert ev == [(0, 2)] and cd.filled_marks() == b"\x01\x01" and ps[0].grad is views[0]
+    assert torch.equal(views[0], (before[0] + ref.weight.grad).div_(2.0))
+    assert torch.equal(views[1], (before[1] + ref.bias.grad).div_(2.0))
+
     ev.clear()  # scale 0: a plain copy; -1: none
     for p in ps:
         p.grad = None

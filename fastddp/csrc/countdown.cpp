@@ -68,6 +68,7 @@ struct State {
   at::Tensor scale;               // wrapped 1/W (torch's mul_out); undefined: none
   at::Tensor divisor;             // wrapped W (batched_grad_copy's division); undefined: none
   double scale_v = 0.0, divisor_v = 0.0;  // their values (0: none)
+  double view_div = 0.0;          // > 0: a gradient that is its view already is divided by it in place
   std::vector<uint8_t> filled;    // per parameter, this iteration
   std::vector<int> nfilled;       // per bucket, this iteration
   std::vector<Slots> slots;       // per bucket: the native data path's (none: Python)
@@ -374,17 +375,27 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
   // torch's mark_variable_ready_dense for a gradient that is not yet its
   // bucket view: view = grad * (1/W), grad / W (batched_grad_copy's copy and
   // division in one pass, the same bits) or a plain copy (a comm hook), then
-  // .grad = view with gradient_as_bucket_view.  Anything unusual (aliased
-  // already, create_graph, another dtype or shape, not strided) is left to
-  // the Python pack, which applies torch's rules.
+  // .grad = view with gradient_as_bucket_view.  A gradient that is its view
+  // already (gradient_as_bucket_view after the first step): view.div_(W)
+  // where the mode multiplies (torch's per-view div_, read while the
+  // gradient is still in cache, not by one pass over the flat bucket after
+  // its last gradient); batched_grad_copy and a comm hook leave it to the
+  // pack (torch: one flat div_, or none).  Anything unusual (create_graph,
+  // another dtype or shape, not strided) is left to the Python pack, which
+  // applies torch's rules.
   bool copy_early() {
     const at::Tensor& dst = st_->dst[index_];
     at::Tensor& grad = st_->vars[index_].mutable_grad();
     if (!grad.defined() || grad.layout() != at::kStrided || grad.requires_grad() || !grad.device().is_cpu() ||
-        grad.scalar_type() != dst.scalar_type() || grad.sizes() != dst.sizes() || grad.is_alias_of(dst))
+        grad.scalar_type() != dst.scalar_type() || grad.sizes() != dst.sizes())
       return false;
     at::NoGradGuard no_grad;
     at::Tensor& out = const_cast<at::Tensor&>(dst);
+    if (grad.is_alias_of(dst)) {
+      if (!(st_->view_div > 0.0) || !grad.is_same(dst)) return false;
+      out.div_(st_->view_div);
+      return true;
+    }
     if (st_->divisor.defined()) at::div_out(out, grad, st_->divisor);
     else if (st_->scale.defined()) at::mul_out(out, grad, st_->scale);
     else out.copy_(grad);
@@ -520,8 +531,9 @@ struct Countdown {
   // alias: .grad becomes the view (gradient_as_bucket_view)
   // chain: this iteration's issue chain (arm_chain's arguments), in the same call
   // refresh: refresh() first (a synced forward's hooks follow replaced nodes in the same call)
+  // view_div: W, by which the early copy divides a gradient that is its view already (0: none)
   void arm(int mode, const std::vector<int>& sizes, double early, double divide, bool alias, bool chain,
-           int scaling, double w, bool refresh_nodes) {
+           int scaling, double w, bool refresh_nodes, double view_div) {
     if (refresh_nodes) refresh();
     std::lock_guard<std::mutex> lk(st_->chain_mu);
     {
@@ -540,6 +552,7 @@ struct Countdown {
       else if (!st_->divisor.defined() || st_->divisor_v != dv) st_->divisor = wrapped(dv);
       st_->scale_v = sv;
       st_->divisor_v = dv;
+      st_->view_div = st_->early && alias ? view_div : 0.0;
       std::fill(st_->filled.begin(), st_->filled.end(), 0);
       st_->nfilled.assign(sizes.size(), 0);
     }
@@ -691,7 +704,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_buckets", &Countdown::set_buckets)
       .def("arm", &Countdown::arm, pybind11::arg("mode"), pybind11::arg("sizes"), pybind11::arg("early") = -1.0,
            pybind11::arg("divide") = 0.0, pybind11::arg("alias") = true, pybind11::arg("chain") = false,
-           pybind11::arg("scaling") = 0, pybind11::arg("w") = 1.0, pybind11::arg("refresh") = false)
+           pybind11::arg("scaling") = 0, pybind11::arg("w") = 1.0, pybind11::arg("refresh") = false,
+           pybind11::arg("view_div") = 0.0)
       .def("set_mode", &Countdown::set_mode)
       .def("set_group", &Countdown::set_group)
       .def("arm_chain", &Countdown::arm_chain)

@@ -125,8 +125,10 @@ class Arming:
         early, divide = self._early(buckets, mode, ctx, join_pending, world) if fast else (-1.0, 0.0)
         chain = (self.chain.decide(buckets, mode, ctx, fast=fast and not timed, join_pending=join_pending)
                  if self.chain is not None else (False, 0, 1.0))
+        # (and refresh(): the nodes this forward's graph holds); a grad that is its view already is
+        # divided by W in place as it arrives where the mode multiplies (torch's per-view div_)
         self.native.arm(HookMode.FAST if fast else HookMode.PY, [b.size for b in buckets], early, divide,
-                        view_mode, *chain, True)  # (and refresh(): the nodes this forward's graph holds)
+                        view_mode, *chain, True, float(world) if early > 0 and divide <= 0 else 0.0)
         self.chaining = chain[0]
 
     def attach_chain(self, pg, on_chain) -> None:
