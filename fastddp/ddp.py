@@ -261,7 +261,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
             # the native hooks follow nodes torch replaced (mixed_precision's
             # swap; .half()/.float()/.to() after wrapping, e.g. around an eval);
             # a synced forward's prepare_for_backward does it in its arm
-            self.reducer.arming.refresh()
+            self.reducer.refresh_hooks()
         if sync:
             if not self.require_forward_param_sync:  # (nn.Module's __setattr__ only where it changes)
                 self.require_forward_param_sync = True

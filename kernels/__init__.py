@@ -34,7 +34,7 @@ Modules: ``_ops`` (op layer), ``_layout`` (``Layout``), ``_table_ring`` (the poi
 
 from __future__ import annotations
 
-from ._ops import (Layout, add_served_source, backend, count_served, launch_count, pack, reset_backend, reset_launch_count, stats, unpack,
+from ._ops import (Layout, add_served_source, backend, count_served, launch_count, retire_served_source, pack, reset_backend, reset_launch_count, stats, unpack,
                    triton_available as _triton_available)
 from ._ops import dequantize_fp8, quantize_fp8, reduce_fp8_shards, reduce_shards
 from . import reference
@@ -71,6 +71,7 @@ __all__ = [
     "Health",
     "Layout",
     "add_served_source",
+    "retire_served_source",
     "backend",
     "count_served",
     "first_nonfinite",

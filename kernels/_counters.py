@@ -34,23 +34,40 @@ def count_served(op: str) -> None:
     bump_all(f"{op}_calls", "reference_calls")
 
 
-_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # source -> (packs, unpacks) at the last reset
+# id(source) -> [weak reference, packs, unpacks at the last reset]; by id, not a weak-keyed dict: the
+# garbage collector clears a cycle's weak references before its __del__ runs retire_served_source
+_sources: dict = {}
 
 
 def add_served_source(source) -> None:
     """``source.served_calls()``: the (packs, unpacks) it served with the
     plain-torch ops since it was made (the native issue chain counts in C++,
     no Python call a step); the counters add what it served since the last
-    reset, as :func:`count_served` calls."""
+    reset, as :func:`count_served` calls.  Its ``__del__`` calls
+    :func:`retire_served_source`."""
     with _lock:
-        _sources[source] = source.served_calls()
+        _sources[id(source)] = [weakref.ref(source), *source.served_calls()]
+
+
+def retire_served_source(source) -> None:
+    """``source`` is going away (its ``__del__``): what it served since the
+    last reset stays counted."""
+    with _lock:
+        entry = _sources.pop(id(source), None)
+        if entry is not None:
+            p, u = source.served_calls()
+            _counts["pack_calls"] += p - entry[1]
+            _counts["unpack_calls"] += u - entry[2]
+            _counts["reference_calls"] += p - entry[1] + u - entry[2]
 
 
 def _served() -> tuple[int, int]:
     packs = unpacks = 0
-    for src, (p0, u0) in list(_sources.items()):
-        p, u = src.served_calls()
-        packs, unpacks = packs + p - p0, unpacks + u - u0
+    for ref, p0, u0 in list(_sources.values()):
+        src = ref()
+        if src is not None:
+            p, u = src.served_calls()
+            packs, unpacks = packs + p - p0, unpacks + u - u0
     return packs, unpacks
 
 
@@ -64,8 +81,10 @@ def reset_launch_count() -> None:
     with _lock:
         for k in _counts:
             _counts[k] = 0
-        for src in list(_sources):
-            _sources[src] = src.served_calls()
+        for entry in _sources.values():
+            src = entry[0]()
+            if src is not None:
+                entry[1:] = src.served_calls()
 
 
 def stats() -> dict[str, int]:

@@ -25,7 +25,7 @@ import torch
 from . import reference, torch_path
 # The counters (re-exported by fastddp.kernels) and the stride helpers live below
 # this module and the launchers, which use them too: no import circle.
-from ._counters import add_served_source, bump as _bump, bump_all as _bump_all, count_served, launch_count, reset_launch_count, stats  # noqa: F401
+from ._counters import add_served_source, retire_served_source, bump as _bump, bump_all as _bump_all, count_served, launch_count, reset_launch_count, stats  # noqa: F401
 from ._layout import Layout  # noqa: F401  (re-exported: fastddp.kernels.Layout)
 from ._switch import interpreter_requested
 

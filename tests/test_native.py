@@ -593,6 +593,12 @@ def test_the_steady_step_finishes_in_one_python_call_and_watches_its_outputs_in_
         assert calls["watch"] == 1, calls
         assert r.steps_reduced == steps + 3
         assert all(torch.equal(p.grad, 2 * g) for p, g in zip(ddp.parameters(), first))
+        from fastddp import kernels
+        served = {k: kernels.stats()[k] for k in ("pack_calls", "unpack_calls", "reference_calls")}
+        assert served["unpack_calls"] > 0  # (the chain's unpacks, counted in C++)
+        del ddp, r, out, watch, finalize, take
+        gc.collect()
+        assert {k: kernels.stats()[k] for k in served} == served  # a reducer gone: its counts stay
 
 
 @pytest.mark.skipif(OFF, reason="FASTDDP_NATIVE=0")

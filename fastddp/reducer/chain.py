@@ -84,6 +84,13 @@ class IssueChain:
             return False, 0, 1.0
         return True, int(mode.scaling), float(ctx.divisor())
 
+    def __del__(self):
+        try:
+            if self.ok:
+                kernels.retire_served_source(self)  # (its counts stay counted)
+        except Exception:  # interpreter shutdown: nothing left to count for
+            pass
+
     def counts(self) -> tuple[int, int]:
         """(collectives, bytes) the chain issued since it was made, those in
         flight included: ``stats()`` adds them to the Python path's."""

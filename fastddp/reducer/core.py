@@ -211,7 +211,7 @@ class Reducer:
 
     def _chain_finished(self, n: int, at: float) -> None:
         """The chain reduced every bucket into .grad and set the hooks idle: _finalize's bookkeeping inline
-        (right after the waits each Python call runs cold: ~150 us a step through _finalize, here ~45)."""
+        (right after the waits each Python call runs cold: ~150 us a step through _finalize, here ~30)."""
         self._t_all_issued, self._next_bucket, self.arming.fast, self.ready.expect_hooks = at, n, False, False
         self.divisor.forget()  # join may change the divisor
         self.exposed_comm_s.append(time.perf_counter() - self._t_all_issued)
@@ -292,7 +292,7 @@ class Reducer:
             self.arming.finished(idle=not (self.ready.static or self.ready.dynamic_find_unused or self.debug))
             track = self.ready.static or self.opts.find_unused_parameters
             self.ready.expect_hooks = False
-            live, check = [b for b in self.plans.buckets if b.work is not None], self.health is not None
+            live, check = [b for b in self.plans.buckets if b.work is not None], self.health is not None  # (else unused)
             with self.comm.comm_context(), torch.no_grad():
                 try:
                     results = [self.comm.wait_bucket(b, check) for b in live] if check else None
