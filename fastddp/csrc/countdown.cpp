@@ -83,7 +83,6 @@ struct State {
   double chain_w = 1.0;
   int chain_next = 0;             // buckets [0, chain_next) issued
   int chain_taken = 0;            // ... and [0, chain_taken) handed to Python
-  int chain_packs = 0;            // Countdown.pack calls that packed (the counters)
   // since the countdown was made (Countdown.served; Python reads them, it never adds them up): the
   // chain's collectives and their bytes, its native packs, and unpacks (not with gradient_as_bucket_view)
   int64_t issued_total = 0, bytes_total = 0, packs_total = 0, unpacks_total = 0;
@@ -277,10 +276,7 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
         code = PACKED;  // the early copy put every grad in its slot, scaled
       } else if (filled == 0) {
         code = pack_bucket(st, b, st.chain_scaling, st.chain_w, st.alias);
-        if (code == PACKED) {
-          ++st.chain_packs;
-          ++st.packs_total;
-        }
+        if (code == PACKED) ++st.packs_total;
         if (code == ALL_VIEWS) {  // the grads are the bucket already (torch: one flat div_)
           at::NoGradGuard no_grad;
           if (st.chain_scaling != 0) const_cast<at::Tensor&>(st.slots[b].flat).div_(st.chain_w);
@@ -529,7 +525,7 @@ struct Countdown {
   // early: < 0 no early copy this iteration, 0 a plain copy, else the scale
   // (1/W, torch's mul_out); divide > 0: divide by it instead (batched);
   // alias: .grad becomes the view (gradient_as_bucket_view)
-  // chain: this iteration's issue chain (arm_chain's arguments), in the same call
+  // chain, scaling, w: this iteration's issue chain (arm_chain_locked)
   // refresh: refresh() first (a synced forward's hooks follow replaced nodes in the same call)
   // view_div: W, by which the early copy divides a gradient that is its view already (0: none)
   void arm(int mode, const std::vector<int>& sizes, double early, double divide, bool alias, bool chain,
@@ -575,13 +571,8 @@ struct Countdown {
     return true;
   }
 
-  // This iteration's chain (after arm): scaling and w as pack's; off: none.
-  void arm_chain(bool on, int scaling, double w) {
-    std::lock_guard<std::mutex> lk(st_->chain_mu);
-    arm_chain_locked(on, scaling, w);
-  }
-
-  void arm_chain_locked(bool on, int scaling, double w) {  // chain_mu held
+  // This iteration's chain (arm's): scaling and w as pack's; off: none.  chain_mu held.
+  void arm_chain_locked(bool on, int scaling, double w) {
     std::lock_guard<std::mutex> lock(st_->mu);
     const size_t n = st_->pending.size();
     st_->chain = on && st_->pg && st_->on_chain && st_->slots.size() == n;
@@ -590,7 +581,6 @@ struct Countdown {
     st_->chain_w = w;
     st_->chain_next = 0;
     st_->chain_taken = 0;
-    st_->chain_packs = 0;
     st_->chain_first_at = 0.0;
     st_->chain_packed.assign(n, 0);
     st_->chain_works.assign(n, c10::intrusive_ptr<c10d::Work>());
@@ -605,14 +595,14 @@ struct Countdown {
     return st_->chain_first_at;
   }
 
-  // (issued, packed per bucket, the issued buckets' Works not waited for
-  // yet, native packs, the last issue's time): what Python takes over.
   // (collectives, bytes, native packs, native unpacks) since the countdown was made
   std::tuple<int64_t, int64_t, int64_t, int64_t> served() {
     std::lock_guard<std::mutex> lk(st_->chain_mu);
     return {st_->issued_total, st_->bytes_total, st_->packs_total, st_->unpacks_total};
   }
 
+  // (issued, packed per bucket, the issued buckets' Works not waited for
+  // yet, the last issue's time): what Python takes over.
   pybind11::tuple chain_state() {
     std::lock_guard<std::mutex> lk(st_->chain_mu);
     pybind11::list works;
@@ -621,7 +611,7 @@ struct Countdown {
     for (auto& w : st_->chain_works) w.reset();
     st_->chain_taken = st_->chain_next;
     auto packed = pybind11::bytes(reinterpret_cast<const char*>(st_->chain_packed.data()), st_->chain_packed.size());
-    return pybind11::make_tuple(st_->chain_next, packed, works, st_->chain_packs, st_->chain_issued_at);
+    return pybind11::make_tuple(st_->chain_next, packed, works, st_->chain_issued_at);
   }
 
   void set_mode(int mode) {
@@ -708,7 +698,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("view_div") = 0.0)
       .def("set_mode", &Countdown::set_mode)
       .def("set_group", &Countdown::set_group)
-      .def("arm_chain", &Countdown::arm_chain)
       .def("chain_first_ready", &Countdown::chain_first_ready)
       .def("chain_state", &Countdown::chain_state)
       .def("served", &Countdown::served)

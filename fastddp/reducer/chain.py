@@ -109,7 +109,7 @@ class IssueChain:
         waited for them) and the first ``done`` unpacked: the others get a
         completed :class:`Pending` for Python's unpack.  Returns the next
         bucket to issue."""
-        issued, packed, works, _, self.issued_at = self.native.chain_state()
+        issued, packed, works, self.issued_at = self.native.chain_state()
         for b, ready in zip(buckets, packed):
             if ready:
                 b.pending, b.prefilled = 0, 0
