@@ -406,20 +406,32 @@ def _launches(rank, world):
         mixed = sum(1 for b in buckets if any(p.dim() <= 1 for p in b.params)
                     and any(p.dim() > 1 for p in b.params))
         only_ex = sum(1 for b in buckets if all(p.dim() <= 1 for p in b.params))
-        out.append((len(buckets), mixed, only_ex, K.launch_count(), K.stats()["reference_calls"]))
+        st = K.stats()
+        out.append((len(buckets), mixed, only_ex, K.launch_count(), st["reference_calls"], st["unpack_calls"]))
     return out
 
 
 @pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
 @pytest.mark.interpret
 def test_launches_per_bucket(world2):
-    """pack + quantize + shard sum + dequantize + unpack: 5 launches per
-    bucket, +2 where a bucket also holds exempt params (their pack and
-    scatter); none served by the plain-torch twin."""
-    for per_rank in world2.run(_launches):
-        for nb, mixed, only_ex, launches, ref in per_rank:
+    """Through the stage: pack + quantize + shard sum + dequantize + unpack:
+    5 launches per bucket, +2 where a bucket also holds exempt params (their
+    pack and scatter); none served by the plain-torch twin."""
+    for per_rank, _ in world2.run(_with_direct, None, _launches):  # (never into the grads)
+        for nb, mixed, only_ex, launches, ref, _ in per_rank:
             assert ref == 0
             assert launches == 5 * nb + 2 * mixed + only_ex, (nb, mixed, only_ex, launches)
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+@pytest.mark.interpret
+def test_no_unpack_of_the_stage_where_decoded_into_the_grads(world2):
+    """Decoded into the grads: the only unpack left is the exempt values'
+    (one per bucket holding any); none served by the plain-torch twin."""
+    for per_rank, direct in world2.run(_with_direct, 0, _launches):
+        assert direct > 0
+        for nb, mixed, only_ex, launches, ref, unpacks in per_rank:
+            assert ref == 0 and unpacks == mixed + only_ex, (nb, mixed, only_ex, unpacks)
 
 
 # ------------------------------------------- the exempt slots, zeroed per bucket
@@ -468,7 +480,7 @@ def _zeroing_calls(rank, world, opts):
 @pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
 @pytest.mark.parametrize("opts", [{}, {"bucket_cap_mb": 0.001}], ids=["default", "tiny"])
 def test_exempt_slots_zeroed_in_one_call_per_bucket(world2, opts):
-    for per_rank in world2.run(_zeroing_calls, opts):
+    for per_rank, _ in world2.run(_with_direct, None, _zeroing_calls, opts):  # (through the stage)
         for calls, with_exempt, most in per_rank:
             assert calls == {"zero_": 0, "_foreach_zero_": with_exempt}, (calls, with_exempt)
         assert with_exempt >= 1 and (opts or most > 1), per_rank  # the default bucket has several
@@ -545,6 +557,67 @@ def test_chunked_phases_match_reference_pipeline(world2, chunk_bytes):
     from tests.test_lowprec import _with_chunk_bytes
 
     assert world2.run(_with_chunk_bytes, chunk_bytes, _pipeline, {}, 32, 3, "default", True) == [[], []]
+
+
+def _with_direct(rank, world, per_call, body, *args):
+    """Run ``body`` with :data:`fp8wire.DIRECT_VALUES_PER_CALL` set to
+    ``per_call`` in this worker (0: every fp8 bucket's sums are decoded
+    straight into its grads; None: never, through the stage); returns
+    ``(body's result, decodes into grads)``."""
+    from fastddp.reduction import fp8wire
+
+    W = fp8wire.Fp8Wire
+    old, real, worth = fp8wire.DIRECT_VALUES_PER_CALL, W._decode_into, W.worth_direct
+    seen = [0]
+
+    def counted(self, lo, hi):
+        seen[0] += 1
+        return real(self, lo, hi)
+    fp8wire.DIRECT_VALUES_PER_CALL, W._decode_into = per_call, counted
+    if per_call is None:
+        W.worth_direct = lambda self, geometry: False
+    try:
+        return body(rank, world, *args), seen[0]
+    finally:
+        fp8wire.DIRECT_VALUES_PER_CALL, W._decode_into, W.worth_direct = old, real, worth
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+@pytest.mark.parametrize("opts, chunk_bytes", [
+    ({}, 0), ({"bucket_cap_mb": 0.001}, 0), ({}, 100), ({"gradient_as_bucket_view": True}, 0),
+    ({"gradient_as_bucket_view": True}, 100)], ids=["default", "tiny", "chunked", "views", "views-chunked"])
+def test_sums_decoded_into_the_grads_are_the_reference_pipelines(world2, opts, chunk_bytes):
+    """The sums decoded straight into the grads (bucket views: into the flat
+    bucket), slot by slot with the edges of slots that share a block
+    (block 32, the deep model's odd sizes), piece by piece when chunked, by
+    both two-rank candidates (the trial alternates them): every grad and
+    residual the reference pipeline's, bit for bit, and no unpack copy."""
+    from tests.test_lowprec import _with_chunk_bytes
+
+    costs = [{"two-phase": 1.0, "all-gather": 0.5}, {"two-phase": 1.0, "all-gather": 0.9}]
+    for (bad, chosen, trial, seen), direct in world2.run(
+            _with_direct, 0, _with_chunk_bytes, chunk_bytes, _pipeline, opts, 32, 16, "default", chunk_bytes > 0,
+            costs):
+        assert bad == [] and direct > 0, (bad, direct)
+        assert "two-phase" in seen and "all-gather" in seen, seen
+
+
+def test_decoding_into_the_grads_is_taken_by_bytes_and_calls():
+    """One slot per piece pays at once; slots of a few values in a chunked
+    wire cost a launch each (plus their edges) and are left to the stage."""
+    from fastddp.reduction.fp8wire import DIRECT_VALUES_PER_CALL, Fp8Wire
+
+    def wire(bounds):
+        z, q = torch.zeros(0), torch.zeros(bounds[-1][1], dtype=U8)  # (a one-piece wire's range: all of q)
+        return Fp8Wire(world=1, block=32, shard=q.numel(), ex=[], q8=[], lay8=None, lay_ex=None, stage=z,
+                       q=q, s=z, exbuf=z, ex_views=[], bounds=bounds, s_bounds=[], rq=z, rs=z, nbytes=0)
+
+    assert wire([(0, 64)]).worth_direct([(0, 64)])  # one launch for one: nothing extra
+    n = DIRECT_VALUES_PER_CALL
+    big = [(0, 4 * n), (4 * n, 8 * n)]  # two large slots, cut at a block boundary
+    assert wire([(0, 8 * n)]).worth_direct(big)  # one extra launch for 8n values
+    small = [(o, 40) for o in range(0, 4000, 40)]  # 100 slots of 40 values, most edges inside blocks
+    assert not wire([(0, 4000 // 32 * 32 + 32)]).worth_direct(small)
 
 
 def _calls_per_phase(rank, world, candidate="two-phase"):

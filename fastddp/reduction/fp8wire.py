@@ -14,7 +14,15 @@ import torch
 from .. import groups, kernels
 from .twophase import ShardWire
 
-__all__ = ["Fp8Gather", "Fp8Wire"]
+__all__ = ["DIRECT_VALUES_PER_CALL", "Fp8Gather", "Fp8Wire"]
+
+#: decoding the sums straight into the gradients (:meth:`Fp8Wire.aim`) saves
+#: the stage's copy into ``.grad`` (a write and a read of 4 bytes per value)
+#: and costs a launch per gradient each piece touches, plus one per edge of a
+#: slot inside a block: taken only where every extra launch saves at least
+#: this many values' copy (~40 us of memory traffic on one core; a launch,
+#: Python's cold-cache call included, costs well under that)
+DIRECT_VALUES_PER_CALL = 1 << 16
 
 
 @dataclass(eq=False)
@@ -52,6 +60,11 @@ class Fp8Wire(ShardWire):
     recv: torch.Tensor | None = None
     encode: tuple | None = None  # (residual, health): the pack's quantize, due piece by piece at the issue
     decode: bool = False  # the flat mode's: each piece decoded into ``stage`` as it lands (finish_piece)
+    direct: list | None = None  # this step's: (stage offset, numel, flat tensor) the sums decode into (aim)
+    direct_grads: list | None = None  # ... the .grad tensors they are (by bucket position; None: the flat bucket)
+    direct_ok: bool | None = None  # the slots' geometry makes decoding into them pay (worth_direct)
+    tmp: torch.Tensor | None = None  # one block: a slot's edge inside a block is decoded here first
+    pack_due: float | None = None  # the direct slots' pack, deferred to each range's quantize: its scale
 
     @property
     def chunked(self) -> bool:
@@ -76,10 +89,25 @@ class Fp8Wire(ShardWire):
             return
         (res, health), B = self.encode, self.block
         for lo, hi in self._ranges(k):
+            if self.pack_due is not None:
+                self._pack_range(lo, hi)
             kernels.quantize_fp8(self.stage[lo:hi], self.q[lo:hi], self.s[lo // B:hi // B], B,
                                  residual=None if res is None else res[lo:hi], health=health)
         if k == len(self.bounds) - 1:
-            self.encode = None
+            self.encode = self.pack_due = None
+
+    def _pack_range(self, lo: int, hi: int) -> None:
+        """The deferred pack (:meth:`aim`) of the stage range ``[lo, hi)``:
+        the direct slots' parts in it, times the scale, in one launch (the
+        pack's own elementwise product: the same bits)."""
+        parts, offs = [], []
+        for o, n, src in self.direct:
+            x0, x1 = max(o, lo), min(o + n, hi)
+            if x0 < x1:
+                parts.append(src[x0 - o:x1 - o])
+                offs.append(x0 - lo)
+        if parts:
+            kernels.pack(parts, self.stage[lo:hi], offs, scale=self.pack_due)
 
     def layout_wire(self) -> None:
         """A chunked bucket's wire: per chunk ``[a, b)`` (``n`` fp8 values,
@@ -133,8 +161,68 @@ class Fp8Wire(ShardWire):
 
     def _decode(self, ranges) -> None:
         B = self.block
+        if self.direct is not None:
+            for lo, hi in ranges:
+                self._decode_into(lo, hi)
+            return
         for lo, hi in ranges:
             kernels.dequantize_fp8(self.q[lo:hi], self.s[lo // B:hi // B], self.stage[lo:hi], B)
+
+    # ---------------------------------------------- decoded where they go
+    def aim(self, slots: list | None, grads: list | None, pack_scale: float | None = None) -> None:
+        """This step's sums decode straight into ``slots`` (``(offset in the
+        stage, numel, 1-D view of the tensor's memory)``, sorted; None: into
+        the stage, as usual): the unpack's copy out of the stage is saved.
+        ``grads``: the ``.grad`` tensors the slots are (the unpack checks
+        they still are), None for the flat bucket (bucket views).  The same
+        values land (a decode is elementwise), so the same bits.
+        ``pack_scale``: the slots are the pack's sources too, not packed yet:
+        each range is packed just before its quantize (a big bucket's first
+        piece leaves before the rest is even copied), and decoded into them
+        only after its collectives, so after its pack read them."""
+        self.direct, self.direct_grads, self.pack_due = slots, grads, pack_scale
+        if slots is not None and self.tmp is None:
+            self.tmp = torch.empty(self.block, dtype=torch.float32, device=self.stage.device)
+
+    def worth_direct(self, geometry) -> bool:
+        """Whether decoding into slots of ``geometry`` (``(offset, numel)``
+        in the stage) pays on this wire's pieces, by bytes and calls
+        (:data:`DIRECT_VALUES_PER_CALL`); decided once per wire (a plan's
+        geometry is fixed)."""
+        if self.direct_ok is None:
+            B, extra = self.block, 0
+            for k in range(len(self.bounds)):
+                for lo, hi in self._ranges(k):
+                    extra -= 1  # the range's one launch into the stage, saved
+                    for o, n in geometry:
+                        x0, x1 = max(o, lo), min(o + n, hi)
+                        if x0 < x1:
+                            extra += 1 + (x0 % B != 0) + (x1 % B != 0)
+            self.direct_ok = extra <= 0 or sum(n for _, n in geometry) >= DIRECT_VALUES_PER_CALL * extra
+        return self.direct_ok
+
+    def _decode_into(self, lo: int, hi: int) -> None:
+        """The stage range ``[lo, hi)`` (whole blocks) decoded into the
+        slots it overlaps: their whole blocks in one launch each, a slot's
+        part of a block it shares through :attr:`tmp`."""
+        B, q, s = self.block, self.q, self.s
+        for o, n, dst in self.direct:
+            x0, x1 = max(o, lo), min(o + n, hi)
+            if x0 >= x1:
+                continue
+            a, b = -(-x0 // B) * B, x1 // B * B  # the whole blocks inside [x0, x1)
+            if a < b:
+                kernels.dequantize_fp8(q[a:b], s[a // B:b // B], dst[a - o:b - o], B)
+                edges = ((x0, a), (b, x1))
+            else:
+                edges = ((x0, x1),)
+            for e0, e1 in edges:
+                while e0 < e1:  # at most two blocks
+                    k = e0 // B
+                    e = min(e1, (k + 1) * B)
+                    kernels.dequantize_fp8(q[k * B:(k + 1) * B], s[k:k + 1], self.tmp, B)
+                    dst[e0 - o:e - o].copy_(self.tmp[e0 - k * B:e - k * B])
+                    e0 = e
 
     def send_recv(self, k):
         """Piece ``k`` quantized (:meth:`encode_piece`) and, chunked, staged
@@ -172,6 +260,7 @@ class Fp8Wire(ShardWire):
 
     def zero(self):
         self.encode = None  # what a joined rank sends stands for zeros: nothing of a stale stage
+        self.direct = self.direct_grads = self.pack_due = None  # (and its sums go nowhere but the stage)
         self.q.zero_()
         self.s.fill_(1.0)
         self.exbuf.zero_()
