@@ -16,8 +16,9 @@ The training thread's own CPU per phase (``time.thread_time()``) is printed
 as the paired difference from the first row, in ms with a 90% interval.
 ``--link netns:RATE`` runs the ranks in two network namespaces over a
 ``tc tbf`` link (root, iproute2: ``tools.netlink``); ``--link local`` on
-loopback.  Rows: ``torch``, ``torch-fp16`` (its fp16 hook), ``fastddp``,
-``fastddp-batched``, ``fastddp-bf16acc``, ``fastddp-fp16``, ``fastddp-fp8``,
+loopback.  Rows: ``torch``, ``torch-view`` (gradient_as_bucket_view),
+``torch-fp16`` (its fp16 hook), ``fastddp``, ``fastddp-batched``,
+``fastddp-view``, ``fastddp-bf16acc``, ``fastddp-fp16``, ``fastddp-fp8``,
 ``fastddp-autoprec`` (lowest fp8; ``--warmup 30`` times it after its trial), and
 two per-bucket mixes for the question whether formats chosen per bucket pay
 (issue 31): ``fastddp-fp8-first32`` (the first bucket reduced in fp32, the
@@ -47,8 +48,8 @@ import time
 
 from tools.timeline import Timeline
 
-ROWS = ("local", "torch", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-bf16acc", "fastddp-fp16", "fastddp-fp8",
-        "fastddp-fp8-first32", "fastddp-fp8-last32", "fastddp-autoprec")
+ROWS = ("local", "torch", "torch-view", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-view", "fastddp-bf16acc",
+        "fastddp-fp16", "fastddp-fp8", "fastddp-fp8-first32", "fastddp-fp8-last32", "fastddp-autoprec")
 PHASES = ("fwd", "bwd", "opt", "step", "cpu")
 THREAD = ("fwd", "bwd", "opt")
 """Phases whose CPU time on the training thread alone (``time.thread_time``,
@@ -92,13 +93,14 @@ def _wrap(name: str, module):
     if name == "local":  # the model alone: no DDP, no communication (the floor's compute term)
         return module
     if name.startswith("torch"):
-        ddp = TorchDDP(module)
+        ddp = TorchDDP(module, gradient_as_bucket_view=name == "torch-view")
         if name == "torch-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return ddp
-    ddp = fastddp.DistributedDataParallel(module, batched_grad_copy=name == "fastddp-batched")
+    ddp = fastddp.DistributedDataParallel(module, batched_grad_copy=name == "fastddp-batched",
+                                          gradient_as_bucket_view=name == "fastddp-view")
     hook = {"fastddp-bf16acc": fh.bf16_fp32acc_hook, "fastddp-fp16": fh.fp16_compress_hook}.get(name)
     if name.startswith("fastddp-fp8"):
         hook = fh.fp8_compress_hook

@@ -43,6 +43,21 @@ def test_two_rows_on_loopback(tmp_path):
     assert all(len(samples[r][f"thread-{q}"]) == 3 for r in samples for q in step_phases.THREAD)
 
 
+def test_view_rows_wrap_with_bucket_views():
+    """``torch-view`` and ``fastddp-view``: each DDP with
+    gradient_as_bucket_view=True, the other rows without."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29539", rank=0, world_size=1)
+    try:
+        got = {name: step_phases._wrap(name, torch.nn.Linear(4, 4)).gradient_as_bucket_view
+               for name in ("torch", "torch-view", "fastddp", "fastddp-view")}
+    finally:
+        dist.destroy_process_group()
+    assert got == {"torch": False, "torch-view": True, "fastddp": False, "fastddp-view": True}
+
+
 def test_end_rows_run_phase_two_at_the_end_of_backward(tmp_path):
     out = tmp_path / "s.json"
     run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows",
