@@ -591,7 +591,7 @@ def test_sums_decoded_into_the_grads_are_the_reference_pipelines(world2, opts, c
     bucket), slot by slot with the edges of slots that share a block
     (block 32, the deep model's odd sizes), piece by piece when chunked, by
     both two-rank candidates (the trial alternates them): every grad and
-    residual the reference pipeline's, bit for bit, and no unpack copy."""
+    residual the reference pipeline's, bit for bit."""
     from tests.test_lowprec import _with_chunk_bytes
 
     costs = [{"two-phase": 1.0, "all-gather": 0.5}, {"two-phase": 1.0, "all-gather": 0.9}]
@@ -600,6 +600,37 @@ def test_sums_decoded_into_the_grads_are_the_reference_pipelines(world2, opts, c
             costs):
         assert bad == [] and direct > 0, (bad, direct)
         assert "two-phase" in seen and "all-gather" in seen, seen
+
+
+def _replacing_grads(rank, world, body, *args):
+    """Run ``body`` with every fp8 unpack preceded by what a hook could do
+    after the pack: the bucket's first fp8 gradient replaced by zeros, its
+    first exempt one dropped (None)."""
+    from fastddp.reduction import fp8 as fp8_mode
+
+    real = fp8_mode.BlockFp8.unpack
+
+    def unpack(self, ctx, bucket, result, track_unused):
+        d = self.engine.wires[bucket.index]
+        if d.q8:
+            p = bucket.params[d.q8[0]]
+            p.grad = torch.zeros_like(p.grad)
+        if d.ex:
+            bucket.params[d.ex[0]].grad = None
+        return real(self, ctx, bucket, result, track_unused)
+    fp8_mode.BlockFp8.unpack = unpack
+    try:
+        return body(rank, world, *args)
+    finally:
+        fp8_mode.BlockFp8.unpack = real
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
+def test_grads_replaced_after_the_pack_get_the_sums_too(world2):
+    """Decoded into the grads the pack saw: a ``.grad`` replaced (or
+    dropped) before the unpack still ends with the reference's values."""
+    for bad, direct in world2.run(_with_direct, 0, _replacing_grads, _pipeline, {}, 32, 3):
+        assert bad == [] and direct > 0, (bad, direct)
 
 
 def test_decoding_into_the_grads_is_taken_by_bytes_and_calls():
