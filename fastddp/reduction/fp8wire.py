@@ -25,6 +25,15 @@ __all__ = ["DIRECT_VALUES_PER_CALL", "Fp8Gather", "Fp8Wire"]
 DIRECT_VALUES_PER_CALL = 1 << 16
 
 
+def _overlaps(slots, lo: int, hi: int):
+    """``(slot, x0, x1)`` for each of ``slots`` (``(offset, numel, ...)``)
+    that overlaps the range ``[lo, hi)``: the overlap is ``[x0, x1)``."""
+    for slot in slots:
+        x0, x1 = max(slot[0], lo), min(slot[0] + slot[1], hi)
+        if x0 < x1:
+            yield slot, x0, x1
+
+
 @dataclass(eq=False)
 class Fp8Wire(ShardWire):
     """A bucket's fp8 buffers.  ``stage``: the bucket's non-exempt values in
@@ -101,11 +110,9 @@ class Fp8Wire(ShardWire):
         the direct slots' parts in it, times the scale, in one launch (the
         pack's own elementwise product: the same bits)."""
         parts, offs = [], []
-        for o, n, src in self.direct:
-            x0, x1 = max(o, lo), min(o + n, hi)
-            if x0 < x1:
-                parts.append(src[x0 - o:x1 - o])
-                offs.append(x0 - lo)
+        for (o, _, src), x0, x1 in _overlaps(self.direct, lo, hi):
+            parts.append(src[x0 - o:x1 - o])
+            offs.append(x0 - lo)
         if parts:
             kernels.pack(parts, self.stage[lo:hi], offs, scale=self.pack_due)
 
@@ -194,10 +201,8 @@ class Fp8Wire(ShardWire):
             for k in range(len(self.bounds)):
                 for lo, hi in self._ranges(k):
                     extra -= 1  # the range's one launch into the stage, saved
-                    for o, n in geometry:
-                        x0, x1 = max(o, lo), min(o + n, hi)
-                        if x0 < x1:
-                            extra += 1 + (x0 % B != 0) + (x1 % B != 0)
+                    for _, x0, x1 in _overlaps(geometry, lo, hi):
+                        extra += 1 + (x0 % B != 0) + (x1 % B != 0)
             self.direct_ok = extra <= 0 or sum(n for _, n in geometry) >= DIRECT_VALUES_PER_CALL * extra
         return self.direct_ok
 
@@ -206,10 +211,7 @@ class Fp8Wire(ShardWire):
         slots it overlaps: their whole blocks in one launch each, a slot's
         part of a block it shares through :attr:`tmp`."""
         B, q, s = self.block, self.q, self.s
-        for o, n, dst in self.direct:
-            x0, x1 = max(o, lo), min(o + n, hi)
-            if x0 >= x1:
-                continue
+        for (o, _, dst), x0, x1 in _overlaps(self.direct, lo, hi):
             a, b = -(-x0 // B) * B, x1 // B * B  # the whole blocks inside [x0, x1)
             if a < b:
                 kernels.dequantize_fp8(q[a:b], s[a // B:b // B], dst[a - o:b - o], B)
