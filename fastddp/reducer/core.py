@@ -292,7 +292,7 @@ class Reducer:
             self.arming.finished(idle=not (self.ready.static or self.ready.dynamic_find_unused or self.debug))
             track = self.ready.static or self.opts.find_unused_parameters
             self.ready.expect_hooks = False
-            live, check = [b for b in self.plans.buckets if b.work is not None], self.health is not None  # (else unused)
+            live, check = [b for b in self.plans.buckets if b.work is not None], self.health is not None  # (not issued: no wait)
             with self.comm.comm_context(), torch.no_grad():
                 try:
                     results = [self.comm.wait_bucket(b, check) for b in live] if check else None
