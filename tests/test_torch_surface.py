@@ -408,3 +408,42 @@ def test_join_helpers(world2):
     (c0, f0), (c1, f1) = world2.run(_join_surface_body)
     assert c0 == c1 == 1
     assert f0 is True and f1 is None  # rank 0 (joined) learns that rank 1 still syncs
+
+
+# --------------------------------------------------------------------------
+# the forward's buffer broadcast: skipped where the group has one rank
+# --------------------------------------------------------------------------
+
+def _broadcasts_per_forward(rank=0, world=1):
+    """Three forwards of a BatchNorm model on the same batch on every rank:
+    how many ``dist._broadcast_coalesced`` calls they made, and the running
+    mean after each (the ranks other than 0 perturb theirs before each
+    forward: the broadcast puts rank 0's back, so every rank ends equal)."""
+    from unittest import mock
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    ddp = fastddp.DistributedDataParallel(m)
+    real = dist._broadcast_coalesced
+    calls, means = [], []
+    with mock.patch.object(dist, "_broadcast_coalesced", side_effect=lambda *a: calls.append(1) or real(*a)):
+        for step in range(3):
+            if rank:
+                m[1].running_mean.add_(1.0)
+            ddp(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+            means.append(m[1].running_mean.clone())
+    return len(calls), means
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's forward")
+def test_one_rank_forward_broadcasts_no_buffers(tmp_path):
+    with single_rank_group(tmp_path):
+        n, means = _broadcasts_per_forward()
+    assert n == 0  # from the one rank to itself: nothing to move
+
+
+@pytest.mark.skipif(STAND_IN, reason="fastddp's forward")
+def test_two_ranks_forward_broadcasts_buffers(world2):
+    (n0, m0), (n1, m1) = world2.run(_broadcasts_per_forward)
+    assert n0 == n1 == 3
+    assert all(torch.equal(a, b) for a, b in zip(m0, m1))  # rank 0's buffers reached rank 1 each time
