@@ -12,6 +12,18 @@ fastddp's bf16+fp32-sum and fp8 reductions move half their bytes by
 all-to-all and half by all-gather, torch's fp16 hook all by all-reduce.
 The chunked variants (x4/x8/x16 calls issued together, an all-gather done as
 all-to-alls) are the candidates for those reductions' two phases.
+
+    python -m tools.link_collectives netns:1 --paired [--reps 21]      (root)
+    python -m tools.link_collectives local --paired                   (loopback, no root)
+
+``--paired`` decides between candidates instead of listing rates: each
+comparison's candidates run alternately (the order flipped every
+repetition), and rank 0 prints, per candidate, MB/s each way (median), the
+rank's CPU time (median) and the paired median of its time over the first
+candidate's with the quartiles. Two comparisons: an all-gather in 8 pieces
+against the same gather as all-to-alls of each rank's piece twice (the same
+bytes on the wire; gloo's all-gather copies through a fresh flat buffer), and
+an all-to-all in 8 pieces against 4, 16 and 32.
 """
 
 from __future__ import annotations
@@ -91,18 +103,101 @@ def _rank(mb: int) -> None:
     dist.destroy_process_group()
 
 
+def _paired(mb: int, reps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    n = mb * 2**20  # bytes each way
+
+    def gathers(c: int, as_a2a: bool):
+        m = n // c
+        src = [torch.zeros(m, dtype=torch.uint8) for _ in range(c)]
+        two = [torch.zeros(2 * m, dtype=torch.uint8) for _ in range(c)]  # the piece twice
+        out = [torch.empty(2 * m, dtype=torch.uint8) for _ in range(c)]
+
+        def run() -> None:
+            calls = ([dist.all_to_all_single(out[i], two[i], async_op=True) for i in range(c)] if as_a2a
+                     else [gather(out[i], src[i], async_op=True) for i in range(c)])
+            for w in calls:
+                w.wait()
+        return run
+
+    def a2a(c: int):
+        inp, out, m = torch.zeros(2 * n, dtype=torch.uint8), torch.empty(2 * n, dtype=torch.uint8), n // c
+
+        def run() -> None:
+            for w in [dist.all_to_all_single(out[2 * i * m:2 * (i + 1) * m], inp[2 * i * m:2 * (i + 1) * m],
+                                             async_op=True) for i in range(c)]:
+                w.wait()
+        return run
+
+    comparisons = [
+        ("all-gather, 8 pieces", [("all_gather", gathers(8, False)), ("as all_to_all, piece twice", gathers(8, True))]),
+        ("all-to-all", [(f"{c} pieces", a2a(c)) for c in (8, 4, 16, 32)]),
+    ]
+    for title, cands in comparisons:
+        wall = {k: [] for k, _ in cands}
+        cpu = {k: [] for k, _ in cands}
+        for _, fn in cands:  # one warm-up each
+            fn()
+        for r in range(reps):
+            for k, fn in (cands if r % 2 == 0 else cands[::-1]):
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                wall[k].append(time.perf_counter() - t0)
+                cpu[k].append(time.process_time() - c0)
+        if rank == 0:
+            base = cands[0][0]
+            print(f"  {title} ({reps} alternations):", flush=True)
+            for k, _ in cands:
+                rat = [a / b for a, b in zip(wall[k], wall[base])]
+                q = statistics.quantiles(rat, n=4) if len(rat) > 1 else [rat[0]] * 3
+                print(f"    {k:28s} {mb * 1.048576 / statistics.median(wall[k]):7.1f} MB/s each way  "
+                      f"cpu {statistics.median(cpu[k]) * 1e3:6.1f} ms  time / first {statistics.median(rat):.3f} "
+                      f"({q[0]:.3f}-{q[2]:.3f})", flush=True)
+    dist.destroy_process_group()
+
+
+def _local_ranks(argv: list[str]) -> None:
+    """Two ranks on loopback (no namespaces, no root), on a free port."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+    codes = [p.wait(600) for p in procs]
+    if any(codes):
+        raise SystemExit(f"link_collectives: ranks exited {codes}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.link_collectives", description=__doc__.split("\n\n")[0])
-    ap.add_argument("links", nargs="+", help="netns:RATE (Gbit/s)")
+    ap.add_argument("links", nargs="+", help="netns:RATE (Gbit/s), or local (loopback; --paired)")
     ap.add_argument("--mb", type=int, default=8, help="MiB each way per collective")
+    ap.add_argument("--paired", action="store_true", help="alternate candidates and compare them (see above)")
+    ap.add_argument("--reps", type=int, default=21, help="--paired: alternations per comparison")
     args = ap.parse_args(argv)
     from .netlink import NetnsLink, parse_link
 
     for text in args.links:
         print(f"{text}: {args.mb} MiB each way", flush=True)
+        rank_argv = [sys.executable, "-m", "tools.link_collectives"] + (
+            ["--_paired", str(args.mb), str(args.reps)] if args.paired else ["--_rank", str(args.mb)])
+        if text == "local":
+            if not args.paired:
+                ap.error("local runs only with --paired (the rates are the shaped link's)")
+            _local_ranks(rank_argv)
+            continue
         with NetnsLink(parse_link(text)) as link:
-            link.run_ranks([sys.executable, "-m", "tools.link_collectives", "--_rank", str(args.mb)],
-                           timeout_s=600)
+            link.run_ranks(rank_argv, timeout_s=600)
     return 0
 
 
@@ -110,5 +205,9 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--_rank":
         os.environ.setdefault("PYTHONWARNINGS", "ignore")
         _rank(int(sys.argv[2]))
+        sys.exit(0)
+    if len(sys.argv) == 4 and sys.argv[1] == "--_paired":
+        os.environ.setdefault("PYTHONWARNINGS", "ignore")
+        _paired(int(sys.argv[2]), int(sys.argv[3]))
         sys.exit(0)
     sys.exit(main())
