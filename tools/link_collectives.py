@@ -173,9 +173,20 @@ def _local_ranks(argv: list[str]) -> None:
         port = sock.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
     procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
-    codes = [p.wait(600) for p in procs]
+    deadline = time.monotonic() + 600
+    try:  # one rank failing (or the time running out) must not leave the other waiting for it
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            if time.monotonic() > deadline:
+                raise SystemExit("link_collectives: the ranks still ran after 600 s; killed")
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    codes = [p.returncode for p in procs]
     if any(codes):
-        raise SystemExit(f"link_collectives: ranks exited {codes}")
+        raise SystemExit(f"link_collectives: ranks exited {codes} (rank order)")
 
 
 def main(argv=None) -> int:
@@ -185,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--paired", action="store_true", help="alternate candidates and compare them (see above)")
     ap.add_argument("--reps", type=int, default=21, help="--paired: alternations per comparison")
     args = ap.parse_args(argv)
+    if args.mb < 1 or args.reps < 1:
+        ap.error(f"--mb and --reps must be at least 1 (got --mb {args.mb}, --reps {args.reps})")
     from .netlink import NetnsLink, parse_link
 
     for text in args.links:

@@ -32,3 +32,9 @@ def test_local_needs_paired():
     run = subprocess.run([sys.executable, "-m", "tools.link_collectives", "local"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "--paired" in run.stderr
+
+
+def test_bad_counts_are_refused():
+    run = subprocess.run([sys.executable, "-m", "tools.link_collectives", "local", "--paired", "--reps", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "--reps 0" in run.stderr
