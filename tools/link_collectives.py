@@ -168,25 +168,14 @@ def _local_ranks(argv: list[str]) -> None:
     import socket
     import subprocess
 
+    from .netlink import supervise
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
     procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
-    deadline = time.monotonic() + 600
-    try:  # one rank failing (or the time running out) must not leave the other waiting for it
-        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
-            if time.monotonic() > deadline:
-                raise SystemExit("link_collectives: the ranks still ran after 600 s; killed")
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        raise SystemExit(f"link_collectives: ranks exited {codes} (rank order)")
+    supervise(procs, timeout_s=600, grace_s=10, where="on loopback")  # a failed rank's peer is not waited for
 
 
 def main(argv=None) -> int:

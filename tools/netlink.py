@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["LinkError", "LinkSpec", "NetnsLink", "check_requirements", "parse_link",
-           "probe_link", "read_counters", "remove_stale"]
+           "probe_link", "read_counters", "remove_stale", "supervise"]
 
 NS_PREFIX = "fddp-"
 #: the /30 used inside the namespaces (never on the host)
@@ -325,34 +325,44 @@ class NetnsLink:
         any is non-zero (a killed rank shows -9)."""
         procs = [self.popen(side, argv, env=self.rank_env(side, local))
                  for side in (0, 1) for local in range(self.ranks_per_host)]
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        failed_at = None
-        try:
-            while True:
-                codes = [p.poll() for p in procs]  # every one, every time
-                if None not in codes:
-                    break
-                now = time.monotonic()
-                if failed_at is None and any(c not in (None, 0) for c in codes):
-                    failed_at = now
-                if failed_at is not None and now > failed_at + grace_s:
-                    break  # the survivor is killed below; the exit codes tell
-                if deadline is not None and now > deadline:
-                    raise LinkError(f"ranks still running after {timeout_s:g} s (exit codes so far "
-                                    f"{codes}, in rank order); killed")
-                if on_poll is not None:
-                    on_poll()
-                time.sleep(0.1)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
-        codes = [p.returncode for p in procs]
-        if any(codes):
-            raise LinkError(f"rank(s) failed on the netns link: exit codes {codes} (in rank order; "
-                            f"-9: killed {grace_s:g} s after another failed)")
-        return codes
+        return supervise(procs, timeout_s, grace_s, on_poll, "on the netns link")
+
+
+def supervise(procs: list, timeout_s: float | None = None, grace_s: float = 30.0, on_poll=None,
+              where: str = "") -> list[int]:
+    """Wait for every one of ``procs`` (the ranks of one run, in rank
+    order).  When one fails the others get ``grace_s`` to notice before they
+    are killed; all are killed on timeout or on an exception here.
+    ``on_poll()``, if given, runs at every poll.  Returns the exit codes;
+    raises :class:`LinkError` when any is non-zero (a killed rank shows -9)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failed_at = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]  # every one, every time
+            if None not in codes:
+                break
+            now = time.monotonic()
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now
+            if failed_at is not None and now > failed_at + grace_s:
+                break  # the survivor is killed below; the exit codes tell
+            if deadline is not None and now > deadline:
+                raise LinkError(f"ranks still running after {timeout_s:g} s (exit codes so far "
+                                f"{codes}, in rank order); killed")
+            if on_poll is not None:
+                on_poll()
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise LinkError(f"rank(s) failed {where}: exit codes {codes} (in rank order; "
+                        f"-9: killed {grace_s:g} s after another failed)")
+    return codes
 
 
 def probe_link(nbytes: int = 64 * 2**20, reps: int = 3, group=None) -> dict:
