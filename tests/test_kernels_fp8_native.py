@@ -103,6 +103,68 @@ def test_fp8_native_is_the_contract_bit_for_bit(block):
         assert torch.equal(o1q, o2q) and torch.equal(o1s, o2s), world
 
 
+@pytest.mark.skipif(OFF, reason="FASTDDP_FP8_NATIVE=0")
+def test_fp8_native_scale_rule_at_every_exponent():
+    """The block scale from the max's bits (no frexp): one block per fp32
+    exponent (subnormals included) and per mantissa either side of the rule's
+    edge (m = 0.875, amax = 1.75 * 2^x) and at its ends, both signs, with
+    smaller values beside it and error feedback: scales, codes and residual
+    equal the reference's (the clamp at 2^-126 and the 0.875 edge are where a
+    rule read from the bits could differ)."""
+    from fastddp.kernels import reference as R
+    mod = _fp8_mod()
+    block = 32
+    bits = []
+    for e in range(0, 255):
+        for m in (0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF):
+            if e or m:
+                bits.append((e << 23) | m)
+    amax = torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.rand(amax.numel(), block, generator=g) * 2 - 1) * amax[:, None]
+    x[:, 3] = amax
+    x[1::2, 7] = -amax[1::2]  # the max's sign: negative in every other block
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    top = (amax.view(torch.int32) >> 23 < 254).repeat_interleave(block)  # x + residual stays finite
+    for res in (None, torch.where(top, torch.randn(n, generator=g) * x.abs() * 1e-3, 0.0)):
+        q1, s1, r1 = torch.empty(n, dtype=torch.uint8), torch.empty(n // block), None if res is None else res.clone()
+        q2, s2, r2 = q1.clone(), s1.clone(), None if res is None else res.clone()
+        assert mod.fp8_quantize(x, r1, q1, s1, block) == n // block
+        R.quantize_fp8(x, q2, s2, block, r2)
+        assert torch.equal(s1, s2) and torch.equal(q1, q2)
+        if res is not None:
+            assert torch.equal(r1.view(torch.int32), r2.view(torch.int32))
+    z = torch.zeros(block)  # an all-zero block: scale 1
+    qz, sz = torch.empty(block, dtype=torch.uint8), torch.empty(1)
+    mod.fp8_quantize(z, None, qz, sz, block)
+    assert sz.item() == 1.0 and not qz.any()
+
+
+@pytest.mark.skipif(OFF, reason="FASTDDP_FP8_NATIVE=0")
+def test_fp8_native_decodes_every_code():
+    """All 256 codes (subnormals, both zeros, both NaN codes) decoded from
+    their bits, times scales from the smallest to large, in the decode and
+    in the shard sum's inputs: bit for bit the reference's (NaN bits too)."""
+    from fastddp.kernels import reference as R
+    mod = _fp8_mod()
+    block = 256
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(4)
+    s = torch.tensor([1.0, 2.0 ** -126, 2.0 ** 100, 0.5])
+    d1, d2 = torch.empty(q.numel()), torch.empty(q.numel())
+    mod.fp8_dequantize(q, s, d1, block)
+    R.dequantize_fp8(q, s, d2, block)
+    assert torch.equal(d1.view(torch.int32), d2.view(torch.int32))
+    fin = q.view(-1, block)[:, :].clone()
+    fin[(fin & 0x7F) == 0x7F] = 0  # the shard sum of finite codes: every code but NaN on each side
+    o1q, o1s = torch.empty(block * 2, dtype=torch.uint8), torch.empty(2)
+    o2q, o2s = o1q.clone(), o1s.clone()
+    sq, ss = fin.reshape(-1).contiguous(), torch.tensor([1.0, 2.0 ** -20, 0.5, 2.0 ** -126])
+    assert mod.fp8_reduce_shards(sq, ss, o1q, o1s, 2, block) == 2
+    R.reduce_fp8_shards(sq, ss, o2q, o2s, 2, block)
+    assert torch.equal(o1q, o2q) and torch.equal(o1s, o2s)
+
+
 def _quantized(block, n, g):
     from fastddp.kernels import reference as R
     x = torch.randn(n, generator=g) * 10

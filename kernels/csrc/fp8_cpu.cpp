@@ -23,13 +23,19 @@ bool g_fp8_lut_ready = [] {
   return true;
 }();
 
-inline float fp8_scale(float amax) {  // reference.fp8_scales
-  if (amax == 0.0f) return 1.0f;
-  int e;
-  float m = std::frexp(amax, &e);
-  int k = (m <= 0.875f) ? e - 9 : e - 8;
-  if (k < -126) k = -126;
-  return std::ldexp(1.0f, k);
+inline float fp8_scale(float amax) {  // reference.fp8_scales, from the bits (no libm call)
+  uint32_t u;
+  std::memcpy(&u, &amax, 4);
+  if (u == 0u) return 1.0f;
+  const int32_t e = static_cast<int32_t>(u >> 23);  // biased exponent (amax >= 0, finite)
+  // amax = m 2^x, m in [0.5, 1): x = e - 126 for a normal amax; m <= 0.875 iff the
+  // mantissa bits are <= 0x600000 (1.75 / 2); a subnormal amax clamps to -126 anyway
+  int32_t k = ((u & 0x7FFFFFu) <= 0x600000u) ? e - 135 : e - 134;
+  if (e == 0 || k < -126) k = -126;
+  const uint32_t sb = static_cast<uint32_t>(k + 127) << 23;
+  float r;
+  std::memcpy(&r, &sb, 4);
+  return r;
 }
 
 void check_fp8_args(const at::Tensor& q, const at::Tensor& scales, int64_t n, int64_t block) {
@@ -69,6 +75,35 @@ inline uint8_t fp8_round(float y, float inv, float s, float* back) {
   return static_cast<uint8_t>((sign >> 24) | (sub & m) | (nor & ~m));
 }
 
+// One e4m3 code's fp32 value from its bits (no table: the loops vectorize):
+// exponent field 0 is m * 2^-9 (e4m3's subnormals, exact in fp32); the two
+// NaN codes take the table's NaN bits (what the cast gives), so every code
+// decodes to the table's value, bit for bit.
+inline float fp8_decode(uint8_t c, uint32_t nan_pos, uint32_t nan_neg) {
+  const uint32_t u = c;
+  const uint32_t sign = (u & 0x80u) << 24;
+  const uint32_t e = (u >> 3) & 0xFu;
+  const uint32_t m = u & 7u;
+  const float sub = static_cast<float>(static_cast<int32_t>(m)) * 0.001953125f;  // m * 2^-9
+  uint32_t subb;
+  std::memcpy(&subb, &sub, 4);
+  const uint32_t nor = ((e + 120u) << 23) | (m << 20);
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(e == 0u);
+  const uint32_t is_nan = 0u - static_cast<uint32_t>((u & 0x7Fu) == 0x7Fu);
+  const uint32_t nan = nan_pos ^ ((nan_pos ^ nan_neg) & (0u - (u >> 7)));
+  const uint32_t v = (((subb & is_sub) | (nor & ~is_sub)) | sign) & ~is_nan;
+  const uint32_t bitsv = v | (nan & is_nan);
+  float f;
+  std::memcpy(&f, &bitsv, 4);
+  return f;
+}
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
 // max |x| as bits: for |x| (sign cleared) the integer order is the float
 // order, NaN/inf sit above 0x7F800000 (so one reduction finds both), and an
 // integer max vectorizes where a float one may not (NaN rules).
@@ -97,13 +132,16 @@ inline float bits_float(uint32_t u) {
 #define FASTDDP_CLONES
 #endif
 
-// __restrict: a uint8_t store may alias anything, so without it nothing vectorizes
-FASTDDP_CLONES int64_t quantize_loop(const float* __restrict xp, float* __restrict rp, uint8_t* __restrict qp,
-                                     float* __restrict sp, int64_t nb, int64_t block, float* __restrict y,
-                                     float* __restrict back) {
+// __restrict: a uint8_t store may alias anything, so without it nothing vectorizes.
+// One block: y (x, plus the residual where there is one) -> its max -> codes,
+// and the residual's new value in the same loop as the codes (RES: no branch
+// inside the loops, each vectorizes).
+template <bool RES>
+inline int64_t quantize_blocks(const float* __restrict xp, float* __restrict rp, uint8_t* __restrict qp,
+                               float* __restrict sp, int64_t nb, int64_t block, float* __restrict y) {
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t o = b * block;
-    if (rp) {
+    if (RES) {
       for (int64_t i = 0; i < block; ++i) y[i] = xp[o + i] + rp[o + i];
     } else {
       for (int64_t i = 0; i < block; ++i) y[i] = xp[o + i];
@@ -114,32 +152,56 @@ FASTDDP_CLONES int64_t quantize_loop(const float* __restrict xp, float* __restri
     const float inv = 1.0f / s;  // a power of two: exact
     sp[b] = s;
     uint8_t* __restrict qb = qp + o;
-    for (int64_t i = 0; i < block; ++i) qb[i] = fp8_round(y[i], inv, s, &back[i]);
-    if (rp) {
-      for (int64_t i = 0; i < block; ++i) rp[o + i] = y[i] - back[i];
+    if (RES) {
+      float* __restrict rb = rp + o;
+      for (int64_t i = 0; i < block; ++i) {
+        float back;
+        qb[i] = fp8_round(y[i], inv, s, &back);
+        // the contract's residual is 0 where it is not finite: a value near
+        // fp32's max rounds to a code whose value times s overflows
+        const float d = y[i] - back;
+        uint32_t db;
+        std::memcpy(&db, &d, 4);
+        db &= 0u - static_cast<uint32_t>((db & 0x7F800000u) != 0x7F800000u);
+        std::memcpy(&rb[i], &db, 4);
+      }
+    } else {
+      for (int64_t i = 0; i < block; ++i) {
+        float back;
+        qb[i] = fp8_round(y[i], inv, s, &back);
+      }
     }
   }
   return nb;
 }
 
+FASTDDP_CLONES int64_t quantize_loop(const float* __restrict xp, float* __restrict rp, uint8_t* __restrict qp,
+                                     float* __restrict sp, int64_t nb, int64_t block, float* __restrict y) {
+  return rp ? quantize_blocks<true>(xp, rp, qp, sp, nb, block, y) : quantize_blocks<false>(xp, rp, qp, sp, nb, block, y);
+}
+
 FASTDDP_CLONES void dequantize_loop(const uint8_t* __restrict qp, const float* __restrict sp, float* __restrict op,
                                     int64_t nb, int64_t block) {
+  const uint32_t np = float_bits(g_fp8_lut[0x7F]), nn = float_bits(g_fp8_lut[0xFF]);
   for (int64_t b = 0; b < nb; ++b) {
     const float s = sp[b];
-    for (int64_t i = b * block; i < (b + 1) * block; ++i) op[i] = g_fp8_lut[qp[i]] * s;
+    const uint8_t* __restrict qb = qp + b * block;
+    float* __restrict ob = op + b * block;
+    for (int64_t i = 0; i < block; ++i) ob[i] = fp8_decode(qb[i], np, nn) * s;
   }
 }
 
 FASTDDP_CLONES int64_t reduce_loop(const uint8_t* sq, const float* ss, uint8_t* oq, float* os, int64_t n, int64_t nb,
                                    int64_t world, int64_t block, float* __restrict acc, float* __restrict back) {
+  const uint32_t np = float_bits(g_fp8_lut[0x7F]), nn = float_bits(g_fp8_lut[0xFF]);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t o = b * block;
     const float s0 = ss[b];
-    for (int64_t i = 0; i < block; ++i) acc[i] = g_fp8_lut[sq[o + i]] * s0;
+    for (int64_t i = 0; i < block; ++i) acc[i] = fp8_decode(sq[o + i], np, nn) * s0;
     for (int64_t k = 1; k < world; ++k) {
       const float sk = ss[k * nb + b];
       const uint8_t* qk = sq + k * n + o;
-      for (int64_t i = 0; i < block; ++i) acc[i] = acc[i] + g_fp8_lut[qk[i]] * sk;
+      for (int64_t i = 0; i < block; ++i) acc[i] = acc[i] + fp8_decode(qk[i], np, nn) * sk;
     }
     const uint32_t top = max_abs_bits(acc, block);
     if (top >= 0x7F800000u) return b;  // NaN/inf: nothing of block b written yet (out may alias slice 0)
@@ -165,9 +227,9 @@ int64_t fp8_quantize(const at::Tensor& x, const std::optional<at::Tensor>& resid
   }
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = scales.data_ptr<float>();
-  std::vector<float> y(block), back(block);
+  std::vector<float> y(block);
   pybind11::gil_scoped_release nogil;
-  return quantize_loop(xp, rp, qp, sp, n / block, block, y.data(), back.data());
+  return quantize_loop(xp, rp, qp, sp, n / block, block, y.data());
 }
 
 void fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Tensor out, int64_t block) {
