@@ -30,6 +30,11 @@ row (``fastddp-fp8``, ``fastddp-bf16acc``) with phase 2 at the end of
 backward instead of on its thread (the schedule before it, in one run).
 ``local`` trains the model alone (no DDP, no communication).
 
+``--timeline ROW`` prints rank 0's last timed step of ROW event by event;
+on a netns link with the bytes its interface had sent by each event and a
+line saying when the step's first and last bytes left and at what share of
+the carried rate (:class:`tools.timeline.LinkTrace`).
+
 On a netns link each fastddp row also gets its floor per step, printed as
 ``ROW step / floor`` with its terms (docs/benchmarking.md, "A step's
 floor on the link"): forward + max(first bucket ready + bytes sent at the
@@ -46,7 +51,7 @@ import statistics
 import sys
 import time
 
-from tools.timeline import Timeline
+from tools.timeline import LinkTrace, Timeline, link_use, sent_at
 
 ROWS = ("local", "torch", "torch-view", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-view", "fastddp-bf16acc",
         "fastddp-fp16", "fastddp-fp8", "fastddp-fp8-first32", "fastddp-fp8-last32", "fastddp-autoprec")
@@ -230,6 +235,7 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3, timeline: 
             samples[n]["carried_gbit"] = gbit
     tt = time.thread_time
     probe = Timeline() if timeline else _NoTimeline()
+    trace = LinkTrace(tx_bytes) if timeline and on_link else None  # the timeline step's bytes, as they leave
     with probe:
         for i in range(warmup + steps):
             x, y = spec.make_batch(gen, torch.device("cpu"))
@@ -240,8 +246,11 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3, timeline: 
                 if name in first:
                     first[name].arm()
                 b0 = tx_bytes() if on_link else None
+                traced = trace is not None and name == timeline and i == warmup + steps - 1
                 if name == timeline:
                     probe.mark()
+                    if traced:
+                        trace.start(probe.t0)
                 c0, t0, h0 = time.process_time(), time.perf_counter(), tt()
                 loss = spec.loss(ddp(x), y)
                 t1, h1 = time.perf_counter(), tt()
@@ -253,6 +262,9 @@ def measure(rows: list[str], model: str, steps: int, warmup: int = 3, timeline: 
                 opt.zero_grad(set_to_none=True)
                 t3, c3, h3 = time.perf_counter(), time.process_time(), tt()
                 probe.note("optimizer end")
+                if traced:
+                    trace.stop()
+                    samples[name]["link_trace"] = list(trace.samples)
                 if name == timeline and i >= warmup:
                     samples[name]["timeline"] = list(probe.events)  # the last timed step's
                 b3 = tx_bytes() if on_link else None
@@ -308,8 +320,24 @@ def summary(samples: dict) -> str:
     for n in rows:
         if samples[n].get("timeline"):
             lines.append(f"{n}: its last timed step on rank 0, event by event (ms from the step's start)")
-            lines += [f"{t * 1e3:9.2f}  {th[:18]:<18} {what}" for t, th, what in samples[n]["timeline"]]
+            tr = samples[n].get("link_trace")
+            lines += [f"{t * 1e3:9.2f}  {th[:18]:<18} {what}"
+                      + (f"{'':{max(0, 36 - len(what))}} sent {sent_at(tr, t) / 1e6:7.2f} MB" if tr else "")
+                      for t, th, what in samples[n]["timeline"]]
+            use = link_use(tr, samples[n]["carried_gbit"]) if tr else None
+            if use is not None:
+                lines.append(link_line(use))
     return "\n".join(lines)
+
+
+def link_line(use: dict) -> str:
+    """:func:`tools.timeline.link_use` of a traced step, in words."""
+    share = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    idle = ", ".join(f"{a * 1e3:.1f}-{b * 1e3:.1f}" for a, b in use["idle"]) or "none"
+    return (f"link (this rank's interface, sampled every 0.5 ms): first bytes at {use['first'] * 1e3:.1f} ms, last at "
+            f"{use['last'] * 1e3:.1f} ms, {use['sent'] / 1e6:.2f} MB: {share(use['span_share'])} of the carried rate "
+            f"over that span, {share(use['busy_share'])} over it less the stretches with nothing sent "
+            f"(>= 3 ms, ms: {idle})")
 
 
 def floor_terms(row: dict, local: dict | None = None) -> dict:
@@ -369,7 +397,8 @@ def main(argv=None) -> int:
                    "30, past its trial)")
     p.add_argument("--json", help="write rank 0's per-step samples here")
     p.add_argument("--timeline", help="a fastddp row whose last timed step rank 0 prints event by event: the "
-                   "two-phase modes' pack, issue, rounds (on each thread), finish and unpack")
+                   "two-phase modes' pack, issue, rounds (on each thread), finish and unpack; on a netns link "
+                   "with the bytes sent by each event and when the step's bytes left")
     p.add_argument("--port", type=int, default=29517)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -34,7 +34,7 @@ def _loopback_args(tmp_path, args: list, steps: int, port: int):
 
 
 def test_two_rows_on_loopback(tmp_path):
-    run, samples = _loopback(tmp_path, "torch,fastddp", 3, 29531)
+    run, samples = _loopback(tmp_path, "torch,fastddp", 3, 29547)
     assert "fastddp / torch step:" in run.stdout and "fastddp / torch cpu:" in run.stdout
     assert "fastddp - torch training thread CPU ms: fwd " in run.stdout
     assert set(samples) == {"torch", "fastddp"}
@@ -122,7 +122,7 @@ def test_per_bucket_mix_rows_reduce_their_bucket_in_fp32(tmp_path):
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "g.pt")
-    mp.spawn(_mix_rank, args=(29533, out), nprocs=2)
+    mp.spawn(_mix_rank, args=(29543, out), nprocs=2)
     g = torch.load(out)
     # two ranks: the fp8 hook's mode is its two-rank choice (two phases or one all-gather)
     assert g["fastddp-fp8:kinds"] == ["AutoPrecision"] and g["fastddp-fp8-first32:kinds"] == ["AllReduce"]
@@ -159,7 +159,7 @@ def test_timeline_of_a_two_phase_row(tmp_path):
     """``--timeline ROW``: rank 0's last timed step of ROW, event by event:
     the pack, the issue and round 0 on the backward thread, round 1 on the
     phase-2 thread, the finish and the unpack, in the order they ran."""
-    run, samples = _loopback_args(tmp_path, ["--rows", "torch,fastddp-fp8", "--timeline", "fastddp-fp8"], 2, 29537)
+    run, samples = _loopback_args(tmp_path, ["--rows", "torch,fastddp-fp8", "--timeline", "fastddp-fp8"], 2, 29545)
     events = samples["fastddp-fp8"]["timeline"]
     whats = [w for _, _, w in events]
     order = ["forward end", "pack of bucket 0 start", "issue of bucket 0 start", "round 0 of bucket 0 start",
@@ -186,3 +186,64 @@ def test_timeline_row_must_be_a_row():
     run = subprocess.run([sys.executable, "-m", "tools.step_phases", "--rows", "torch,fastddp", "--timeline",
                           "fastddp-fp8"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--timeline fastddp-fp8: not one of --rows" in run.stderr
+
+
+def test_link_use_finds_first_and_last_bytes_and_the_idle_stretches():
+    """A step's trace: nothing for 10 ms, 1 MB by 20 ms, nothing 20-30 ms,
+    1 MB more by 40 ms, then flat: first bytes after the 10 ms sample, last
+    at 40 ms, one idle stretch; the shares against 1 Gbit/s (125 MB/s)."""
+    from tools.timeline import link_use, sent_at
+
+    t = [i * 0.0005 for i in range(121)]  # 0-60 ms every 0.5 ms
+    def sent(x):
+        if x <= 0.010:
+            return 0
+        if x <= 0.020:
+            return int(1e6 * (x - 0.010) / 0.010)
+        if x <= 0.030:
+            return 1_000_000
+        return min(2_000_000, 1_000_000 + int(1e6 * (x - 0.030) / 0.010))
+    trace = [(x, sent(x)) for x in t]
+    use = link_use(trace, 1.0)
+    assert use["first"] == pytest.approx(0.010) and use["last"] == pytest.approx(0.040)
+    assert use["sent"] == 2_000_000
+    assert len(use["idle"]) == 1 and use["idle"][0] == (pytest.approx(0.020), pytest.approx(0.030))
+    assert use["span_share"] == pytest.approx(2e6 / 0.030 / 125e6)
+    assert use["busy_share"] == pytest.approx(2e6 / 0.020 / 125e6)
+    assert sent_at(trace, 0.025) == 1_000_000 and sent_at(trace, 0.0) == 0
+    assert link_use([(0.0, 0), (0.001, 0)], 1.0) is None  # nothing sent: nothing to say
+    assert link_use(trace, 1.0, idle_s=0.02)["idle"] == []  # the stretch is shorter than that
+
+
+def test_link_trace_samples_a_counter_until_stopped():
+    import itertools
+    import time
+
+    from tools.timeline import LinkTrace
+
+    count = itertools.count(100, 7)
+    trace = LinkTrace(lambda: next(count), every=0.001)
+    t0 = time.perf_counter()
+    trace.start(t0)
+    time.sleep(0.03)
+    trace.stop()
+    n = len(trace.samples)
+    assert n >= 5 and trace.samples[0][1] >= 7  # bytes since start (the start read 100)
+    assert [b for _, b in trace.samples] == sorted(b for _, b in trace.samples)
+    assert all(0 <= a <= 0.5 for a, _ in trace.samples)
+    time.sleep(0.01)
+    assert len(trace.samples) == n  # stopped: no thread left sampling
+
+
+@pytest.mark.skipif(not __import__("tools.tests.test_netlink", fromlist=["CAN_LINK"]).CAN_LINK,
+                    reason="needs root and iproute2 to build the netns link")
+def test_timeline_on_a_link_says_when_its_bytes_left(tmp_path):
+    """``--timeline ROW`` on a netns link: each event with the bytes rank 0
+    had sent by then, and the link line (first and last bytes, the shares)."""
+    run, samples = _loopback_args(tmp_path, ["--link", "netns:1", "--rows", "torch-fp16,fastddp-fp8",
+                                             "--timeline", "fastddp-fp8", "--warmup", "2"], 2, 29541)
+    tr = samples["fastddp-fp8"]["link_trace"]
+    assert tr and tr[-1][1] > 0 and "link_trace" not in samples["torch-fp16"]
+    assert [b for _, b in tr] == sorted(b for _, b in tr)
+    assert "link (this rank's interface, sampled every 0.5 ms): first bytes at" in run.stdout
+    assert " sent " in run.stdout.split("event by event")[1]
