@@ -10,7 +10,9 @@ does the reverse in one launch per destination dtype.
 For the low-precision reductions: ``reduce_shards(src, out, world)`` (bf16
 slices summed in fp32 in rank order, rounded once) and block-scaled fp8
 ``quantize_fp8`` / ``dequantize_fp8`` / ``reduce_fp8_shards`` (the rule is
-written once, in :mod:`fastddp.kernels.reference`); one launch each.
+written once, in :mod:`fastddp.kernels.reference`); one launch each;
+``quantize_fp8_gather``, a ``pack`` and a ``quantize_fp8`` in one pass on the
+CPU's native loops.
 
 Backends (chosen in the op layer, :mod:`fastddp.kernels._ops`, from a
 capability probe made once and cached):
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 from ._ops import (Layout, add_served_source, backend, count_served, launch_count, retire_served_source, pack, reset_backend, reset_launch_count, stats, unpack,
                    triton_available as _triton_available)
-from ._ops import dequantize_fp8, quantize_fp8, reduce_fp8_shards, reduce_shards
+from ._ops import dequantize_fp8, quantize_fp8, quantize_fp8_gather, reduce_fp8_shards, reduce_shards
 from . import reference
 from .reference import Health, first_nonfinite
 
@@ -79,6 +81,7 @@ __all__ = [
     "pack",
     "dequantize_fp8",
     "quantize_fp8",
+    "quantize_fp8_gather",
     "reduce_fp8_shards",
     "reduce_shards",
     "reference",

@@ -315,6 +315,38 @@ def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: 
     return q
 
 
+def quantize_fp8_gather(parts: Sequence[torch.Tensor], offsets: Sequence[int], scale: float, x: torch.Tensor,
+                        q: torch.Tensor, scales: torch.Tensor, block: int = 256, *,
+                        residual: torch.Tensor | None = None, health: torch.Tensor | None = None) -> torch.Tensor:
+    """``pack(parts, x, offsets, scale=scale)`` then ``quantize_fp8(x, q,
+    scales, block, residual=..., health=...)``: the same codes, scales,
+    residual and health bits.  On the CPU with the native loops it is ONE
+    pass that reads each part times ``scale`` straight into its block, and
+    ``x`` is read only where no part lies and not written where one does
+    (the caller must not need those values of ``x`` afterwards); from a
+    block holding a NaN/inf on (and on every other backend) the two calls
+    do the rest.  ``parts``: 1-D fp32, at ``offsets`` in ``x``, sorted, not
+    overlapping."""
+    if len(parts) != len(offsets):
+        raise ValueError(f"quantize_fp8_gather: {len(parts)} parts but {len(offsets)} offsets")
+    _check_f32("quantize_fp8_gather", "x", x)
+    _check_fp8("quantize_fp8_gather", block, x.numel(), q, scales, x.device)
+    start = 0
+    if backend(x.device) == "reference":
+        start = torch_path.quantize_fp8_gather(parts, offsets, scale, x, q, scales, block, residual)
+    if start == x.numel():
+        return q
+    rest, at = [], []  # the parts' values from block ``start`` on
+    for t, o in zip(parts, offsets):
+        if o + t.numel() > start:
+            rest.append(t[max(start - o, 0):])
+            at.append(max(o - start, 0))
+    if rest:
+        pack(rest, x[start:], at, scale=scale)
+    return quantize_fp8(x[start:], q[start:], scales[start // block:], block,
+                        residual=None if residual is None else residual[start:], health=health)
+
+
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int = 256) -> torch.Tensor:
     """``out`` (fp32) = each e4m3 value of ``q`` times its block's scale, exactly."""
     _check_f32("dequantize_fp8", "out", out)

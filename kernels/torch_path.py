@@ -235,6 +235,18 @@ def _native_fp8(*tensors) -> object | None:
     return _fp8_native.EXTENSION.module()
 
 
+def quantize_fp8_gather(parts, offsets, scale: float, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                        block: int, residual: torch.Tensor | None = None) -> int:
+    """The native loops' one pass of :func:`fastddp.kernels.quantize_fp8_gather`
+    over ``x`` up to its first block holding a NaN/inf: returns the element
+    it stopped at (``x.numel()``: all of it), 0 where the loops are off."""
+    nat = _native_fp8(x, q, scales, residual, *parts)
+    fn = getattr(nat, "fp8_quantize_gather", None)
+    if fn is None or any(t.dtype != torch.float32 or t.dim() != 1 for t in parts):
+        return 0
+    return fn(list(parts), [int(o) for o in offsets], float(scale), x, residual, q, scales, block) * block
+
+
 def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
                  residual: torch.Tensor | None = None, health: torch.Tensor | None = None) -> None:
     """:func:`fastddp.kernels.reference.quantize_fp8`, fast: chunk by chunk;

@@ -165,6 +165,70 @@ def test_fp8_native_decodes_every_code():
     assert torch.equal(o1q, o2q) and torch.equal(o1s, o2s)
 
 
+def _gather_case(g, block, nonfinite: str | None):
+    """Parts of random sizes at random gaps (slots not aligned to blocks),
+    magnitudes over 40 decades;
+    ``nonfinite``: a NaN in a part ("part"), an inf in the residual
+    ("residual"), or none."""
+    sizes = [int(v) for v in torch.randint(1, 3 * block, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)]
+    offs, o = [], 0
+    for z in sizes:
+        o += int(torch.randint(0, block // 3, (1,), generator=g))
+        offs.append(o)
+        o += z
+    n = -(-(o + 1) // block) * block
+    parts = [torch.randn(z, generator=g) * 10.0 ** float(torch.randint(-20, 20, (1,), generator=g)) for z in sizes]
+    res = torch.randn(n, generator=g) * 1e-3
+    if nonfinite == "part":
+        parts[len(parts) // 2][parts[len(parts) // 2].numel() // 2] = float("nan")
+    if nonfinite == "residual":
+        res[offs[-1]] = float("inf")
+    return parts, offs, n, res
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("nonfinite", [None, "part", "residual"])
+def test_quantize_gather_is_the_pack_then_the_quantize(native, nonfinite):
+    """kernels.quantize_fp8_gather (the fp8 mode's deferred pack read straight
+    into the quantize) against kernels.pack then kernels.quantize_fp8: the
+    same codes, scales, residual and health bits, with and without the
+    native loops, with a NaN in a part or an inf in the residual (the native
+    pass stops at that block, the two calls do the rest), scale 1/2 and 1/3."""
+    from fastddp import kernels
+    with _env(FASTDDP_FP8_NATIVE=native):
+        if native == "1" and OFF:
+            pytest.skip("FASTDDP_FP8_NATIVE=0")
+        g = torch.Generator().manual_seed(11)
+        for trial in range(12):
+            block = (32, 256)[trial % 2]
+            parts, offs, n, res0 = _gather_case(g, block, nonfinite)
+            scale = (0.5, 1 / 3)[trial % 2]
+            for res in (None, res0):
+                got, want = [], []
+                x0 = torch.randn(n, generator=g)  # what lies between the parts is read from x
+                for out, fused in ((got, True), (want, False)):
+                    x = x0.clone()
+                    q, s = torch.empty(n, dtype=torch.uint8), torch.empty(n // block)
+                    r = None if res is None else res.clone()
+                    h = torch.zeros(1, dtype=torch.int32)
+                    if fused:
+                        kernels.quantize_fp8_gather(parts, offs, scale, x, q, s, block, residual=r, health=h)
+                    else:
+                        kernels.pack(parts, x, offs, scale=scale)
+                        kernels.quantize_fp8(x, q, s, block, residual=r, health=h)
+                    out += [q, s.view(torch.int32), h] + ([] if r is None else [r.view(torch.int32)])
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (trial, res is None)
+                if nonfinite == "part" or (nonfinite == "residual" and res is not None):
+                    assert got[2].item() != 0  # the health bit came through the fallback
+
+
+def test_quantize_gather_refuses_bad_parts():
+    from fastddp import kernels
+    x, q, s = torch.zeros(64), torch.empty(64, dtype=torch.uint8), torch.empty(2)
+    with pytest.raises(ValueError, match="2 parts but 1 offsets"):
+        kernels.quantize_fp8_gather([torch.ones(3), torch.ones(3)], [0], 0.5, x, q, s, 32)
+
+
 def _quantized(block, n, g):
     from fastddp.kernels import reference as R
     x = torch.randn(n, generator=g) * 10

@@ -54,8 +54,10 @@ class BlockFp8(Reduction):
 
     On the CPU, where the bytes saved pay for the launches (:meth:`_aim`),
     the sums are dequantized straight into the grads (bucket views: the flat
-    bucket) as each piece lands, and each range of the stage is packed just
-    before its quantize: the unpack then copies the exempt values only.
+    bucket) as each piece lands, and each range's quantize reads the grads
+    themselves times fp32(1/W) (the pack's product; one pass, the stage not
+    written there: :func:`fastddp.kernels.quantize_fp8_gather`): the unpack
+    then copies the exempt values only.
 
     Bytes: 1 per element + 4 per block of scales, + 4 per exempt element.
     The residual (error feedback) keeps this rank's quantization error; the

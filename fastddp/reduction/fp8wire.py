@@ -98,23 +98,27 @@ class Fp8Wire(ShardWire):
             return
         (res, health), B = self.encode, self.block
         for lo, hi in self._ranges(k):
-            if self.pack_due is not None:
-                self._pack_range(lo, hi)
-            kernels.quantize_fp8(self.stage[lo:hi], self.q[lo:hi], self.s[lo // B:hi // B], B,
-                                 residual=None if res is None else res[lo:hi], health=health)
+            r = None if res is None else res[lo:hi]
+            if self.pack_due is not None:  # the pack's product read straight from the slots (one pass)
+                parts, offs = self._parts(lo, hi)
+                kernels.quantize_fp8_gather(parts, offs, self.pack_due, self.stage[lo:hi], self.q[lo:hi],
+                                            self.s[lo // B:hi // B], B, residual=r, health=health)
+            else:
+                kernels.quantize_fp8(self.stage[lo:hi], self.q[lo:hi], self.s[lo // B:hi // B], B,
+                                     residual=r, health=health)
         if k == len(self.bounds) - 1:
             self.encode = self.pack_due = None
 
-    def _pack_range(self, lo: int, hi: int) -> None:
+    def _parts(self, lo: int, hi: int) -> tuple[list, list]:
         """The deferred pack (:meth:`aim`) of the stage range ``[lo, hi)``:
-        the direct slots' parts in it, times the scale, in one launch (the
-        pack's own elementwise product: the same bits)."""
+        the direct slots' parts in it and their offsets in the range, which
+        the quantize multiplies by the scale as it reads them (the pack's own
+        elementwise product: the same bits)."""
         parts, offs = [], []
         for (o, _, src), x0, x1 in _overlaps(self.direct, lo, hi):
             parts.append(src[x0 - o:x1 - o])
             offs.append(x0 - lo)
-        if parts:
-            kernels.pack(parts, self.stage[lo:hi], offs, scale=self.pack_due)
+        return parts, offs
 
     def layout_wire(self) -> None:
         """A chunked bucket's wire: per chunk ``[a, b)`` (``n`` fp8 values,

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -133,18 +134,17 @@ inline float bits_float(uint32_t u) {
 #endif
 
 // __restrict: a uint8_t store may alias anything, so without it nothing vectorizes.
-// One block: y (x, plus the residual where there is one) -> its max -> codes,
-// and the residual's new value in the same loop as the codes (RES: no branch
-// inside the loops, each vectorizes).
-template <bool RES>
-inline int64_t quantize_blocks(const float* __restrict xp, float* __restrict rp, uint8_t* __restrict qp,
-                               float* __restrict sp, int64_t nb, int64_t block, float* __restrict y) {
+// One block: fill(o, y) puts its values in y, plus the residual where there is
+// one -> their max -> codes, and the residual's new value in the same loop as
+// the codes (RES: no branch inside the loops, each vectorizes).
+template <bool RES, class Fill>
+inline int64_t quantize_blocks(Fill&& fill, float* __restrict rp, uint8_t* __restrict qp, float* __restrict sp,
+                               int64_t nb, int64_t block, float* __restrict y) {
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t o = b * block;
+    fill(o, y);
     if (RES) {
-      for (int64_t i = 0; i < block; ++i) y[i] = xp[o + i] + rp[o + i];
-    } else {
-      for (int64_t i = 0; i < block; ++i) y[i] = xp[o + i];
+      for (int64_t i = 0; i < block; ++i) y[i] = y[i] + rp[o + i];
     }
     const uint32_t top = max_abs_bits(y, block);
     if (top >= 0x7F800000u) return b;  // a NaN or inf
@@ -177,7 +177,45 @@ inline int64_t quantize_blocks(const float* __restrict xp, float* __restrict rp,
 
 FASTDDP_CLONES int64_t quantize_loop(const float* __restrict xp, float* __restrict rp, uint8_t* __restrict qp,
                                      float* __restrict sp, int64_t nb, int64_t block, float* __restrict y) {
-  return rp ? quantize_blocks<true>(xp, rp, qp, sp, nb, block, y) : quantize_blocks<false>(xp, rp, qp, sp, nb, block, y);
+  auto fill = [xp, block](int64_t o, float* __restrict yy) {
+    for (int64_t i = 0; i < block; ++i) yy[i] = xp[o + i];
+  };
+  return rp ? quantize_blocks<true>(fill, rp, qp, sp, nb, block, y) : quantize_blocks<false>(fill, rp, qp, sp, nb, block, y);
+}
+
+// A stretch of the range being quantized: ``src`` times the scale (a
+// gradient the pack would have copied there), or the stage itself (nullptr:
+// what the pack leaves alone, zeros of exempt slots and padding).
+struct Seg {
+  int64_t start, len;
+  const float* src;
+};
+
+// The pack's product (src * scale in fp32, rounded once: the bits the pack
+// stores) read straight from the gradients into the block, so the stage is
+// neither written nor read again: one pass instead of two.
+FASTDDP_CLONES int64_t quantize_gather_loop(const Seg* segs, float fs, const float* __restrict xp,
+                                            float* __restrict rp, uint8_t* __restrict qp, float* __restrict sp,
+                                            int64_t nb, int64_t block, float* __restrict y) {
+  size_t p = 0;  // the first segment not wholly before the block
+  auto fill = [&p, segs, fs, xp, block](int64_t o, float* __restrict yy) {
+    for (int64_t pos = o; pos < o + block;) {
+      const Seg& g = segs[p];
+      const int64_t end = std::min(g.start + g.len, o + block);
+      float* __restrict out = yy + (pos - o);
+      const int64_t m = end - pos;
+      if (g.src) {
+        const float* __restrict in = g.src + (pos - g.start);
+        for (int64_t i = 0; i < m; ++i) out[i] = in[i] * fs;
+      } else {
+        const float* __restrict in = xp + pos;
+        for (int64_t i = 0; i < m; ++i) out[i] = in[i];
+      }
+      pos = end;
+      if (pos == g.start + g.len) ++p;
+    }
+  };
+  return rp ? quantize_blocks<true>(fill, rp, qp, sp, nb, block, y) : quantize_blocks<false>(fill, rp, qp, sp, nb, block, y);
 }
 
 FASTDDP_CLONES void dequantize_loop(const uint8_t* __restrict qp, const float* __restrict sp, float* __restrict op,
@@ -232,6 +270,40 @@ int64_t fp8_quantize(const at::Tensor& x, const std::optional<at::Tensor>& resid
   return quantize_loop(xp, rp, qp, sp, n / block, block, y.data());
 }
 
+int64_t fp8_quantize_gather(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& offs, double scale,
+                            const at::Tensor& x, const std::optional<at::Tensor>& residual, at::Tensor q,
+                            at::Tensor scales, int64_t block) {
+  const int64_t n = x.numel();
+  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(), "fastddp native fp8: x must be contiguous fp32 on the CPU");
+  check_fp8_args(q, scales, n, block);
+  TORCH_CHECK(parts.size() == offs.size(), "fastddp native fp8: one offset per part");
+  std::vector<Seg> segs;
+  int64_t pos = 0;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const at::Tensor& t = parts[k];
+    const int64_t a = offs[k], len = t.numel();
+    TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                "fastddp native fp8: part ", k, " must be contiguous fp32 on the CPU");
+    TORCH_CHECK(a >= pos && a + len <= n, "fastddp native fp8: part ", k, " at ", a, " (", len,
+                " elements) is not after the previous one and inside x (", n, ")");
+    if (a > pos) segs.push_back({pos, a - pos, nullptr});
+    if (len > 0) segs.push_back({a, len, t.data_ptr<float>()});
+    pos = a + len;
+  }
+  if (pos < n) segs.push_back({pos, n - pos, nullptr});
+  float* rp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_cpu() && residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                residual->numel() == n, "fastddp native fp8: the residual must be contiguous fp32 like x");
+    rp = residual->data_ptr<float>();
+  }
+  std::vector<float> y(block);
+  const float fs = static_cast<float>(scale);  // the pack's C(scale)
+  pybind11::gil_scoped_release nogil;
+  return quantize_gather_loop(segs.data(), fs, x.data_ptr<float>(), rp, q.data_ptr<uint8_t>(),
+                              scales.data_ptr<float>(), n / block, block, y.data());
+}
+
 void fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Tensor out, int64_t block) {
   const int64_t n = out.numel();
   TORCH_CHECK(out.is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(), "fastddp native fp8: out must be contiguous fp32 on the CPU");
@@ -266,4 +338,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_quantize", &fp8_quantize);
   m.def("fp8_dequantize", &fp8_dequantize);
   m.def("fp8_reduce_shards", &fp8_reduce_shards);
+  m.def("fp8_quantize_gather", &fp8_quantize_gather);
 }
