@@ -169,7 +169,7 @@ class BlockFp8(Reduction):
         # the quantize, which reads all of the stage (x * fp32(1/W) is finite
         # exactly when x is; the stage's other slots hold zeros).
         self._aim(ctx, bucket, d, grads, plain, scale)
-        if d.q8 and d.pack_due is None:  # (else packed a range at a time by the quantize's: Fp8Wire.aim)
+        if d.q8 and d.pack_due is None:  # (else read a range at a time by the quantize: Fp8Wire.aim)
             kernels.pack([src[k] for k in d.q8], d.stage, layout=d.lay8, scale=scale)
         if d.ex:
             kernels.pack([src[k] for k in d.ex], d.exbuf, layout=d.lay_ex, scale=scale, health=health)

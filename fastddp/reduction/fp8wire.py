@@ -188,9 +188,10 @@ class Fp8Wire(ShardWire):
         they still are), None for the flat bucket (bucket views).  The same
         values land (a decode is elementwise), so the same bits.
         ``pack_scale``: the slots are the pack's sources too, not packed yet:
-        each range is packed just before its quantize (a big bucket's first
-        piece leaves before the rest is even copied), and decoded into them
-        only after its collectives, so after its pack read them."""
+        each range's quantize reads them times the scale itself (a big
+        bucket's first piece leaves before the rest is even read), and the
+        sums are decoded into them only after its collectives, so after that
+        read."""
         self.direct, self.direct_grads, self.pack_due = slots, grads, pack_scale
         if slots is not None and self.tmp is None:
             self.tmp = torch.empty(self.block, dtype=torch.float32, device=self.stage.device)
