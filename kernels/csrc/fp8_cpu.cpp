@@ -3,7 +3,6 @@
 
 #include <c10/util/Float8_e4m3fn.h>
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
@@ -24,19 +23,40 @@ bool g_fp8_lut_ready = [] {
   return true;
 }();
 
-inline float fp8_scale(float amax) {  // reference.fp8_scales, from the bits (no libm call)
+inline uint32_t float_bits(float f) {
   uint32_t u;
-  std::memcpy(&u, &amax, 4);
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float fp8_scale(float amax) {  // reference.fp8_scales, from the bits (no libm call)
+  const uint32_t u = float_bits(amax);
   if (u == 0u) return 1.0f;
   const int32_t e = static_cast<int32_t>(u >> 23);  // biased exponent (amax >= 0, finite)
   // amax = m 2^x, m in [0.5, 1): x = e - 126 for a normal amax; m <= 0.875 iff the
   // mantissa bits are <= 0x600000 (1.75 / 2); a subnormal amax clamps to -126 anyway
   int32_t k = ((u & 0x7FFFFFu) <= 0x600000u) ? e - 135 : e - 134;
   if (e == 0 || k < -126) k = -126;
-  const uint32_t sb = static_cast<uint32_t>(k + 127) << 23;
-  float r;
-  std::memcpy(&r, &sb, 4);
-  return r;
+  return bits_float(static_cast<uint32_t>(k + 127) << 23);
+}
+
+const float* checked_x(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(), "fastddp native fp8: x must be contiguous fp32 on the CPU");
+  return x.data_ptr<float>();
+}
+
+// The error-feedback residual (nullptr: none), checked against x's n elements.
+float* residual_ptr(const std::optional<at::Tensor>& residual, int64_t n) {
+  if (!residual.has_value()) return nullptr;
+  TORCH_CHECK(residual->is_cpu() && residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+              residual->numel() == n, "fastddp native fp8: the residual must be contiguous fp32 like x");
+  return residual->data_ptr<float>();
 }
 
 void check_fp8_args(const at::Tensor& q, const at::Tensor& scales, int64_t n, int64_t block) {
@@ -54,25 +74,17 @@ void check_fp8_args(const at::Tensor& q, const at::Tensor& scales, int64_t n, in
 // rounds to a multiple of 2^-9 (adding and taking away 2^23 rounds to an
 // integer, nearest even; code 8 is 2^-6 itself).
 inline uint8_t fp8_round(float y, float inv, float s, float* back) {
-  const float v = y * inv;
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
+  const uint32_t bits = float_bits(y * inv);
   const uint32_t sign = bits & 0x80000000u;
   const uint32_t a = bits & 0x7FFFFFFFu;
-  float av;
-  std::memcpy(&av, &a, 4);
-  const float t = (av * 512.0f + 8388608.0f) - 8388608.0f;
+  const float t = (bits_float(a) * 512.0f + 8388608.0f) - 8388608.0f;
   const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>(t));
-  const float tm = t * 0.001953125f;
-  uint32_t tbits;
-  std::memcpy(&tbits, &tm, 4);
+  const uint32_t tbits = float_bits(t * 0.001953125f);
   const uint32_t kept = (a + 0x7FFFFu + ((a >> 20) & 1u)) & 0xFFF00000u;
   const uint32_t nor = (kept >> 20) - (120u << 3);
   const uint32_t m = 0u - static_cast<uint32_t>(a < 0x3C800000u);  // |v| < 2^-6
   const uint32_t mb = (tbits & m) | (kept & ~m) | sign;
-  float dec;
-  std::memcpy(&dec, &mb, 4);
-  *back = dec * s;
+  *back = bits_float(mb) * s;
   return static_cast<uint8_t>((sign >> 24) | (sub & m) | (nor & ~m));
 }
 
@@ -85,24 +97,13 @@ inline float fp8_decode(uint8_t c, uint32_t nan_pos, uint32_t nan_neg) {
   const uint32_t sign = (u & 0x80u) << 24;
   const uint32_t e = (u >> 3) & 0xFu;
   const uint32_t m = u & 7u;
-  const float sub = static_cast<float>(static_cast<int32_t>(m)) * 0.001953125f;  // m * 2^-9
-  uint32_t subb;
-  std::memcpy(&subb, &sub, 4);
+  const uint32_t subb = float_bits(static_cast<float>(static_cast<int32_t>(m)) * 0.001953125f);  // m * 2^-9
   const uint32_t nor = ((e + 120u) << 23) | (m << 20);
   const uint32_t is_sub = 0u - static_cast<uint32_t>(e == 0u);
   const uint32_t is_nan = 0u - static_cast<uint32_t>((u & 0x7Fu) == 0x7Fu);
   const uint32_t nan = nan_pos ^ ((nan_pos ^ nan_neg) & (0u - (u >> 7)));
   const uint32_t v = (((subb & is_sub) | (nor & ~is_sub)) | sign) & ~is_nan;
-  const uint32_t bitsv = v | (nan & is_nan);
-  float f;
-  std::memcpy(&f, &bitsv, 4);
-  return f;
-}
-
-inline uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
+  return bits_float(v | (nan & is_nan));
 }
 
 // max |x| as bits: for |x| (sign cleared) the integer order is the float
@@ -111,18 +112,10 @@ inline uint32_t float_bits(float f) {
 inline uint32_t max_abs_bits(const float* __restrict y, int64_t block) {
   uint32_t top = 0;
   for (int64_t i = 0; i < block; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &y[i], 4);
-    u &= 0x7FFFFFFFu;
+    const uint32_t u = float_bits(y[i]) & 0x7FFFFFFFu;
     top = u > top ? u : top;
   }
   return top;
-}
-
-inline float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // The loops, compiled twice (AVX2 and the x86-64 baseline; the loader picks
@@ -159,11 +152,8 @@ inline int64_t quantize_blocks(Fill&& fill, float* __restrict rp, uint8_t* __res
         qb[i] = fp8_round(y[i], inv, s, &back);
         // the contract's residual is 0 where it is not finite: a value near
         // fp32's max rounds to a code whose value times s overflows
-        const float d = y[i] - back;
-        uint32_t db;
-        std::memcpy(&db, &d, 4);
-        db &= 0u - static_cast<uint32_t>((db & 0x7F800000u) != 0x7F800000u);
-        std::memcpy(&rb[i], &db, 4);
+        const uint32_t db = float_bits(y[i] - back);
+        rb[i] = bits_float(db & (0u - static_cast<uint32_t>((db & 0x7F800000u) != 0x7F800000u)));
       }
     } else {
       for (int64_t i = 0; i < block; ++i) {
@@ -254,15 +244,9 @@ FASTDDP_CLONES int64_t reduce_loop(const uint8_t* sq, const float* ss, uint8_t* 
 int64_t fp8_quantize(const at::Tensor& x, const std::optional<at::Tensor>& residual, at::Tensor q,
                      at::Tensor scales, int64_t block) {
   const int64_t n = x.numel();
-  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(), "fastddp native fp8: x must be contiguous fp32 on the CPU");
+  const float* xp = checked_x(x);
   check_fp8_args(q, scales, n, block);
-  const float* xp = x.data_ptr<float>();
-  float* rp = nullptr;
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->is_cpu() && residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
-                residual->numel() == n, "fastddp native fp8: the residual must be contiguous fp32 like x");
-    rp = residual->data_ptr<float>();
-  }
+  float* rp = residual_ptr(residual, n);
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = scales.data_ptr<float>();
   std::vector<float> y(block);
@@ -274,8 +258,9 @@ int64_t fp8_quantize_gather(const std::vector<at::Tensor>& parts, const std::vec
                             const at::Tensor& x, const std::optional<at::Tensor>& residual, at::Tensor q,
                             at::Tensor scales, int64_t block) {
   const int64_t n = x.numel();
-  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(), "fastddp native fp8: x must be contiguous fp32 on the CPU");
+  const float* xp = checked_x(x);
   check_fp8_args(q, scales, n, block);
+  float* rp = residual_ptr(residual, n);
   TORCH_CHECK(parts.size() == offs.size(), "fastddp native fp8: one offset per part");
   std::vector<Seg> segs;
   int64_t pos = 0;
@@ -291,16 +276,10 @@ int64_t fp8_quantize_gather(const std::vector<at::Tensor>& parts, const std::vec
     pos = a + len;
   }
   if (pos < n) segs.push_back({pos, n - pos, nullptr});
-  float* rp = nullptr;
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->is_cpu() && residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
-                residual->numel() == n, "fastddp native fp8: the residual must be contiguous fp32 like x");
-    rp = residual->data_ptr<float>();
-  }
   std::vector<float> y(block);
   const float fs = static_cast<float>(scale);  // the pack's C(scale)
   pybind11::gil_scoped_release nogil;
-  return quantize_gather_loop(segs.data(), fs, x.data_ptr<float>(), rp, q.data_ptr<uint8_t>(),
+  return quantize_gather_loop(segs.data(), fs, xp, rp, q.data_ptr<uint8_t>(),
                               scales.data_ptr<float>(), n / block, block, y.data());
 }
 
