@@ -51,7 +51,7 @@ import statistics
 import sys
 import time
 
-from tools.timeline import LinkTrace, Timeline, link_use, sent_at
+from tools.timeline import LINK_EVERY_S, LinkTrace, Timeline, link_use, sent_at
 
 ROWS = ("local", "torch", "torch-view", "torch-fp16", "fastddp", "fastddp-batched", "fastddp-view", "fastddp-bf16acc",
         "fastddp-fp16", "fastddp-fp8", "fastddp-fp8-first32", "fastddp-fp8-last32", "fastddp-autoprec")
@@ -334,10 +334,11 @@ def link_line(use: dict) -> str:
     """:func:`tools.timeline.link_use` of a traced step, in words."""
     share = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
     idle = ", ".join(f"{a * 1e3:.1f}-{b * 1e3:.1f}" for a, b in use["idle"]) or "none"
-    return (f"link (this rank's interface, sampled every 0.5 ms): first bytes at {use['first'] * 1e3:.1f} ms, last at "
+    return (f"link (this rank's interface, sampled every {LINK_EVERY_S * 1e3:g} ms): first bytes at "
+            f"{use['first'] * 1e3:.1f} ms, last at "
             f"{use['last'] * 1e3:.1f} ms, {use['sent'] / 1e6:.2f} MB: {share(use['span_share'])} of the carried rate "
             f"over that span, {share(use['busy_share'])} over it less the stretches with nothing sent "
-            f"(>= 3 ms, ms: {idle})")
+            f"(>= {use['idle_s'] * 1e3:g} ms, ms: {idle})")
 
 
 def floor_terms(row: dict, local: dict | None = None) -> dict:

@@ -18,7 +18,10 @@ import contextlib
 import threading
 import time
 
-__all__ = ["LinkTrace", "Timeline", "link_use"]
+__all__ = ["LINK_EVERY_S", "LinkTrace", "Timeline", "link_use", "sent_at"]
+
+#: how often :class:`LinkTrace` reads the counter, seconds
+LINK_EVERY_S = 0.0005
 
 
 class Timeline(contextlib.AbstractContextManager):
@@ -89,7 +92,7 @@ class LinkTrace:
     ``[(seconds since t0, bytes sent since start)]``, ``t0`` the clock the
     step's events use (:attr:`Timeline.t0`)."""
 
-    def __init__(self, read, every: float = 0.0005):
+    def __init__(self, read, every: float = LINK_EVERY_S):
         self.read, self.every = read, every
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
@@ -124,7 +127,8 @@ def link_use(samples: list[tuple[float, int]], gbit: float, idle_s: float = 0.00
     before the counter moved), ``sent`` bytes, the share of ``gbit`` they
     went at over that span (``span_share``) and over it less every stretch of
     at least ``idle_s`` with nothing sent (``busy_share``), and those
-    stretches (``idle``: ``(start, end)`` seconds).  None: nothing sent."""
+    stretches (``idle``: ``(start, end)`` seconds; ``idle_s`` too).  None:
+    nothing sent."""
     if not samples or samples[-1][1] <= 0:
         return None
     total = samples[-1][1]
@@ -140,7 +144,7 @@ def link_use(samples: list[tuple[float, int]], gbit: float, idle_s: float = 0.00
     rate = gbit * 1e9 / 8
     span = last - first
     busy = span - sum(b - a for a, b in idle)
-    return {"first": first, "last": last, "sent": total, "idle": idle,
+    return {"first": first, "last": last, "sent": total, "idle": idle, "idle_s": idle_s,
             "span_share": total / span / rate if span > 0 else None,
             "busy_share": total / busy / rate if busy > 0 else None}
 
