@@ -7,6 +7,9 @@ package whose modules import without circles.
   is asked; fastddp's build backend (``_build_backend/fastddp_backend.py``)
   puts that finder first.  Tested end to end on this interpreter's install
   and, on a hand-made wheel, the backend's rewrite itself.
+* The wheel (``pip install .``): pyproject's package list names every
+  package folder, and a wheel built by the backend holds every module and
+  native source and imports each module in an interpreter that sees only it.
 * No import circles in ``fastddp``, ``fastddp.kernels``, ``fastddp.bench``
   (DESIGN: a counter or registry that several modules use lives below all of
   them): the import graph, function-level imports included, has no cycle,
@@ -152,6 +155,80 @@ def test_backend_leaves_other_wheels_alone(tmp_path):
     before = wheel.read_bytes()
     backend._put_finder_first(str(wheel))
     assert wheel.read_bytes() == before
+
+
+# ------------------------------------------------------------ the wheel
+
+def _listed_packages() -> list[str]:
+    """pyproject.toml's ``[tool.setuptools] packages`` list."""
+    text = (ROOT / "pyproject.toml").read_text()
+    m = re.search(r"^packages = \[(.*?)\]", text, re.M | re.S)
+    assert m, "pyproject.toml has no [tool.setuptools] packages list"
+    return re.findall(r'"([^"]+)"', m.group(1))
+
+
+def test_pyproject_lists_every_subpackage():
+    """Each folder with an ``__init__.py`` under fastddp/, kernels/ and bench/
+    is a listed package: one left out is missing from the wheel, and
+    ``pip install .`` then fails at ``import fastddp`` (fastddp.cross_site
+    was, until this test)."""
+    folders = sorted(m for m, f in _modules().items() if f.name == "__init__.py")
+    assert sorted(_listed_packages()) == folders, (
+        "pyproject.toml's [tool.setuptools] packages must list exactly the package folders")
+
+
+def test_the_wheel_carries_and_imports_every_module(tmp_path):
+    """A wheel built by the project's backend (``pip install .``, not ``-e``)
+    holds every module and native source, and an interpreter that sees only
+    that wheel (``-S``: no .pth, so not the editable install) imports each of
+    them from it."""
+    pytest.importorskip("setuptools", reason="building the wheel needs setuptools in this interpreter "
+                        "(leg 1 has it; the package list is checked on every leg)")
+    src = tmp_path / "src"  # a copy: the build's build/ and egg-info stay out of the clone
+    src.mkdir()
+    import shutil
+    skip = shutil.ignore_patterns("__pycache__", "tests", "*.egg-info", "build", "dist")
+    for name in ("fastddp", "kernels", "bench", "_build_backend"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
+    for name in ("pyproject.toml", "README.md", "MANIFEST.in"):
+        shutil.copy2(ROOT / name, src / name)
+    build = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "_build_backend")
+        import fastddp_backend
+        print(fastddp_backend.build_wheel(sys.argv[1]))
+    """)
+    out = subprocess.run([sys.executable, "-c", build, str(tmp_path / "dist")], cwd=src,
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    wheel = tmp_path / "dist" / out.stdout.strip().splitlines()[-1]
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(site)
+    want = {m.replace(".", "/") + ("/__init__.py" if f.name == "__init__.py" else ".py")
+            for m, f in _modules().items()}
+    want |= {"fastddp/csrc/countdown.cpp", "fastddp/kernels/csrc/fp8_cpu.cpp"}
+    assert sorted(want - names) == [], "the wheel lacks these files"
+
+    modules = [m for m in _modules() if not m.rpartition(".")[2].startswith("test_")]
+    code = textwrap.dedent(f"""
+        import importlib, sys, warnings
+        warnings.simplefilter("ignore")
+        for name in {modules!r}:
+            importlib.import_module(name)
+        import fastddp
+        print(fastddp.__file__)
+    """)
+    # torch and what it needs from this interpreter's site-packages; fastddp from the wheel only
+    deps = {str(Path(importlib.util.find_spec(m).origin).parent.parent)
+            for m in ("torch", "numpy", "triton") if importlib.util.find_spec(m) is not None}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *sorted(deps)])
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert Path(out.stdout.strip().splitlines()[-1]).is_relative_to(site)
 
 
 # ------------------------------------------------------------ import circles
