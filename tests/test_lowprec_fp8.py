@@ -560,26 +560,26 @@ def test_chunked_phases_match_reference_pipeline(world2, chunk_bytes):
 
 
 def _with_direct(rank, world, per_call, body, *args):
-    """Run ``body`` with :data:`fp8wire.DIRECT_VALUES_PER_CALL` set to
+    """Run ``body`` with :data:`fp8direct.DIRECT_VALUES_PER_CALL` set to
     ``per_call`` in this worker (0: every fp8 bucket's sums are decoded
     straight into its grads; None: never, through the stage); returns
     ``(body's result, decodes into grads)``."""
-    from fastddp.reduction import fp8wire
+    from fastddp.reduction import fp8direct
 
-    W = fp8wire.Fp8Wire
-    old, real, worth = fp8wire.DIRECT_VALUES_PER_CALL, W._decode_into, W.worth_direct
+    D = fp8direct.DirectDecode
+    old, real, worth = fp8direct.DIRECT_VALUES_PER_CALL, D.decode_into, D.worth
     seen = [0]
 
-    def counted(self, lo, hi):
+    def counted(self, q, s, lo, hi):
         seen[0] += 1
-        return real(self, lo, hi)
-    fp8wire.DIRECT_VALUES_PER_CALL, W._decode_into = per_call, counted
+        return real(self, q, s, lo, hi)
+    fp8direct.DIRECT_VALUES_PER_CALL, D.decode_into = per_call, counted
     if per_call is None:
-        W.worth_direct = lambda self, geometry: False
+        D.worth = lambda self, ranges, geometry: False
     try:
         return body(rank, world, *args), seen[0]
     finally:
-        fp8wire.DIRECT_VALUES_PER_CALL, W._decode_into, W.worth_direct = old, real, worth
+        fp8direct.DIRECT_VALUES_PER_CALL, D.decode_into, D.worth = old, real, worth
 
 
 @pytest.mark.skipif(STAND_IN, reason="fastddp's fused path")
@@ -636,19 +636,21 @@ def test_grads_replaced_after_the_pack_get_the_sums_too(world2):
 def test_decoding_into_the_grads_is_taken_by_bytes_and_calls():
     """One slot per piece pays at once; slots of a few values in a chunked
     wire cost a launch each (plus their edges) and are left to the stage."""
-    from fastddp.reduction.fp8wire import DIRECT_VALUES_PER_CALL, Fp8Wire
+    from fastddp.reduction.fp8direct import DIRECT_VALUES_PER_CALL
+    from fastddp.reduction.fp8wire import Fp8Wire
 
-    def wire(bounds):
+    def worth(bounds, geometry):
         z, q = torch.zeros(0), torch.zeros(bounds[-1][1], dtype=U8)  # (a one-piece wire's range: all of q)
-        return Fp8Wire(world=1, block=32, shard=q.numel(), ex=[], q8=[], lay8=None, lay_ex=None, stage=z,
-                       q=q, s=z, exbuf=z, ex_views=[], bounds=bounds, s_bounds=[], rq=z, rs=z, nbytes=0)
+        w = Fp8Wire(world=1, block=32, shard=q.numel(), ex=[], q8=[], lay8=None, lay_ex=None, stage=z,
+                    q=q, s=z, exbuf=z, ex_views=[], bounds=bounds, s_bounds=[], rq=z, rs=z, nbytes=0)
+        return w.direct.worth(w.all_ranges(), geometry)
 
-    assert wire([(0, 64)]).worth_direct([(0, 64)])  # one launch for one: nothing extra
+    assert worth([(0, 64)], [(0, 64)])  # one launch for one: nothing extra
     n = DIRECT_VALUES_PER_CALL
     big = [(0, 4 * n), (4 * n, 8 * n)]  # two large slots, cut at a block boundary
-    assert wire([(0, 8 * n)]).worth_direct(big)  # one extra launch for 8n values
+    assert worth([(0, 8 * n)], big)  # one extra launch for 8n values
     small = [(o, 40) for o in range(0, 4000, 40)]  # 100 slots of 40 values, most edges inside blocks
-    assert not wire([(0, 4000 // 32 * 32 + 32)]).worth_direct(small)
+    assert not worth([(0, 4000 // 32 * 32 + 32)], small)
 
 
 def _calls_per_phase(rank, world, candidate="two-phase"):

@@ -52,7 +52,7 @@ class BlockFp8(Reduction):
         unpack    the exempt values into their slots (one launch), the stage
                   -> .grad (ONE launch), the exempt slots back to 0 (one call)
 
-    On the CPU, where the bytes saved pay for the launches (:meth:`_aim`),
+    On the CPU, where the bytes saved pay for the launches (:mod:`.fp8direct`),
     the sums are dequantized straight into the grads (bucket views: the flat
     bucket) as each piece lands, and each range's quantize reads the grads
     themselves times fp32(1/W) (the pack's product; one pass, the stage not
@@ -168,42 +168,14 @@ class BlockFp8(Reduction):
         # Each value flagged once: the exempt ones by their pack, the others by
         # the quantize, which reads all of the stage (x * fp32(1/W) is finite
         # exactly when x is; the stage's other slots hold zeros).
-        self._aim(ctx, bucket, d, grads, plain, scale)
-        if d.q8 and d.pack_due is None:  # (else read a range at a time by the quantize: Fp8Wire.aim)
+        d.direct.choose(ctx, bucket, d, grads, plain, scale)
+        if d.q8 and d.direct.pack_scale is None:  # (else read a range at a time by the quantize: DirectDecode)
             kernels.pack([src[k] for k in d.q8], d.stage, layout=d.lay8, scale=scale)
         if d.ex:
             kernels.pack([src[k] for k in d.ex], d.exbuf, layout=d.lay_ex, scale=scale, health=health)
         d.encode = (res, health)  # the quantize: piece by piece at the issue (Fp8Wire.encode_piece)
         if plain:
             alias_views(ctx, bucket, grads)
-
-    @staticmethod
-    def _aim(ctx, bucket, d: Fp8Wire, grads, plain: bool, scale: float) -> None:
-        """Where the sums are decoded this step (:meth:`Fp8Wire.aim`): on the
-        CPU, straight into the grads (bucket views: into the flat bucket,
-        which they are) where every ``.grad`` is the tensor the unpack would
-        write, laid out as its slot, and where the slots' geometry pays
-        (:meth:`Fp8Wire.worth_direct`), their pack then deferred to each
-        range's quantize; else into the stage.  Not where a
-        gradient must be left as it was until the parameter is known used
-        (find_unused_parameters, static_graph), nor under mixed precision's
-        swap (it runs before any value reaches ``.grad``)."""
-        if ctx.comm.cuda or ctx.pre_unpack is not None or ctx.keeps_unused:
-            return d.aim(None, None)  # (CUDA: the one stage launch each way, on the comm stream)
-        if ctx.view_mode:
-            n = bucket.flat.numel()
-            return d.aim([(0, n, bucket.flat)] if d.worth_direct([(0, n)]) else None, None)
-        lay = bucket.layout
-        if not plain or not d.worth_direct([(lay.offsets[k], lay.numels[k]) for k in d.q8]):
-            return d.aim(None, None)
-        slots = []
-        for k in d.q8:
-            g, st = grads[k], lay.strides[k]
-            if g.dtype != torch.float32 or g.device.type != "cpu" or (
-                    not g.is_contiguous() if st is None else tuple(g.stride()) != tuple(st)):
-                return d.aim(None, None)
-            slots.append((lay.offsets[k], lay.numels[k], g.as_strided((g.numel(),), (1,), g.storage_offset())))
-        d.aim(sorted(slots, key=lambda t: t[0]), list(grads), scale)
 
     def issue(self, ctx, bucket):
         return self.engine.start(ctx, bucket, self.engine.wires[bucket.index], bucket.health)
@@ -214,38 +186,13 @@ class BlockFp8(Reduction):
     def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
         self.book.finished(bucket)
         d = self.engine.wires[bucket.index]  # its sums already decoded into the stage (Fp8Wire.finish_piece)
-        if d.direct is not None:  # ... or into the grads themselves (_aim)
-            return self._land(ctx, bucket, d, track_unused)
+        if d.direct.active:  # ... or into the grads themselves (DirectDecode.choose)
+            return d.direct.land(ctx, bucket, d, track_unused)
         if d.ex:
             kernels.unpack(d.exbuf, d.ex_views, layout=d.lay_ex)
         unpack_grads(ctx, bucket, d.stage, track_unused)
         if d.ex:  # the stage is the next pack's destination: exempt slots must read 0 again
             torch._foreach_zero_(d.ex_views)  # one call (torch's multi-tensor launch on CUDA), not one per slot
-
-    @staticmethod
-    def _land(ctx, bucket, d: Fp8Wire, track_unused: bool) -> None:
-        """The unpack where the sums were decoded into the grads: the exempt
-        values into theirs (one launch, the pack's layout) and nothing else
-        to copy.  A ``.grad`` replaced since the pack (a hook's) gets the sums too."""
-        kept, d.direct, d.direct_grads = d.direct_grads, None, None
-        if kept is None:  # bucket views: the flat bucket holds the sums
-            if d.ex:
-                kernels.unpack(d.exbuf, [bucket.grad_views[k] for k in d.ex], layout=d.lay_ex)
-            return unpack_grads(ctx, bucket, bucket.flat, track_unused)
-        for k in d.q8:
-            p = bucket.params[k]
-            if p.grad is None:
-                p.grad = kept[k]
-            elif p.grad is not kept[k]:
-                p.grad.copy_(kept[k])
-        if d.ex:
-            grads = [bucket.params[k].grad for k in d.ex]
-            if any(g is None for g in grads):  # (a hook's doing): the exempt slots, fresh tensors
-                for k, g in zip(d.ex, grads):
-                    if g is None:
-                        bucket.params[k].grad = torch.empty_like(kept[k])
-                grads = [bucket.params[k].grad for k in d.ex]
-            kernels.unpack(d.exbuf, grads, layout=d.lay_ex)
 
     def carry_over(self, old_buckets, old_locate, new_buckets) -> None:
         """Residuals follow their parameters into the rebuilt buckets (a stale

@@ -12,26 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import groups, kernels
+from .fp8direct import DirectDecode
 from .twophase import ShardWire
 
-__all__ = ["DIRECT_VALUES_PER_CALL", "Fp8Gather", "Fp8Wire"]
-
-#: decoding the sums straight into the gradients (:meth:`Fp8Wire.aim`) saves
-#: the stage's copy into ``.grad`` (a write and a read of 4 bytes per value)
-#: and costs a launch per gradient each piece touches, plus one per edge of a
-#: slot inside a block: taken only where every extra launch saves at least
-#: this many values' copy (~40 us of memory traffic on one core; a launch,
-#: Python's cold-cache call included, costs well under that)
-DIRECT_VALUES_PER_CALL = 1 << 16
-
-
-def _overlaps(slots, lo: int, hi: int):
-    """``(slot, x0, x1)`` for each of ``slots`` (``(offset, numel, ...)``)
-    that overlaps the range ``[lo, hi)``: the overlap is ``[x0, x1)``."""
-    for slot in slots:
-        x0, x1 = max(slot[0], lo), min(slot[0] + slot[1], hi)
-        if x0 < x1:
-            yield slot, x0, x1
+__all__ = ["Fp8Gather", "Fp8Wire"]
 
 
 @dataclass(eq=False)
@@ -69,15 +53,19 @@ class Fp8Wire(ShardWire):
     recv: torch.Tensor | None = None
     encode: tuple | None = None  # (residual, health): the pack's quantize, due piece by piece at the issue
     decode: bool = False  # the flat mode's: each piece decoded into ``stage`` as it lands (finish_piece)
-    direct: list | None = None  # this step's: (stage offset, numel, flat tensor) the sums decode into (aim)
-    direct_grads: list | None = None  # ... the .grad tensors they are (by bucket position; None: the flat bucket)
-    direct_ok: bool | None = None  # the slots' geometry makes decoding into them pay (worth_direct)
-    tmp: torch.Tensor | None = None  # one block: a slot's edge inside a block is decoded here first
-    pack_due: float | None = None  # the direct slots' pack, deferred to each range's quantize: its scale
+    direct: DirectDecode = None  # the sums decoded straight into the grads (its part; made with the wire)
+    gathers = False  # (class attribute) Fp8Gather: one all-gather of every rank's whole bucket per piece
+
+    def __post_init__(self):
+        self.direct = DirectDecode(self.block)
 
     @property
     def chunked(self) -> bool:
         return len(self.bounds) > 1
+
+    def all_ranges(self) -> list:
+        """Every piece's :meth:`_ranges`: one launch each way into the stage."""
+        return [r for k in range(len(self.bounds)) for r in self._ranges(k)]
 
     def _ranges(self, k: int) -> list:
         """The ``stage`` ranges piece ``k``'s first collective sends: its slice
@@ -96,29 +84,18 @@ class Fp8Wire(ShardWire):
         independently, so the bits are the whole bucket's at once."""
         if self.encode is None:
             return
-        (res, health), B = self.encode, self.block
+        (res, health), B, due = self.encode, self.block, self.direct.pack_scale
         for lo, hi in self._ranges(k):
             r = None if res is None else res[lo:hi]
-            if self.pack_due is not None:  # the pack's product read straight from the slots (one pass)
-                parts, offs = self._parts(lo, hi)
-                kernels.quantize_fp8_gather(parts, offs, self.pack_due, self.stage[lo:hi], self.q[lo:hi],
+            if due is not None:  # the pack's product read straight from the slots (one pass)
+                parts, offs = self.direct.parts(lo, hi)
+                kernels.quantize_fp8_gather(parts, offs, due, self.stage[lo:hi], self.q[lo:hi],
                                             self.s[lo // B:hi // B], B, residual=r, health=health)
             else:
                 kernels.quantize_fp8(self.stage[lo:hi], self.q[lo:hi], self.s[lo // B:hi // B], B,
                                      residual=r, health=health)
         if k == len(self.bounds) - 1:
-            self.encode = self.pack_due = None
-
-    def _parts(self, lo: int, hi: int) -> tuple[list, list]:
-        """The deferred pack (:meth:`aim`) of the stage range ``[lo, hi)``:
-        the direct slots' parts in it and their offsets in the range, which
-        the quantize multiplies by the scale as it reads them (the pack's own
-        elementwise product: the same bits)."""
-        parts, offs = [], []
-        for (o, _, src), x0, x1 in _overlaps(self.direct, lo, hi):
-            parts.append(src[x0 - o:x1 - o])
-            offs.append(x0 - lo)
-        return parts, offs
+            self.encode = self.direct.pack_scale = None
 
     def layout_wire(self) -> None:
         """A chunked bucket's wire: per chunk ``[a, b)`` (``n`` fp8 values,
@@ -130,16 +107,17 @@ class Fp8Wire(ShardWire):
         at ~65% of the link's rate, the all-gather at ~75%, in a step on a
         0.2 Gbit/s link).  ``wire``: the all-to-all's send and the
         all-gather's receive; ``recv``: the all-to-all's receive, then this
-        rank's piece of the all-gather."""
-        W = self.world
+        rank's piece of the all-gather.  (:class:`Fp8Gather`: ``wire`` holds
+        this rank's pieces only, ``recv`` every rank's.)"""
+        rows = 1 if self.gathers else self.world  # the ranks' pieces this rank sends, per chunk
         off, piece, o = [], [], 0
         for (a, b), (sa, sb) in zip(self.bounds, self.s_bounds):
             off.append(o)
             piece.append((b - a) + 4 * (sb - sa))
-            o += W * piece[-1]
+            o += rows * piece[-1]
         self.w_off, self.w_piece = off, piece
         self.wire = torch.empty(o, dtype=torch.uint8, device=self.q.device)
-        self.recv = torch.empty_like(self.wire)
+        self.recv = torch.empty(self.world * o // rows, dtype=torch.uint8, device=self.q.device)
 
     def _wire_pairs(self, chunks):
         """(piece of the wire, piece of the shard-major buffer) for each of
@@ -172,64 +150,12 @@ class Fp8Wire(ShardWire):
 
     def _decode(self, ranges) -> None:
         B = self.block
-        if self.direct is not None:
+        if self.direct.active:
             for lo, hi in ranges:
-                self._decode_into(lo, hi)
+                self.direct.decode_into(self.q, self.s, lo, hi)
             return
         for lo, hi in ranges:
             kernels.dequantize_fp8(self.q[lo:hi], self.s[lo // B:hi // B], self.stage[lo:hi], B)
-
-    # ---------------------------------------------- decoded where they go
-    def aim(self, slots: list | None, grads: list | None, pack_scale: float | None = None) -> None:
-        """This step's sums decode straight into ``slots`` (``(offset in the
-        stage, numel, 1-D view of the tensor's memory)``, sorted; None: into
-        the stage, as usual): the unpack's copy out of the stage is saved.
-        ``grads``: the ``.grad`` tensors the slots are (the unpack checks
-        they still are), None for the flat bucket (bucket views).  The same
-        values land (a decode is elementwise), so the same bits.
-        ``pack_scale``: the slots are the pack's sources too, not packed yet:
-        each range's quantize reads them times the scale itself (a big
-        bucket's first piece leaves before the rest is even read), and the
-        sums are decoded into them only after its collectives, so after that
-        read."""
-        self.direct, self.direct_grads, self.pack_due = slots, grads, pack_scale
-        if slots is not None and self.tmp is None:
-            self.tmp = torch.empty(self.block, dtype=torch.float32, device=self.stage.device)
-
-    def worth_direct(self, geometry) -> bool:
-        """Whether decoding into slots of ``geometry`` (``(offset, numel)``
-        in the stage) pays on this wire's pieces, by bytes and calls
-        (:data:`DIRECT_VALUES_PER_CALL`); decided once per wire (a plan's
-        geometry is fixed)."""
-        if self.direct_ok is None:
-            B, extra = self.block, 0
-            for k in range(len(self.bounds)):
-                for lo, hi in self._ranges(k):
-                    extra -= 1  # the range's one launch into the stage, saved
-                    for _, x0, x1 in _overlaps(geometry, lo, hi):
-                        extra += 1 + (x0 % B != 0) + (x1 % B != 0)
-            self.direct_ok = extra <= 0 or sum(n for _, n in geometry) >= DIRECT_VALUES_PER_CALL * extra
-        return self.direct_ok
-
-    def _decode_into(self, lo: int, hi: int) -> None:
-        """The stage range ``[lo, hi)`` (whole blocks) decoded into the
-        slots it overlaps: their whole blocks in one launch each, a slot's
-        part of a block it shares through :attr:`tmp`."""
-        B, q, s = self.block, self.q, self.s
-        for (o, _, dst), x0, x1 in _overlaps(self.direct, lo, hi):
-            a, b = -(-x0 // B) * B, x1 // B * B  # the whole blocks inside [x0, x1)
-            if a < b:
-                kernels.dequantize_fp8(q[a:b], s[a // B:b // B], dst[a - o:b - o], B)
-                edges = ((x0, a), (b, x1))
-            else:
-                edges = ((x0, x1),)
-            for e0, e1 in edges:
-                while e0 < e1:  # at most two blocks
-                    k = e0 // B
-                    e = min(e1, (k + 1) * B)
-                    kernels.dequantize_fp8(q[k * B:(k + 1) * B], s[k:k + 1], self.tmp, B)
-                    dst[e0 - o:e - o].copy_(self.tmp[e0 - k * B:e - k * B])
-                    e0 = e
 
     def send_recv(self, k):
         """Piece ``k`` quantized (:meth:`encode_piece`) and, chunked, staged
@@ -267,7 +193,7 @@ class Fp8Wire(ShardWire):
 
     def zero(self):
         self.encode = None  # what a joined rank sends stands for zeros: nothing of a stale stage
-        self.direct = self.direct_grads = self.pack_due = None  # (and its sums go nowhere but the stage)
+        self.direct.clear()  # (and its sums go nowhere but the stage)
         self.q.zero_()
         self.s.fill_(1.0)
         self.exbuf.zero_()
@@ -292,15 +218,7 @@ class Fp8Gather(Fp8Wire):
     side in ``wire`` (this rank's pieces) and ``recv`` (every rank's, piece
     by piece)."""
 
-    def layout_wire(self) -> None:
-        off, piece, o = [], [], 0
-        for (a, b), (sa, sb) in zip(self.bounds, self.s_bounds):
-            off.append(o)
-            piece.append((b - a) + 4 * (sb - sa))
-            o += piece[-1]
-        self.w_off, self.w_piece = off, piece
-        self.wire = torch.empty(o, dtype=torch.uint8, device=self.q.device)
-        self.recv = torch.empty(self.world * o, dtype=torch.uint8, device=self.q.device)
+    gathers = True
 
     def _ranges(self, k: int) -> list:
         return [self.bounds[k]]  # pieces of the whole bucket (one piece: all of it)
