@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -17,6 +16,7 @@ from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
 from .options import Options
 from .surface import TorchSurface
+from .buffers import ForwardBuffers
 from .construct import build_reducer
 
 __all__ = ["DistributedDataParallel"]
@@ -79,8 +79,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     ``options`` (a :class:`fastddp.Options`: the wire recipe, bucket
     auto-tuning, chunking, the in-place threshold, the hierarchy).
     """
-
-    _buffer_group = None  # the forward's buffer broadcast group (None: the module's; CrossSite: the host's)
 
     def __init__(
         self,
@@ -179,13 +177,15 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
     # ---------------------------------------------------------- construction
     def _build_params_for_reducer(self):
         params, names, self._sparse_params = params_for_reducer(self.module, self.parameters_to_ignore)
-        self._assign_modules_buffers()
+        self.forward_buffers = ForwardBuffers(self.module, self.parameters_to_ignore, self.process_group,
+                                              self.broadcast_bucket_size)
         return params, names
 
     def _assign_modules_buffers(self):
-        named = [(n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
-        self.modules_buffers = [b for _, b in named]
-        self.named_module_buffers = dict(named)
+        self.forward_buffers.collect()
+
+    modules_buffers = property(lambda self: self.forward_buffers.tensors, doc="torch's: the buffers broadcast.")
+    named_module_buffers = property(lambda self: self.forward_buffers.named)
 
     def _build_reducer(self, parameters, names, static_graph: bool) -> None:
         self._watch, self.reducer = build_reducer(self, parameters, names, self._sparse_params, self._mp,
@@ -212,22 +212,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         # Under join() rank 0 may have joined with stale buffers: agree on a source.
         src = (join.find_common_rank(self, groups.rank(self.process_group), True)
                if self._join_config.enable else 0)
-        self._broadcast_buffers(src)
-
-    def _broadcast_buffers(self, src: int) -> None:
-        # ``src`` is a rank of the group (c10d's broadcast_coalesced takes the
-        # group rank as the root, as torch's DDP passes it); cross-site
-        # training narrows the forward's broadcast to the host (CrossSite)
-        group = self.process_group if self._buffer_group is None else self._buffer_group
-        if groups.size(group) == 1:
-            # from the one rank to itself: nothing moves, so neither the broadcast nor the walk
-            # over the module's buffers it needs runs (torch's DDP runs both: ~0.45 ms a forward
-            # on the bench's convnet at world 1, tools/step_python.py)
-            return
-        with torch.no_grad():
-            self._assign_modules_buffers()
-            with torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
-                dist._broadcast_coalesced(group, self.modules_buffers, self.broadcast_bucket_size, src)
+        self.forward_buffers.broadcast(src)
 
     @_compile.eager  # never traced by torch.compile
     def _pre_forward(self, *inputs, **kwargs):

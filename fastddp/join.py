@@ -33,7 +33,7 @@ class DDPJoinHook(JoinHook):
         ddp.reducer.rebuild_buckets()
         if ddp.will_sync_module_buffers():
             rank = find_common_rank(ddp, groups.rank(ddp.process_group), False)
-            ddp._broadcast_buffers(rank)
+            ddp.forward_buffers.broadcast(rank)
         should_sync = global_requires_backward_grad_sync(ddp, is_joined_rank=True)
         ddp.require_forward_param_sync = should_sync
         if not should_sync:

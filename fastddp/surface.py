@@ -93,7 +93,7 @@ class TorchSurface:
             raise RuntimeError("fastddp: only a DDP model on the default process group can be pickled")
         if self._delayed is not None:
             raise RuntimeError("fastddp: a DDP model with delay_all_reduce_named_params cannot be pickled")
-        for k in ("process_group", "reducer"):
+        for k in ("process_group", "reducer", "forward_buffers"):  # (rebuilt by __setstate__)
             attrs.pop(k, None)
         attrs["config"] = dataclasses.replace(self.config, process_group=None, device_mesh=None)
         return attrs
@@ -196,7 +196,7 @@ class TorchSurface:
         return False  # no buffer comm hooks: buffers are broadcast before the forward
 
     def _sync_module_buffers(self, authoritative_rank):
-        self._broadcast_buffers(authoritative_rank)
+        self.forward_buffers.broadcast(authoritative_rank)
 
     # ------------------------------------------------------------------- join
     def _find_common_rank(self, input_rank, rank_cond):
@@ -207,7 +207,7 @@ class TorchSurface:
 
     def _check_and_sync_module_buffers(self):
         if self._check_sync_bufs_pre_fwd():
-            self._broadcast_buffers(self._find_common_rank(groups.rank(self.process_group), False))
+            self.forward_buffers.broadcast(self._find_common_rank(groups.rank(self.process_group), False))
 
     def _sync_final_model(self, is_last_joiner):
         join.sync_final_model(self, is_last_joiner)

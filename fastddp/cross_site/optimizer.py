@@ -147,7 +147,7 @@ class CrossSite(torch.optim.Optimizer):
         self.layout.read(self.snap)
         self.anchor.detach().copy_(self.layout.mine(self.snap))
         self._site.local = True
-        self.module._buffer_group = self.sites.inside  # the forward's buffer broadcast stays in the host
+        self.module.forward_buffers.group = self.sites.inside  # the forward's buffer broadcast stays in the host
 
     def _proposal(self) -> int:
         if self.delay != "auto":
