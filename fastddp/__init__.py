@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 from . import kernels  # noqa: F401  (installed from the top-level kernels/ folder)
 from . import hooks, settings

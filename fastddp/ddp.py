@@ -11,7 +11,7 @@ import torch
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _exit, compile as _compile, groups, join, profiling, settings
+from . import _exit, agree, compile as _compile, groups, join, profiling, settings
 from ._torch_ddp import TorchDDP
 from .config import DDPConfig, params_for_reducer
 from .options import Options
@@ -162,6 +162,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
 
             bufs = self.named_module_buffers if cfg.init_sync_buffers else {}
             verify_across_ranks(self.process_group, parameters, names, list(bufs.values()), list(bufs))
+            agree.check(self)  # before the reducer's own collectives (the options' hook may make groups)
             _sync_module_states(module=self.module, process_group=self.process_group,
                                 broadcast_bucket_size=self.broadcast_bucket_size, src=0,
                                 params_and_buffers_to_ignore=self.parameters_to_ignore,
@@ -225,6 +226,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         work = Join.notify_join_context(self)
         if work:
             self.reducer.set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
+        if grad_sync or self._join_config.enable:  # (in join(), every forward is collective)
+            agree.once(self)
         if torch.is_grad_enabled() and self.reducer.rebuild_buckets():
             self._watch.check()
         if self.will_sync_module_buffers():

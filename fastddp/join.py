@@ -4,7 +4,8 @@
 A rank that runs out of data enters the ``Join`` context's loop and, for every
 iteration the other ranks still run, calls :meth:`DDPJoinHook.main_hook`,
 which issues the same collectives as one training iteration, in the same
-order, with zeros: the one bucket rebuild, the buffer broadcast, the
+order, with zeros: the first step's settings check (:mod:`fastddp.agree`),
+the one bucket rebuild, the buffer broadcast, the
 "will you sync gradients" all-reduce, one all-reduce per bucket (through the
 same comm path: plain, fused 16-bit wire, or the registered hook) and the
 used-parameter map.  When every rank has joined, :meth:`post_hook` broadcasts
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from . import groups
+from . import agree, groups
 
 __all__ = ["DDPJoinHook", "find_common_rank", "global_requires_backward_grad_sync", "shadow_backward",
            "shadow_used_map", "sync_final_model"]
@@ -30,6 +31,7 @@ class DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
+        agree.once(ddp)  # (a rank that joined before the first forward: the others check there)
         ddp.reducer.rebuild_buckets()
         if ddp.will_sync_module_buffers():
             rank = find_common_rank(ddp, groups.rank(ddp.process_group), False)

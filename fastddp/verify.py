@@ -22,7 +22,7 @@ import torch
 
 from . import groups
 
-__all__ = ["verify_across_ranks", "check_no_new_parameters", "ModuleWatch"]
+__all__ = ["verify_across_ranks", "check_no_new_parameters", "gather_texts", "ModuleWatch"]
 
 
 def check_no_new_parameters(module: torch.nn.Module, known: Sequence[torch.Tensor], ignore) -> None:
@@ -128,8 +128,9 @@ def _describe(row, name: str) -> str:
             f"strides {row[k + _DIMS:k + _DIMS + min(nd, _DIMS)].tolist()}")
 
 
-def _gather_names(names: Sequence[str], pg, device, world: int) -> list[list[str]]:
-    """Every rank's names (failure case only): one padded byte tensor each."""
+def gather_texts(names: Sequence[str], pg, device, world: int) -> list[list[str]]:
+    """Every rank's lines of text (failure cases only: names, values): one
+    padded byte tensor each."""
     data = "\n".join(names).encode()
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     ns = [torch.empty_like(n) for _ in range(world)]
@@ -185,7 +186,7 @@ def verify_across_ranks(pg, params: Sequence[torch.Tensor], names: Sequence[str]
     if bad is None:
         return
     r, i = bad
-    everyone = _gather_names(all_names, pg, dev, world)  # every rank takes part
+    everyone = gather_texts(all_names, pg, dev, world)  # every rank takes part
     kind = "parameter" if i < len(names) else "buffer"
     where = i if i < len(names) else i - len(names)
     a, b = _describe(metas[0][i], everyone[0][i]), _describe(metas[r][i], everyone[r][i])

@@ -15,6 +15,7 @@ parameters here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import warnings
@@ -610,3 +611,118 @@ def test_bucket_view_grads_replaced_by_user(world2):
     and sets one to None: the next reductions still give the exact average."""
     for status, errs in world2.run(_scenario_body, "view_grad_replaced"):
         assert status == "ok" and max(errs) < 1e-6, errs
+
+
+# Ranks whose DDP settings differ: their collectives would not pair up (gloo
+# aborts the process on a size mismatch, or a rank waits out the group's
+# timeout, 30 minutes by default; torch's DDP does both).  fastddp.agree
+# compares them at construction and at the first synchronising forward.
+
+def _settings_body(rank, world_size, case):
+    """Rank 0 builds (or registers) something rank 1 does not; returns the
+    error text, or ``"ok"`` and whether the ranks' grads are equal."""
+    import fastddp
+    import fastddp.hooks as fh
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    first = rank == 0
+    kw = {"bucket_cap": {"bucket_cap_mb": 0.0001 if first else 25},
+          "find_unused": {"find_unused_parameters": first},
+          "static_graph": {"static_graph": first},
+          "bucket_view": {"gradient_as_bucket_view": first},
+          "wire": {"options": fastddp.Options(wire="fp8")} if first else {},
+          "wire_no_init_sync": {"init_sync": False, **({"options": fastddp.Options(wire="bf16")} if first else {})},
+          "batched_grad_copy": {"batched_grad_copy": first}}.get(case, {})
+    from fastddp import agree
+
+    real_crc, real_settings = agree._sources_crc, agree.settings
+    if case == "sources" and first:  # another checkout of the same version on rank 0's host
+        agree._sources_crc = lambda: 0x1234
+    if case == "settings_list" and first:  # another fastddp, which compares one more setting
+        agree.settings = lambda ddp: real_settings(ddp) + [("a newer setting", "1")]
+    try:
+        ddp = ddp_class()(_net(), **kw)
+        if case == "fp8_hook" and first:
+            ddp.register_comm_hook(fh.FP8CompressionState(), fh.fp8_compress_hook)
+        elif case == "fp8_block":
+            ddp.register_comm_hook(fh.FP8CompressionState(block_size=128 if first else 256), fh.fp8_compress_hook)
+        elif case == "torch_hook" and first:
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ctx = ddp.join() if case == "join_before_any_step" else contextlib.nullcontext()
+        with ctx:
+            _steps(ddp, rank, 3 if case != "join_before_any_step" or first else 0)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        agree._sources_crc, agree.settings = real_crc, real_settings
+    g = _net_grads(ddp.module)
+    everyone = [torch.empty_like(g) for _ in range(world_size)]
+    dist.all_gather(everyone, g)
+    # (joined before any step: rank 1 has no grads; rank 0's are its own three steps' average with zeros)
+    return "ok", case == "join_before_any_step" or bool(torch.equal(everyone[0], everyone[1]))
+
+
+def _net_grads(m):
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+                      for p in m.parameters()])
+
+
+@pytest.mark.parametrize("case, names", [
+    ("bucket_cap", "bucket_cap_mb is 0.0001 on rank 0, 25 on rank 1"),
+    ("find_unused", "find_unused_parameters is True on rank 0, False on rank 1"),
+    ("static_graph", "static_graph is True on rank 0, False on rank 1"),
+    ("bucket_view", "gradient_as_bucket_view is True on rank 0, False on rank 1"),
+    ("wire", "options.wire is 'fp8' on rank 0, None on rank 1"),
+    ("wire_no_init_sync", "options.wire is 'bf16' on rank 0, None on rank 1"),
+    ("fp8_hook", "comm hook is fastddp.hooks.fp8_compress_hook on rank 0, None on rank 1"),
+    ("fp8_block", "block_size=128, error_feedback=True, exempt=None, chunk_bytes=None, tune_buckets=True) on rank 0"),
+    ("torch_hook", "comm hook is torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook on "
+                   "rank 0, None on rank 1"),
+    ("sources", "fastddp version is '0.1.0, sources 00001234' on rank 0, '0.1.0, sources "),
+    ("settings_list", "the ranks run different fastddp: they compare different lists of settings"),
+])
+def test_settings_that_differ_across_ranks_are_an_error_not_a_hang(world2, case, names):
+    """Every rank raises the same error, naming the setting and its value on
+    each rank, at construction (arguments, options, environment) or at the
+    first forward (a hook, or init_sync=False); the hook's two-phase group
+    (made at its first step) never leaves a rank waiting in new_group."""
+    msgs = world2.run(_settings_body, case, timeout=60)
+    assert msgs[0] == msgs[1], msgs
+    msg = msgs[0]
+    assert isinstance(msg, str) and "settings differ" in msg and names in msg, msg
+    assert "the same fastddp, the same constructor arguments" in msg and "FASTDDP_*" in msg, msg
+
+
+@pytest.mark.parametrize("case", ["same", "batched_grad_copy", "join_before_any_step"])
+def test_settings_that_agree_or_stay_local_pass(world2, case):
+    """Equal settings pass (one all-gather at construction, one at the first
+    step); batched_grad_copy (how a rank copies into its buckets, no
+    collective) may differ; a rank that joins before any step takes part in
+    the first step's check from join()'s loop."""
+    for status, equal in world2.run(_settings_body, case, timeout=60):
+        assert status == "ok" and equal, (status, equal)
+
+
+def test_settings_check_sees_every_option(tmp_path):
+    """Every field of fastddp.Options is compared, and the hook and its state
+    once registered; values are written so that equal means equal on every
+    rank (a function by name, a tensor by shape, a process group by type)."""
+    import dataclasses
+
+    import fastddp
+    import fastddp.hooks as fh
+    from fastddp import agree
+
+    with single_rank_group(tmp_path):
+        ddp = ddp_class()(_net())
+        before = dict(agree.settings(ddp))
+        ddp.register_comm_hook(fh.FP8CompressionState(exempt=[ddp.module[0].bias]), fh.fp8_compress_hook)
+        after = dict(agree.settings(ddp))
+        group = agree._canon(dist.group.WORLD)
+    assert {f"options.{f.name}" for f in dataclasses.fields(fastddp.Options)} <= set(before)
+    assert before["comm hook"] == "None" and after["comm hook"] == "fastddp.hooks.fp8_compress_hook"
+    assert "exempt=(tensor(8,)), " in after["comm hook state"], after["comm hook state"]
+    assert {"bucket_cap_mb", "find_unused_parameters", "static_graph", "gradient_as_bucket_view",
+            "mixed_precision", "check_finite"} <= set(before)
+    assert group == "ProcessGroup"
+    assert agree._canon({2, 1}) == "{1, 2}" and agree._canon([1.5, None]) == "(1.5, None)"

@@ -307,6 +307,7 @@ def _gather_body(rank, world_size, steps=4):
             loss_fn(ddp(x), y).backward()
             if step == 0:
                 outs.clear()  # the first iteration rebuilds the buckets (new flags, new buffers)
+                lists.clear()  # (and checks the ranks' settings once: fastddp.agree)
     finally:
         groups.all_gather_into_tensor, groups.all_gather = into, listed
     return len(outs), all(o is outs[0] for o in outs), len(lists)

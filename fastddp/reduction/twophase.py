@@ -199,19 +199,25 @@ class PhaseTwo:
     backward submit in the one order the backward thread issues their
     all-to-alls, the same on every rank), made once and kept for the
     process's life, as the group is.  Steps are run in the order submitted,
-    each round by round."""
+    each round by round.  The twin is made at the first step submitted,
+    not when the mode is built: every rank submits its first step at the
+    same point of the same backward, and a rank whose settings differ (a
+    hook registered on one rank only) reaches the first forward's
+    settings check (:mod:`fastddp.agree`) instead of waiting in
+    ``new_group`` for a rank that never calls it."""
 
     _ONE: dict = {}  # id(pg) -> (pg, PhaseTwo)
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, pg):
+        self.pg = pg
+        self.group = None  # the twin, made by the first submit
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     @classmethod
     def of(cls, pg, device, backend: str) -> "PhaseTwo | None":
-        """The one for ``pg`` (made collectively the first time: every rank of
-        the world makes the twin group here, as it builds the same mode), or
+        """The one for ``pg`` (its twin group made collectively at the first
+        submit: every rank of the world runs the same backward), or
         None where the rounds stay on the end-of-backward thread: not the
         CPU, the Triton interpreter (not thread-safe), a group of one rank, or
         a group that is not the whole world (``new_group`` needs every rank
@@ -225,10 +231,14 @@ class PhaseTwo:
             return None
         got = cls._ONE.get(id(pg))
         if got is None or got[0] is not pg:
-            got = cls._ONE[id(pg)] = (pg, cls(dist.new_group(groups.global_ranks(pg), backend="gloo")))
+            got = cls._ONE[id(pg)] = (pg, cls(pg))
         return got[1]
 
     def submit(self, step: ShardStep) -> None:
+        if self.group is None:
+            from .. import groups
+
+            self.group = dist.new_group(groups.global_ranks(self.pg), backend="gloo")
         step.ran, step.pg = threading.Event(), self.group
         if self._thread is None:
             self._thread = threading.Thread(target=PhaseTwo._run, args=(self._queue,), daemon=True,
