@@ -16,11 +16,15 @@ at hand, else the C++ compiler directly with the flags torch's builder would
 pass.  A previous process's result is imported without re-running torch's
 build check (~0.5 s per process: every rank of every run pays it).
 
-torch's builder holds a lock file in the build folder while it builds; a
-builder killed hard (SIGKILL) leaves it behind and every later process would
-wait on it for ever.  A lock older than :data:`BUILD_LIMIT_S` is stale: it is
-removed (with a warning) and the build runs.  :func:`exit_on_sigterm` makes a
-command-line build release the lock when it is terminated.
+torch's builder locks the build folder's ``lock`` file while it builds,
+in one of two ways (:func:`building` reads either).  torch <= 2.13
+(``FileBaton``) creates the file and removes it after: a builder killed hard
+(SIGKILL) leaves it behind and every later process would wait on it for
+ever, so a lock older than :data:`BUILD_LIMIT_S` is stale, removed (with a
+warning), and the build runs; :func:`exit_on_sigterm` makes a command-line
+build release it when it is terminated.  torch >= 2.14 holds an OS advisory
+lock on a file it leaves behind (the kernel releases a dead holder's): there
+the lock is tried, and the file's presence or age says nothing.
 """
 
 from __future__ import annotations
@@ -96,12 +100,40 @@ def remove_stale_lock(path: str, limit: float = BUILD_LIMIT_S) -> bool:
     return True
 
 
+def _torch_lock():
+    """torch's build lock class where it is an OS advisory lock (torch >= 2.14:
+    ``cpp_extension.FileLock``, whose file stays behind after the build), else
+    None (torch <= 2.13's ``FileBaton``: the file exists exactly while a build
+    runs)."""
+    from torch.utils import cpp_extension
+    return getattr(cpp_extension, "FileLock", None)
+
+
+def building(path: str) -> bool:
+    """Whether another process builds under torch's lock file ``path``: the
+    file's existence (torch <= 2.13), or the OS lock on it, tried without
+    waiting (torch >= 2.14, whose finished builds leave the file)."""
+    if not os.path.exists(path):
+        return False
+    lock_cls = _torch_lock()
+    if lock_cls is None:
+        return True
+    lock = lock_cls(path)
+    try:
+        lock.acquire(timeout=0)
+    except TimeoutError:  # (filelock.Timeout) a builder holds it
+        return True
+    lock.release()
+    return False
+
+
 def wait_for_lock(path: str, limit: float = BUILD_LIMIT_S, poll: float = 0.2) -> None:
-    """Wait while another process builds (the lock file ``path`` exists),
-    at most until the lock is ``limit`` seconds old; then it is stale and
-    removed.  Never waits for ever on a dead builder's lock."""
-    while os.path.exists(path):
-        if remove_stale_lock(path, limit):
+    """Wait while another process builds (:func:`building`).  Never for ever
+    on a dead builder's lock: torch <= 2.13's file is removed as stale once
+    it is ``limit`` seconds old; torch >= 2.14's OS lock is released by the
+    kernel when its holder dies (its file's age says nothing)."""
+    while building(path):
+        if _torch_lock() is None and remove_stale_lock(path, limit):
             return
         time.sleep(poll)
 
@@ -197,7 +229,7 @@ class Extension:
         """The module a previous process built, imported directly; None
         while absent or while another process holds the build lock."""
         name, d, so = self.built_path()
-        if not os.path.isfile(so) or os.path.exists(os.path.join(d, "lock")):
+        if not os.path.isfile(so) or building(os.path.join(d, "lock")):
             return None
         spec = importlib.util.spec_from_file_location(name, so)
         mod = importlib.util.module_from_spec(spec)

@@ -1,5 +1,6 @@
 """The native modules' shared build machinery (kernels/_native_build.py): the
-switch's one rule, the stale build lock a killed builder leaves, a
+switch's one rule, torch's two kinds of build lock (a file while building;
+an OS lock on a file left behind), the stale build lock a killed builder leaves, a
 terminated command-line build releasing torch's lock, and the C++ sources
 shipping beside their loaders.
 """
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -49,8 +51,62 @@ def _lock(path, age_s: float):
     return path
 
 
-def test_a_lock_older_than_the_build_limit_is_stale(tmp_path):
+@pytest.fixture(params=["file", "os-lock"])
+def lock_style(request, monkeypatch):
+    """torch's two build locks: ``"file"`` (torch <= 2.13, FileBaton: the
+    file exists while a build runs) or ``"os-lock"`` (torch >= 2.14,
+    cpp_extension.FileLock: an OS advisory lock on a file left behind),
+    whichever torch is installed."""
+    import filelock
+    from torch.utils import cpp_extension
+
+    if request.param == "file":
+        monkeypatch.delattr(cpp_extension, "FileLock", raising=False)
+    else:
+        monkeypatch.setattr(cpp_extension, "FileLock", filelock.FileLock, raising=False)
+    return request.param
+
+
+def _hold(path, seconds: float) -> threading.Thread:
+    """Another builder: an OS lock on ``path`` (flock, as filelock takes it) for ``seconds``."""
+    import fcntl
+
+    held = threading.Event()
+
+    def run():
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.set()
+        time.sleep(seconds)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    held.wait(5)
+    return t
+
+
+def test_a_finished_builds_os_lock_file_does_not_block(tmp_path, lock_style):
+    """torch >= 2.14 leaves its lock file after every build: a process that
+    starts after it imports the module at once (no wait, no "stale" removal:
+    read as torch <= 2.13's lock it cost every process for 10 minutes after
+    a build); under torch <= 2.13 the same file is a build in progress."""
     from fastddp.kernels import _native_build as B
+    lock = _lock(tmp_path / "lock", 1)
+    assert B.building(str(lock)) == (lock_style == "file")
+    if lock_style == "os-lock":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            t = time.monotonic()
+            B.wait_for_lock(str(lock), limit=0.5, poll=0.05)
+        assert time.monotonic() - t < 0.3 and lock.exists()
+
+
+def test_a_lock_older_than_the_build_limit_is_stale(tmp_path, monkeypatch):
+    from fastddp.kernels import _native_build as B
+    from torch.utils import cpp_extension
+
+    monkeypatch.delattr(cpp_extension, "FileLock", raising=False)  # (torch <= 2.13's lock: a file)
     old = _lock(tmp_path / "lock", B.BUILD_LIMIT_S + 5)
     with pytest.warns(RuntimeWarning, match="removed the stale build lock .*its builder died"):
         B.wait_for_lock(str(old))  # returns at once instead of waiting for ever
@@ -59,19 +115,27 @@ def test_a_lock_older_than_the_build_limit_is_stale(tmp_path):
     assert not B.remove_stale_lock(str(fresh)) and fresh.exists()  # a live build's lock stays
 
 
-def test_a_live_builders_lock_is_waited_for(tmp_path):
+def test_a_live_builders_lock_is_waited_for(tmp_path, lock_style):
     from fastddp.kernels import _native_build as B
-    lock = _lock(tmp_path / "lock", 0)
-    threading.Timer(0.5, lock.unlink).start()  # the other builder finishes
+    if lock_style == "file":
+        lock = _lock(tmp_path / "lock", 0)
+        threading.Timer(0.5, lock.unlink).start()  # the other builder finishes
+    else:  # an old file (its age says nothing), held by a live builder for 0.5 s
+        lock = _lock(tmp_path / "lock", B.BUILD_LIMIT_S + 60)
+        _hold(lock, 0.5)
     t = time.monotonic()
     B.wait_for_lock(str(lock), poll=0.05)
     assert 0.4 < time.monotonic() - t < 5
+    assert lock.exists() == (lock_style == "os-lock")  # (a held OS lock's file is never removed as stale)
 
 
 def test_a_stale_lock_does_not_stop_the_build(tmp_path, monkeypatch):
     """The loader meets a dead builder's lock in its build folder: it removes
-    it and builds (torch's builder alone would wait on it for ever)."""
+    it and builds (torch <= 2.13's builder alone would wait on it for ever)."""
     from fastddp.kernels import _native_build as B
+    from torch.utils import cpp_extension
+
+    monkeypatch.delattr(cpp_extension, "FileLock", raising=False)
     src = tmp_path / "x.cpp"
     src.write_text("// nothing\n")
     ext = B.Extension("fastddp_test", [str(src)], env="FASTDDP_TEST_NATIVE", what="test module",
