@@ -216,7 +216,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
-    # .ci/run's leg 2 (the GPU machine's torch) leaves the netns rig's torchrun
+    # .ci/run's legs 2 and 3 (other torch and Python) leave the netns rig's torchrun
     # runs to leg 1: the same tooling, minutes of it, nothing of the stack's own
     rig_off = os.environ.get("FASTDDP_TESTS_RIG", "1") == "0"
     for item in items:
