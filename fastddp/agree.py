@@ -43,9 +43,10 @@ from ._version import __version__
 
 __all__ = ["settings", "check", "once"]
 
-#: the reducers whose ranks agreed (a reducer rebuilt by _set_static_graph or
-#: unpickling is checked again, at its own first forward)
-_AGREED: "weakref.WeakSet" = weakref.WeakSet()
+#: id -> weakref of each reducer whose ranks agreed (a reducer rebuilt by
+#: _set_static_graph or unpickling is checked again, at its own first
+#: forward); a dict lookup, not a WeakSet's Python-level one: it runs every forward
+_AGREED: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,9 +112,13 @@ def _who(ranks: list[int]) -> str:
 
 def once(ddp) -> None:
     """:func:`check`, the first time for the module's reducer."""
-    if ddp.reducer not in _AGREED:
+    r = ddp.reducer
+    seen = _AGREED.get(id(r))
+    if seen is None or seen() is not r:
         check(ddp)
-        _AGREED.add(ddp.reducer)
+        for k in [k for k, w in _AGREED.items() if w() is None]:  # the dead reducers' entries
+            del _AGREED[k]
+        _AGREED[id(r)] = weakref.ref(r)
 
 
 def check(ddp) -> bool:

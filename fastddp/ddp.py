@@ -207,7 +207,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP, metaclass=_DDPType):
         return _compile.bucket_bytes_cap(self)
 
     def will_sync_module_buffers(self) -> bool:
-        return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0
+        return self.require_forward_param_sync and self.forward_sync_buffers and len(self.forward_buffers.tensors) > 0
 
     def _sync_buffers(self) -> None:
         # Under join() rank 0 may have joined with stale buffers: agree on a source.

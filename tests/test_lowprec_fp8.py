@@ -575,7 +575,7 @@ def _with_direct(rank, world, per_call, body, *args):
         return real(self, q, s, lo, hi)
     fp8direct.DIRECT_VALUES_PER_CALL, D.decode_into = per_call, counted
     if per_call is None:
-        D.worth = lambda self, ranges, geometry: False
+        D.worth = lambda self, wire, geometry: False
     try:
         return body(rank, world, *args), seen[0]
     finally:
@@ -643,7 +643,7 @@ def test_decoding_into_the_grads_is_taken_by_bytes_and_calls():
         z, q = torch.zeros(0), torch.zeros(bounds[-1][1], dtype=U8)  # (a one-piece wire's range: all of q)
         w = Fp8Wire(world=1, block=32, shard=q.numel(), ex=[], q8=[], lay8=None, lay_ex=None, stage=z,
                     q=q, s=z, exbuf=z, ex_views=[], bounds=bounds, s_bounds=[], rq=z, rs=z, nbytes=0)
-        return w.direct.worth(w.all_ranges(), geometry)
+        return w.direct.worth(w, geometry)
 
     assert worth([(0, 64)], [(0, 64)])  # one launch for one: nothing extra
     n = DIRECT_VALUES_PER_CALL

@@ -121,7 +121,8 @@ class AutoPrecision(Reduction):
         """The candidate ``ctx``'s buckets go to where nothing of this mode's own runs around them (settled,
         unwatched, untimed, no switch or residual pending): the native issue chain may run it; else None."""
         idle = self._clock_due is None and not self.residuals.pending and ctx.iteration not in self.clock.marks
-        ok = self.schedule.quiet and self._it == ctx.iteration
+        sch = self.schedule  # (attribute reads: this runs every step, and a property is a frame)
+        ok = sch.phase is Phase.SETTLED and sch.watch is None and self._it == ctx.iteration
         return self.cur if ok and idle and self.next_name == self.cur_name else None
 
     # -------------------------------------------------------- delegation
@@ -149,7 +150,8 @@ class AutoPrecision(Reduction):
         if self._clock_due is not None:
             self.clock.start(*self._clock_due)  # the reduction window starts at the first pack
             self._clock_due = None
-        self.schedule.look(ctx, bucket)
+        if self.schedule.looked == ctx.iteration:  # (an attribute read per pack; the call only then)
+            self.schedule.look(ctx, bucket)
         self.residuals.before_pack(ctx, bucket, self.cur, self.cur_name)
 
     def issue(self, ctx, bucket):

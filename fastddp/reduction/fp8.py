@@ -186,7 +186,7 @@ class BlockFp8(Reduction):
     def unpack(self, ctx, bucket, result, track_unused: bool) -> None:
         self.book.finished(bucket)
         d = self.engine.wires[bucket.index]  # its sums already decoded into the stage (Fp8Wire.finish_piece)
-        if d.direct.active:  # ... or into the grads themselves (DirectDecode.choose)
+        if d.direct.slots is not None:  # ... or into the grads themselves (DirectDecode.choose)
             return d.direct.land(ctx, bucket, d, track_unused)
         if d.ex:
             kernels.unpack(d.exbuf, d.ex_views, layout=d.lay_ex)

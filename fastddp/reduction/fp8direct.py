@@ -45,10 +45,6 @@ class DirectDecode:
         self.ok: bool | None = None  # the slots' geometry makes it pay (worth): decided once per wire
         self.tmp: torch.Tensor | None = None  # one block: a slot's edge inside a block is decoded here first
 
-    @property
-    def active(self) -> bool:
-        return self.slots is not None
-
     def aim(self, slots: list | None, grads: list | None, pack_scale: float | None = None) -> None:
         """This step's sums decode into ``slots`` (None: into the stage).
         ``pack_scale``: each range's quantize reads the slots times the scale
@@ -60,14 +56,14 @@ class DirectDecode:
     def clear(self) -> None:
         self.slots = self.grads = self.pack_scale = None
 
-    def worth(self, ranges: list, geometry) -> bool:
+    def worth(self, wire, geometry) -> bool:
         """Whether decoding into slots of ``geometry`` (``(offset, numel)``
-        in the stage) pays over the wire's ``ranges`` (one launch each into
-        the stage), by bytes and calls (:data:`DIRECT_VALUES_PER_CALL`);
-        decided once per wire (a plan's geometry is fixed)."""
+        in the stage) pays over ``wire``'s ranges (one launch each into the
+        stage), by bytes and calls (:data:`DIRECT_VALUES_PER_CALL`); decided
+        once per wire (a plan's geometry is fixed)."""
         if self.ok is None:
             B, extra = self.block, 0
-            for lo, hi in ranges:
+            for lo, hi in wire.all_ranges():
                 extra -= 1  # the range's one launch into the stage, saved
                 for _, x0, x1 in overlaps(geometry, lo, hi):
                     extra += 1 + (x0 % B != 0) + (x1 % B != 0)
@@ -119,9 +115,9 @@ class DirectDecode:
             return self.aim(None, None)  # (CUDA: the one stage launch each way, on the comm stream)
         if ctx.view_mode:
             n = bucket.flat.numel()
-            return self.aim([(0, n, bucket.flat)] if self.worth(wire.all_ranges(), [(0, n)]) else None, None)
+            return self.aim([(0, n, bucket.flat)] if self.worth(wire, [(0, n)]) else None, None)
         lay = bucket.layout
-        if not plain or not self.worth(wire.all_ranges(), [(lay.offsets[k], lay.numels[k]) for k in wire.q8]):
+        if not plain or not self.worth(wire, [(lay.offsets[k], lay.numels[k]) for k in wire.q8]):
             return self.aim(None, None)
         slots = []
         for k in wire.q8:

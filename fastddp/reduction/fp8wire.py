@@ -150,7 +150,7 @@ class Fp8Wire(ShardWire):
 
     def _decode(self, ranges) -> None:
         B = self.block
-        if self.direct.active:
+        if self.direct.slots is not None:  # (an attribute read, not a property: no frame per piece)
             for lo, hi in ranges:
                 self.direct.decode_into(self.q, self.s, lo, hi)
             return

@@ -36,7 +36,7 @@ class ChoiceSchedule:
     def __init__(self, state, formats: list, clock: StepClock, label: str, differs=None):
         self.state, self.formats, self.clock, self.label = state, formats, clock, label
         self._differs = differs
-        self._looked, self._seen_differ = None, False  # the iteration whose packs tell whether a bucket differs
+        self.looked, self._seen_differ = None, False  # the iteration whose packs tell whether a bucket differs
         single = len(formats) == 1
         self.phase = _SETTLED if single else _WAIT
         self.watch = Watch() if state.watch and not single else None
@@ -56,20 +56,16 @@ class ChoiceSchedule:
         self.trial_steps = 0
         self.side = self.decided_on = None  # the decision group (stepclock.decision_group), set by the builder
 
-    @property
-    def quiet(self) -> bool:
-        """Settled with no watch: nothing of the schedule's own runs in a step any more."""
-        return self.phase == _SETTLED and self.watch is None
-
     def look(self, ctx, bucket) -> None:
-        """A bucket's pack, waiting: does it tell the candidates apart (asked in one iteration after the rebuild)?"""
-        if self._looked == ctx.iteration and self.phase == _WAIT and not self._seen_differ:
+        """A bucket's pack in iteration :attr:`looked` (one after the rebuild;
+        the mode calls only then): does it tell the candidates apart?"""
+        if self.phase == _WAIT and not self._seen_differ:
             self._seen_differ = self._differs(ctx, bucket)
 
     def rebuilt(self) -> None:
         """The buckets were rebuilt: a trial restarts, a watch takes a new baseline, the plan is looked at afresh."""
         self._restart = True
-        self._looked, self._seen_differ = None, False
+        self.looked, self._seen_differ = None, False
 
     # ----------------------------------------------------------- steps
     def enter(self, ctx, cur: str) -> tuple[str, bool]:
@@ -87,8 +83,8 @@ class ChoiceSchedule:
             elif self.phase == _SETTLED and self.watch is not None:
                 self._drop_window()
                 self._watching = False  # a new baseline from here (or once the layout settles)
-        if self.phase == _WAIT and ctx.rebuilt and self._differs is not None and self._looked is None:
-            self._looked = it  # this iteration's packs (the final plan's) tell whether a trial can tell anything
+        if self.phase == _WAIT and ctx.rebuilt and self._differs is not None and self.looked is None:
+            self.looked = it  # this iteration's packs (the final plan's) tell whether a trial can tell anything
         elif self.phase == _WAIT and ctx.rebuilt and self._differs is not None and not self._seen_differ:
             self.phase, self.settled_at = _SETTLED, it  # every bucket the same whichever: nothing to measure
             self.decisions.append({"step": it, "chosen": cur, "trigger": "first measurement",
