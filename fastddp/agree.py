@@ -64,12 +64,14 @@ def _sources_crc() -> int:
 
 def _canon(v) -> str:
     """A value as text that is equal on two ranks exactly when the value
-    means the same there: plain values by ``repr``, containers and
+    means the same there: plain values by ``repr`` (numbers as floats), containers and
     dataclasses field by field, a function by its qualified name, a tensor
     (an exempt parameter) by its shape, anything else a rank holds its own
     of (a process group, a clock object) by its type."""
-    if v is None or isinstance(v, (bool, int, float, str)):
+    if v is None or isinstance(v, (bool, str)):
         return repr(v)
+    if isinstance(v, (int, float)):
+        return repr(float(v))  # 25 and 25.0 MiB are one cap
     if isinstance(v, torch.dtype):
         return str(v)
     if isinstance(v, torch.Tensor):
@@ -133,8 +135,9 @@ def check(ddp) -> bool:
     # the first checksum covers the list itself (another fastddp may check other settings)
     sums = [zlib.crc32(names.encode())] + [zlib.crc32(v.encode()) for _, v in mine]
     t = torch.tensor(sums, dtype=torch.int64, device=ddp.device)
-    if t.numel() < 64:  # a fixed length: ranks with longer lists still gather the same sizes
-        t = torch.cat([t, t.new_zeros(64 - t.numel())])
+    assert t.numel() <= 64, "fastddp.agree compares at most 63 settings"
+    # a fixed length: a rank whose fastddp compares more settings still gathers the same size
+    t = torch.cat([t, t.new_zeros(64 - t.numel())])
     everyone = [torch.empty_like(t) for _ in range(world)]
     groups.all_gather(everyone, t, pg)
     rows = torch.stack(everyone).cpu()

@@ -668,14 +668,14 @@ def _net_grads(m):
 
 
 @pytest.mark.parametrize("case, names", [
-    ("bucket_cap", "bucket_cap_mb is 0.0001 on rank 0, 25 on rank 1"),
+    ("bucket_cap", "bucket_cap_mb is 0.0001 on rank 0, 25.0 on rank 1"),
     ("find_unused", "find_unused_parameters is True on rank 0, False on rank 1"),
     ("static_graph", "static_graph is True on rank 0, False on rank 1"),
     ("bucket_view", "gradient_as_bucket_view is True on rank 0, False on rank 1"),
     ("wire", "options.wire is 'fp8' on rank 0, None on rank 1"),
     ("wire_no_init_sync", "options.wire is 'bf16' on rank 0, None on rank 1"),
     ("fp8_hook", "comm hook is fastddp.hooks.fp8_compress_hook on rank 0, None on rank 1"),
-    ("fp8_block", "block_size=128, error_feedback=True, exempt=None, chunk_bytes=None, tune_buckets=True) on rank 0"),
+    ("fp8_block", "block_size=128.0, error_feedback=True, exempt=None, chunk_bytes=None, tune_buckets=True) on rank 0"),
     ("torch_hook", "comm hook is torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook on "
                    "rank 0, None on rank 1"),
     ("sources", "fastddp version is '0.1.0, sources 00001234' on rank 0, '0.1.0, sources "),
@@ -725,4 +725,5 @@ def test_settings_check_sees_every_option(tmp_path):
     assert {"bucket_cap_mb", "find_unused_parameters", "static_graph", "gradient_as_bucket_view",
             "mixed_precision", "check_finite"} <= set(before)
     assert group == "ProcessGroup"
-    assert agree._canon({2, 1}) == "{1, 2}" and agree._canon([1.5, None]) == "(1.5, None)"
+    assert agree._canon({2, 1}) == "{1.0, 2.0}" and agree._canon([1.5, None]) == "(1.5, None)"
+    assert agree._canon(25) == agree._canon(25.0) != agree._canon(True)  # one cap however it is written
