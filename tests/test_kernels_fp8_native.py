@@ -165,6 +165,58 @@ def test_fp8_native_decodes_every_code():
     assert torch.equal(o1q, o2q) and torch.equal(o1s, o2s)
 
 
+@pytest.mark.skipif(OFF, reason="FASTDDP_FP8_NATIVE=0")
+@pytest.mark.parametrize("flush", [False, True], ids=["subnormals", "flush_denormal"])
+def test_fp8_native_scales_either_side_of_the_fold(flush):
+    """The loops fold a block's scale into the decode's one multiply where
+    s < 2^8 (csrc: fp8_decode_times, fp8_round_folded) and keep the plain rule
+    above it, and where the thread reads fp32 subnormals as 0
+    (torch.set_flush_denormal(True): the fold builds subnormal codes as fp32
+    subnormals): all 256 codes times every power-of-two scale, 2^-126 to
+    2^127, in the decode; the shard sum at W = 2 of blocks at every scale
+    (sums that need scales either side of 2^8); the quantize of blocks whose
+    max spans every exponent, with error feedback; against the reference run
+    under the same flag, bit for bit (NaN bits too)."""
+    from fastddp.kernels import reference as R
+    mod = _fp8_mod()
+    if flush and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        block = 256
+        scales = torch.tensor([2.0 ** e for e in range(-126, 128)])
+        q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(scales.numel())
+        d1, d2 = torch.empty(q.numel()), torch.empty(q.numel())
+        mod.fp8_dequantize(q, scales, d1, block)
+        R.dequantize_fp8(q, scales, d2, block)
+        assert torch.equal(d1.view(torch.int32), d2.view(torch.int32))
+        fin = q.clone()
+        fin[(fin & 0x7F) == 0x7F] = 0x7E
+        half = fin.numel() // 2  # W = 2: slice 0 at scales 2^-126..2^0, slice 1 at 2^-9..2^117
+        o1q, o1s = torch.empty(half, dtype=torch.uint8), torch.empty(half // block)
+        o2q, o2s = o1q.clone(), o1s.clone()
+        s_in = torch.cat([scales[:half // block], scales[half // block:] * 2.0 ** -10])
+        n1 = mod.fp8_reduce_shards(fin, s_in, o1q, o1s, 2, block)
+        R.reduce_fp8_shards(fin, s_in, o2q, o2s, 2, block)
+        assert torch.equal(o1q[:n1 * block], o2q[:n1 * block]) and torch.equal(o1s[:n1], o2s[:n1])
+        assert n1 == half // block  # every sum finite: the native pass did all of it
+        g = torch.Generator().manual_seed(11)
+        x = (torch.randn(scales.numel(), block, generator=g) * scales[:, None] * 100).reshape(-1)
+        x = torch.where(x.isfinite(), x, 0.0).contiguous()
+        x[::5] *= 2.0 ** -12  # subnormal codes in every block
+        for res in (None, x * 1e-3):
+            q1, s1, r1 = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(scales.numel()), None
+            q2, s2, r2 = q1.clone(), s1.clone(), None
+            if res is not None:
+                r1, r2 = res.clone(), res.clone()
+            assert mod.fp8_quantize(x, r1, q1, s1, block) == scales.numel()
+            R.quantize_fp8(x, q2, s2, block, r2)
+            assert torch.equal(q1, q2) and torch.equal(s1, s2)
+            if res is not None:
+                assert torch.equal(r1.view(torch.int32), r2.view(torch.int32))
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def _gather_case(g, block, nonfinite: str | None):
     """Parts of random sizes at random gaps (slots not aligned to blocks),
     magnitudes over 40 decades;

@@ -106,6 +106,75 @@ inline float fp8_decode(uint8_t c, uint32_t nan_pos, uint32_t nan_neg) {
   return bits_float(v | (nan & is_nan));
 }
 
+// The same value times a scale s, in fewer operations (the loops' cost on
+// the CPU is these operations, not memory): the code's 7 magnitude bits put
+// where fp32's exponent and mantissa start ARE an fp32 with the code's
+// exponent field and mantissa, biased by 127 instead of 7 (exponent field 0:
+// an fp32 subnormal, m * 2^-129), so times 2^120 it is the code's value,
+// exactly, subnormal codes included; the scale rides in that multiply
+// (s2 = s * 2^120, exact while s < 2^8: foldable), one rounding
+// either way, so the product is fp8_decode(c) * s bit for bit.  NaN codes
+// take the table's NaN, as there.  Valid only where the CPU reads fp32
+// subnormal inputs as themselves (subnormals_read).
+inline float fp8_decode_times(uint8_t c, float s2, uint32_t nan_pos, uint32_t nan_neg) {
+  const uint32_t u = c;
+  const uint32_t mag = u & 0x7Fu;
+  const float v = bits_float((mag << 20) | ((u & 0x80u) << 24)) * s2;
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(mag == 0x7Fu);
+  const uint32_t nan = nan_pos ^ ((nan_pos ^ nan_neg) & (0u - (u >> 7)));
+  return bits_float((float_bits(v) & ~is_nan) | (nan & is_nan));
+}
+
+// |s| < 2^8 (and finite): s * 2^120 is finite and exact.
+inline bool foldable(float s) { return (float_bits(s) & 0x7FFFFFFFu) < 0x43800000u; }
+
+// Whether this thread's floating point reads fp32 subnormals as themselves
+// (x86's DAZ flag, or ARM's FZ, which torch.set_flush_denormal(True) sets,
+// reads them as 0): asked at every call, in the calling thread (the flags are
+// per thread).  volatile: the product is computed here, not by the compiler.
+inline bool subnormals_read() {
+  volatile uint32_t tiny = 1u << 20;  // 2^-129, an fp32 subnormal
+  volatile float big = 0x1p120f;
+  return bits_float(tiny) * big == 0x1p-9f;
+}
+
+// fp8_round in fewer operations where the block's scale folds (s2 = s *
+// 2^120, foldable): the subnormal code is read from the bits of the sum that
+// rounds it (|v| * 2^9 + 2^23 is 2^23 + the code, nearest even: no float to
+// int conversion), and the rounded value times s is the code's value times s
+// (fp8_decode_times' rule), from the code's bits: the same code and the same
+// value bit for bit (every fp32 with |v| <= 448 checked against fp8_round).
+inline uint8_t fp8_round_folded(float y, float inv, float s2, float* back) {
+  const uint32_t bits = float_bits(y * inv);
+  const uint32_t sign = bits & 0x80000000u;
+  const uint32_t a = bits & 0x7FFFFFFFu;
+  const uint32_t sub = float_bits(bits_float(a) * 512.0f + 8388608.0f) - 0x4B000000u;
+  const uint32_t kept = (a + 0x7FFFFu + ((a >> 20) & 1u)) & 0xFFF00000u;
+  const uint32_t nor = (kept >> 20) - (120u << 3);
+  const uint32_t m = 0u - static_cast<uint32_t>(a < 0x3C800000u);  // |v| < 2^-6
+  const uint32_t mag = (sub & m) | (nor & ~m);
+  *back = bits_float((mag << 20) | sign) * s2;
+  return static_cast<uint8_t>((sign >> 24) | mag);
+}
+
+// One block's codes from y (its scale s, inv = 1 / s) and, RES, the
+// residual's new value in the same loop (no branch inside: it vectorizes).
+template <bool RES, bool FOLD>
+inline void round_block(const float* __restrict y, float* __restrict rb, uint8_t* __restrict qb, float inv, float s,
+                        int64_t block) {
+  const float s2 = s * 0x1p120f;  // (used where FOLD: foldable(s))
+  for (int64_t i = 0; i < block; ++i) {
+    float back;
+    qb[i] = FOLD ? fp8_round_folded(y[i], inv, s2, &back) : fp8_round(y[i], inv, s, &back);
+    if (RES) {
+      // the contract's residual is 0 where it is not finite: a value near
+      // fp32's max rounds to a code whose value times s overflows
+      const uint32_t db = float_bits(y[i] - back);
+      rb[i] = bits_float(db & (0u - static_cast<uint32_t>((db & 0x7F800000u) != 0x7F800000u)));
+    }
+  }
+}
+
 // max |x| as bits: for |x| (sign cleared) the integer order is the float
 // order, NaN/inf sit above 0x7F800000 (so one reduction finds both), and an
 // integer max vectorizes where a float one may not (NaN rules).
@@ -132,7 +201,7 @@ inline uint32_t max_abs_bits(const float* __restrict y, int64_t block) {
 // the codes (RES: no branch inside the loops, each vectorizes).
 template <bool RES, class Fill>
 inline int64_t quantize_blocks(Fill&& fill, float* __restrict rp, uint8_t* __restrict qp, float* __restrict sp,
-                               int64_t nb, int64_t block, float* __restrict y) {
+                               int64_t nb, int64_t block, float* __restrict y, bool fold) {
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t o = b * block;
     fill(o, y);
@@ -145,32 +214,22 @@ inline int64_t quantize_blocks(Fill&& fill, float* __restrict rp, uint8_t* __res
     const float inv = 1.0f / s;  // a power of two: exact
     sp[b] = s;
     uint8_t* __restrict qb = qp + o;
-    if (RES) {
-      float* __restrict rb = rp + o;
-      for (int64_t i = 0; i < block; ++i) {
-        float back;
-        qb[i] = fp8_round(y[i], inv, s, &back);
-        // the contract's residual is 0 where it is not finite: a value near
-        // fp32's max rounds to a code whose value times s overflows
-        const uint32_t db = float_bits(y[i] - back);
-        rb[i] = bits_float(db & (0u - static_cast<uint32_t>((db & 0x7F800000u) != 0x7F800000u)));
-      }
+    float* __restrict rb = RES ? rp + o : nullptr;
+    if (fold && foldable(s)) {
+      round_block<RES, true>(y, rb, qb, inv, s, block);
     } else {
-      for (int64_t i = 0; i < block; ++i) {
-        float back;
-        qb[i] = fp8_round(y[i], inv, s, &back);
-      }
+      round_block<RES, false>(y, rb, qb, inv, s, block);
     }
   }
   return nb;
 }
 
 FASTDDP_CLONES int64_t quantize_loop(const float* __restrict xp, float* __restrict rp, uint8_t* __restrict qp,
-                                     float* __restrict sp, int64_t nb, int64_t block, float* __restrict y) {
+                                     float* __restrict sp, int64_t nb, int64_t block, float* __restrict y, bool fold) {
   auto fill = [xp, block](int64_t o, float* __restrict yy) {
     for (int64_t i = 0; i < block; ++i) yy[i] = xp[o + i];
   };
-  return rp ? quantize_blocks<true>(fill, rp, qp, sp, nb, block, y) : quantize_blocks<false>(fill, rp, qp, sp, nb, block, y);
+  return rp ? quantize_blocks<true>(fill, rp, qp, sp, nb, block, y, fold) : quantize_blocks<false>(fill, rp, qp, sp, nb, block, y, fold);
 }
 
 // A stretch of the range being quantized: ``src`` times the scale (a
@@ -186,7 +245,7 @@ struct Seg {
 // neither written nor read again: one pass instead of two.
 FASTDDP_CLONES int64_t quantize_gather_loop(const Seg* segs, float fs, const float* __restrict xp,
                                             float* __restrict rp, uint8_t* __restrict qp, float* __restrict sp,
-                                            int64_t nb, int64_t block, float* __restrict y) {
+                                            int64_t nb, int64_t block, float* __restrict y, bool fold) {
   size_t p = 0;  // the first segment not wholly before the block
   auto fill = [&p, segs, fs, xp, block](int64_t o, float* __restrict yy) {
     for (int64_t pos = o; pos < o + block;) {
@@ -205,38 +264,57 @@ FASTDDP_CLONES int64_t quantize_gather_loop(const Seg* segs, float fs, const flo
       if (pos == g.start + g.len) ++p;
     }
   };
-  return rp ? quantize_blocks<true>(fill, rp, qp, sp, nb, block, y) : quantize_blocks<false>(fill, rp, qp, sp, nb, block, y);
+  return rp ? quantize_blocks<true>(fill, rp, qp, sp, nb, block, y, fold) : quantize_blocks<false>(fill, rp, qp, sp, nb, block, y, fold);
 }
 
 FASTDDP_CLONES void dequantize_loop(const uint8_t* __restrict qp, const float* __restrict sp, float* __restrict op,
-                                    int64_t nb, int64_t block) {
+                                    int64_t nb, int64_t block, bool fold) {
   const uint32_t np = float_bits(g_fp8_lut[0x7F]), nn = float_bits(g_fp8_lut[0xFF]);
   for (int64_t b = 0; b < nb; ++b) {
     const float s = sp[b];
     const uint8_t* __restrict qb = qp + b * block;
     float* __restrict ob = op + b * block;
-    for (int64_t i = 0; i < block; ++i) ob[i] = fp8_decode(qb[i], np, nn) * s;
+    if (fold && foldable(s)) {
+      const float s2 = s * 0x1p120f;
+      for (int64_t i = 0; i < block; ++i) ob[i] = fp8_decode_times(qb[i], s2, np, nn);
+    } else {
+      for (int64_t i = 0; i < block; ++i) ob[i] = fp8_decode(qb[i], np, nn) * s;
+    }
   }
 }
 
 FASTDDP_CLONES int64_t reduce_loop(const uint8_t* sq, const float* ss, uint8_t* oq, float* os, int64_t n, int64_t nb,
-                                   int64_t world, int64_t block, float* __restrict acc, float* __restrict back) {
+                                   int64_t world, int64_t block, float* __restrict acc, bool fold) {
   const uint32_t np = float_bits(g_fp8_lut[0x7F]), nn = float_bits(g_fp8_lut[0xFF]);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t o = b * block;
     const float s0 = ss[b];
-    for (int64_t i = 0; i < block; ++i) acc[i] = fp8_decode(sq[o + i], np, nn) * s0;
+    if (fold && foldable(s0)) {
+      const float s2 = s0 * 0x1p120f;
+      for (int64_t i = 0; i < block; ++i) acc[i] = fp8_decode_times(sq[o + i], s2, np, nn);
+    } else {
+      for (int64_t i = 0; i < block; ++i) acc[i] = fp8_decode(sq[o + i], np, nn) * s0;
+    }
     for (int64_t k = 1; k < world; ++k) {
       const float sk = ss[k * nb + b];
       const uint8_t* qk = sq + k * n + o;
-      for (int64_t i = 0; i < block; ++i) acc[i] = acc[i] + fp8_decode(qk[i], np, nn) * sk;
+      if (fold && foldable(sk)) {
+        const float s2 = sk * 0x1p120f;
+        for (int64_t i = 0; i < block; ++i) acc[i] = acc[i] + fp8_decode_times(qk[i], s2, np, nn);
+      } else {
+        for (int64_t i = 0; i < block; ++i) acc[i] = acc[i] + fp8_decode(qk[i], np, nn) * sk;
+      }
     }
     const uint32_t top = max_abs_bits(acc, block);
     if (top >= 0x7F800000u) return b;  // NaN/inf: nothing of block b written yet (out may alias slice 0)
     const float s = fp8_scale(bits_float(top));
     const float inv = 1.0f / s;
     os[b] = s;
-    for (int64_t i = 0; i < block; ++i) oq[o + i] = fp8_round(acc[i], inv, s, &back[i]);
+    if (fold && foldable(s)) {
+      round_block<false, true>(acc, nullptr, oq + o, inv, s, block);
+    } else {
+      round_block<false, false>(acc, nullptr, oq + o, inv, s, block);
+    }
   }
   return nb;
 }
@@ -251,7 +329,7 @@ int64_t fp8_quantize(const at::Tensor& x, const std::optional<at::Tensor>& resid
   float* sp = scales.data_ptr<float>();
   std::vector<float> y(block);
   pybind11::gil_scoped_release nogil;
-  return quantize_loop(xp, rp, qp, sp, n / block, block, y.data());
+  return quantize_loop(xp, rp, qp, sp, n / block, block, y.data(), subnormals_read());
 }
 
 int64_t fp8_quantize_gather(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& offs, double scale,
@@ -280,7 +358,7 @@ int64_t fp8_quantize_gather(const std::vector<at::Tensor>& parts, const std::vec
   const float fs = static_cast<float>(scale);  // the pack's C(scale)
   pybind11::gil_scoped_release nogil;
   return quantize_gather_loop(segs.data(), fs, xp, rp, q.data_ptr<uint8_t>(),
-                              scales.data_ptr<float>(), n / block, block, y.data());
+                              scales.data_ptr<float>(), n / block, block, y.data(), subnormals_read());
 }
 
 void fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Tensor out, int64_t block) {
@@ -291,7 +369,7 @@ void fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Tensor ou
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   pybind11::gil_scoped_release nogil;
-  dequantize_loop(qp, sp, op, n / block, block);
+  dequantize_loop(qp, sp, op, n / block, block, subnormals_read());
 }
 
 int64_t fp8_reduce_shards(const at::Tensor& src_q, const at::Tensor& src_s, at::Tensor out_q, at::Tensor out_s,
@@ -306,9 +384,9 @@ int64_t fp8_reduce_shards(const at::Tensor& src_q, const at::Tensor& src_s, at::
   const float* ss = src_s.data_ptr<float>();
   uint8_t* oq = out_q.data_ptr<uint8_t>();
   float* os = out_s.data_ptr<float>();
-  std::vector<float> acc(block), back(block);
+  std::vector<float> acc(block);
   pybind11::gil_scoped_release nogil;
-  return reduce_loop(sq, ss, oq, os, n, nb, world, block, acc.data(), back.data());
+  return reduce_loop(sq, ss, oq, os, n, nb, world, block, acc.data(), subnormals_read());
 }
 
 }  // namespace
