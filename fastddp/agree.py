@@ -24,9 +24,10 @@ hook too, and runs where ``init_sync=False`` skipped the first.  It runs
 even where nothing changed since construction: a rank cannot know alone
 that no other rank registered a hook (skipping on the ranks with none
 would leave the others' gather unanswered), and deciding together would
-cost the same one all-gather.  That check is once per reducer; an evaluation forward on rank 0 alone, before training,
-issues nothing.  Inside ``join()`` it runs at the first forward whatever it
-syncs, mirrored by a rank that joined before it
+cost the same one all-gather.  That check is once per reducer; an
+evaluation forward on rank 0 alone, before training, issues nothing.
+Inside ``join()`` it runs at the first forward whatever it syncs, mirrored
+by a rank that joined before it
 (:meth:`fastddp.join.DDPJoinHook.main_hook`): in a ``Join`` context every
 forward is collective on every rank.
 """

@@ -45,10 +45,11 @@ def _modules(old_source: str):
     return old, new
 
 
-def passes(n: int, seed: int = 0) -> dict:
-    """Each pass as a function of the module, over fresh inputs of ``n``
-    values (N(0, 1) gradients, residuals 1e-3 of them), and a function that
-    returns what the pass wrote (to compare the two modules' bits)."""
+def passes(n: int, seed: int = 0) -> tuple:
+    """``(setup, {name: (run, result)})`` over fresh inputs of ``n`` values
+    (N(0, 1) gradients, residuals 1e-3 of them): ``setup(module)`` makes the
+    decode's and the shard sum's inputs; each pass runs on a module, and
+    ``result()`` returns what it wrote (to compare the two modules' bits)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g)
     r0 = torch.randn(n, generator=g) * 1e-3
@@ -68,8 +69,7 @@ def passes(n: int, seed: int = 0) -> dict:
         r.copy_(r0)  # the same residual every call: the bits compare and the cost includes one copy
         m.fp8_quantize(x, r, q, s, BLOCK)
 
-    return {
-        "setup": setup,
+    return setup, {
         "quantize + error feedback": (ef, lambda: (q.clone(), s.clone(), r.clone())),
         "quantize": (lambda m: m.fp8_quantize(x, None, q, s, BLOCK), lambda: (q.clone(), s.clone())),
         "decode": (lambda m: m.fp8_dequantize(q0, s0, out, BLOCK), lambda: (out.clone(),)),
@@ -85,8 +85,8 @@ def compare(old, new, sizes, rounds: int, out=print) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
     for n in sizes:
-        p = passes(n)
-        p.pop("setup")(old)
+        setup, p = passes(n)
+        setup(old)
         for name, (run, result) in p.items():
             run(old)
             want = result()
